@@ -1,0 +1,55 @@
+"""lightning_fp8state: stateful low-precision training that stays correct under recompute.
+
+The public contract (see docs/ARCHITECTURE.md)::
+
+    import lightning_fp8state as f8s
+    state = f8s.Fp8State(f8s.QuantConfig(recipe="fp8_delayed", mode="safe"))
+    model = state.convert(model)
+    with state.step(step, microbatch=0):
+        y = f8s.checkpoint(block, x)
+        ...
+"""
+
+from . import ops
+from .audit import AuditReport, AuditRow, RecomputeAuditor
+from .config import QuantConfig
+from .errors import (
+    AmbiguousRecomputeError,
+    ConcurrentEntryError,
+    ConfigError,
+    StaleSnapshotError,
+    StateLoadError,
+    StateTransitionError,
+)
+from .formats import E4M3, E5M2, Fp8Format
+from .fp8state import STATE_FORMAT_VERSION, Fp8State
+from .nn import Fp8Linear, convert_model
+from .recompute import Phase, checkpoint
+from .state import OwnerKey, QuantSnapshot
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "STATE_FORMAT_VERSION",
+    "AmbiguousRecomputeError",
+    "AuditReport",
+    "AuditRow",
+    "ConcurrentEntryError",
+    "ConfigError",
+    "Fp8Format",
+    "Fp8Linear",
+    "Fp8State",
+    "OwnerKey",
+    "Phase",
+    "QuantConfig",
+    "QuantSnapshot",
+    "RecomputeAuditor",
+    "StaleSnapshotError",
+    "StateLoadError",
+    "StateTransitionError",
+    "checkpoint",
+    "convert_model",
+    "ops",
+]

@@ -1,0 +1,177 @@
+"""RecomputeAuditor: proves (or disproves) that recompute reproduces the true forward.
+
+Attach it to an ``Fp8State``; every converted module's output is digested in the true
+forward and again in its recompute (bytes hash, max abs/rel difference, finite-mask
+equality, the descales consumed), and the report pairs them per layer, call site and event,
+together with the ledger's violations. Diagnostic only: it copies outputs to the host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from .recompute import CallRecord, Phase
+
+__all__ = ["AuditReport", "AuditRow", "RecomputeAuditor"]
+
+
+@dataclass
+class _Digest:
+    sha256: str
+    output: torch.Tensor  # host copy
+    descales: dict[str, float]
+    stamps: dict[str, tuple]
+
+
+@dataclass
+class AuditRow:
+    """One true-forward call and (if it was recomputed) its recompute."""
+
+    event: tuple
+    layer: str
+    site: int
+    forward_sha256: str
+    recompute_sha256: str | None = None
+    max_abs_diff: float = 0.0
+    max_rel_diff: float = 0.0
+    finite_mask_equal: bool = True
+    descales_equal: bool = True
+    stamps_equal: bool = True
+    recomputes: int = 0
+
+    @property
+    def recomputed(self) -> bool:
+        return self.recompute_sha256 is not None
+
+    @property
+    def bit_identical(self) -> bool:
+        return not self.recomputed or self.recompute_sha256 == self.forward_sha256
+
+    @property
+    def ok(self) -> bool:
+        return self.bit_identical and self.finite_mask_equal and self.descales_equal and self.stamps_equal
+
+
+@dataclass
+class AuditReport:
+    """Per (event, layer, site) rows plus the ledger's violations."""
+
+    rows: list[AuditRow] = field(default_factory=list)
+    violations: list = field(default_factory=list)
+
+    @property
+    def mismatches(self) -> list[AuditRow]:
+        return [r for r in self.rows if not r.ok]
+
+    @property
+    def recomputed(self) -> int:
+        return sum(r.recomputed for r in self.rows)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches and not self.violations
+
+    def per_layer(self) -> dict[str, dict]:
+        """Summary per layer: calls, recomputed calls, mismatches, worst differences."""
+        out: dict[str, dict] = {}
+        for r in self.rows:
+            s = out.setdefault(r.layer, {"calls": 0, "recomputed": 0, "mismatches": 0,
+                                         "max_abs_diff": 0.0, "max_rel_diff": 0.0})
+            s["calls"] += 1
+            s["recomputed"] += r.recomputed
+            s["mismatches"] += not r.ok
+            s["max_abs_diff"] = max(s["max_abs_diff"], r.max_abs_diff)
+            s["max_rel_diff"] = max(s["max_rel_diff"], r.max_rel_diff)
+        for v in self.violations:
+            s = out.setdefault(v.owner.layer, {"calls": 0, "recomputed": 0, "mismatches": 0,
+                                               "max_abs_diff": 0.0, "max_rel_diff": 0.0})
+            s["violations"] = s.get("violations", 0) + 1
+        return out
+
+    def format_table(self) -> str:
+        """A plain-text table, one line per layer."""
+        head = f"{'layer':<32} {'calls':>6} {'recomp':>6} {'mismatch':>8} {'viol':>5} {'max|diff|':>11} {'max rel':>10}"
+        lines = [head, "-" * len(head)]
+        for layer, s in sorted(self.per_layer().items()):
+            lines.append(
+                f"{layer:<32} {s['calls']:>6} {s['recomputed']:>6} {s['mismatches']:>8} "
+                f"{s.get('violations', 0):>5} {s['max_abs_diff']:>11.4g} {s['max_rel_diff']:>10.4g}"
+            )
+        verdict = "OK: forward and recompute bit-identical" if self.ok else (
+            f"FAIL: {len(self.mismatches)} mismatching call(s), {len(self.violations)} ledger violation(s)")
+        lines.append(verdict)
+        return "\n".join(lines)
+
+
+def _digest(output: torch.Tensor, snaps: dict) -> _Digest:
+    host = output.detach().to("cpu", copy=True).contiguous()
+    raw = host.view(torch.uint8) if host.element_size() > 0 and host.numel() else host
+    sha = hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+    descales = {role: float(s.descale) for role, s in snaps.items()}
+    stamps = {role: (str(s.owner), s.event, s.region, s.ordinal) for role, s in snaps.items()}
+    return _Digest(sha, host, descales, stamps)
+
+
+def _compare(row: AuditRow, fwd: _Digest, rec: _Digest) -> None:
+    row.recomputes += 1
+    row.recompute_sha256 = rec.sha256
+    a, b = fwd.output.to(torch.float64), rec.output.to(torch.float64)
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    row.finite_mask_equal = bool(torch.equal(fa, fb))
+    both = fa & fb
+    if both.any():
+        diff = (a - b).abs()[both]
+        row.max_abs_diff = max(row.max_abs_diff, float(diff.max()))
+        rel = diff / a.abs()[both].clamp_min(torch.finfo(torch.float32).tiny)
+        row.max_rel_diff = max(row.max_rel_diff, float(rel.max()))
+    row.descales_equal = row.descales_equal and fwd.descales == rec.descales
+    row.stamps_equal = row.stamps_equal and fwd.stamps == rec.stamps
+
+
+class RecomputeAuditor:
+    """Context manager that records forward/recompute digests of every converted module.
+
+    Example::
+
+        with RecomputeAuditor(state) as auditor:
+            for step in range(10):
+                with state.step(step):
+                    loss = model(x).float().pow(2).mean()
+                    loss.backward()
+        assert auditor.report().ok
+    """
+
+    def __init__(self, state) -> None:
+        self.protocol = getattr(state, "protocol", state)
+        self._forward: dict[tuple, _Digest] = {}
+        self._rows: dict[tuple, AuditRow] = {}
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> RecomputeAuditor:
+        self.protocol.auditors.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.protocol.auditors.remove(self)
+
+    def observe(self, record: CallRecord, phase: Phase, output: torch.Tensor, snaps: dict) -> None:
+        if phase is Phase.INFERENCE or not isinstance(output, torch.Tensor):
+            return
+        key = (record.event, record.layer, record.site)
+        digest = _digest(output, snaps)
+        with self._lock:
+            if phase is Phase.FORWARD:
+                self._forward[key] = digest
+                self._rows[key] = AuditRow(record.event, record.layer, record.site, digest.sha256)
+            elif key in self._forward:
+                _compare(self._rows[key], self._forward[key], digest)
+
+    def report(self) -> AuditReport:
+        """Rows in event order, plus the ledger's violations so far."""
+        with self._lock:
+            rows = [self._rows[k] for k in sorted(self._rows, key=lambda k: (k[0], k[1], k[2]))]
+        return AuditReport(rows, list(self.protocol.ledger.violations))

@@ -1,0 +1,101 @@
+"""QuantConfig: the one plain dataclass that configures the quantizer protocol."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from .errors import ConfigError
+
+__all__ = ["AMAX_ALGOS", "MODES", "OWNERSHIP_SCOPES", "RECIPES", "QuantConfig"]
+
+RECIPES = ("fp8_delayed", "bf16")
+MODES = ("safe", "naive")
+AMAX_ALGOS = ("max", "most_recent")
+# Which OwnerKey fields tell owners apart. per_model exists only to reproduce the defect.
+OWNERSHIP_SCOPES = ("per_model", "per_layer", "per_layer_rank", "per_layer_rank_stream")
+FP8_NAMES = ("e4m3", "e5m2")
+GEMM_BACKENDS = ("auto", "emulated", "scaled_mm")
+
+
+def _choice(key: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not allowed: expected one of {list(allowed)}")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How layers are quantized and how their delayed state is owned and advanced.
+
+    Every field is validated on construction; a bad value raises ``ConfigError`` naming
+    the field and what it allows.
+    """
+
+    # fp8_delayed: FP8 delayed scaling. bf16: no quantization at all (the control).
+    recipe: str = "fp8_delayed"
+    # Length of each owner's amax history (the window the scale is derived from).
+    history_len: int = 16
+    # scale = fmax / amax / 2**margin; a larger margin leaves headroom.
+    margin: int = 0
+    # max: the history's maximum; most_recent: the newest entry.
+    amax_algo: str = "max"
+    # safe: the protocol. naive: reproduces the seed's defects on purpose (advance before
+    # consume, record in recompute) so the audit can prove it catches them.
+    mode: str = "safe"
+    # Which entrants get independent state; see OWNERSHIP_SCOPES.
+    ownership: str = "per_layer_rank"
+    # Raise StateTransitionError on a protocol violation (else count it in the ledger).
+    strict: bool = True
+    # fnmatch patterns over module names: convert nn.Linear modules matching any include
+    # pattern and no exclude pattern.
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+    # FP8 formats of the forward roles (input, weight) and the backward role (grad_output).
+    forward_format: str = "e4m3"
+    backward_format: str = "e5m2"
+    # GEMM backend: auto uses torch._scaled_mm where the GPU has it, else the emulation.
+    gemm: str = "auto"
+    # How many events of per-event ledger detail to keep (totals are always kept).
+    ledger_window: int = 64
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _choice("recipe", self.recipe, RECIPES)
+        _choice("mode", self.mode, MODES)
+        _choice("amax_algo", self.amax_algo, AMAX_ALGOS)
+        _choice("ownership", self.ownership, OWNERSHIP_SCOPES)
+        _choice("forward_format", self.forward_format, FP8_NAMES)
+        _choice("backward_format", self.backward_format, FP8_NAMES)
+        _choice("gemm", self.gemm, GEMM_BACKENDS)
+        for key, low in (("history_len", 1), ("margin", 0), ("ledger_window", 1)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{key}={value!r} is not allowed: expected an integer >= {low}")
+        if not isinstance(self.strict, bool):
+            raise ConfigError(f"strict={self.strict!r} is not allowed: expected true or false")
+        for key in ("include", "exclude"):
+            value = getattr(self, key)
+            if isinstance(value, str):
+                object.__setattr__(self, key, (value,))
+            elif not all(isinstance(p, str) for p in value):
+                raise ConfigError(f"{key}={value!r} is not allowed: expected a list of patterns")
+            else:
+                object.__setattr__(self, key, tuple(value))
+        if self.extra:
+            raise ConfigError(f"unknown QuantConfig keys {sorted(self.extra)}: expected {self.keys()}")
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        """The configurable field names."""
+        return [f.name for f in fields(cls) if f.name != "extra"]
+
+    @classmethod
+    def from_dict(cls, values: dict) -> QuantConfig:
+        """Build from a plain mapping; unknown keys raise ``ConfigError`` naming them."""
+        known = set(cls.keys())
+        unknown = {k: v for k, v in values.items() if k not in known}
+        return cls(**{k: v for k, v in values.items() if k in known}, extra=unknown)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any tensor is quantized (False for the bf16 control)."""
+        return self.recipe != "bf16"

@@ -1,0 +1,41 @@
+"""Errors raised by lightning_fp8state; each subclasses the nearest builtin."""
+
+from __future__ import annotations
+
+__all__ = [
+    "AmbiguousRecomputeError",
+    "ConcurrentEntryError",
+    "ConfigError",
+    "StaleSnapshotError",
+    "StateLoadError",
+    "StateTransitionError",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration key has a value outside what is allowed."""
+
+
+class StateTransitionError(RuntimeError):
+    """Quantizer state would advance in a way the protocol forbids.
+
+    Raised in strict mode on a second commit of one owner in one logical event, on a
+    recompute that tries to record an amax, on an owner entered by several layers in one
+    event (wrong ownership scope), or on a recording forward outside ``Fp8State.step``.
+    """
+
+
+class ConcurrentEntryError(RuntimeError):
+    """A second stream (or thread) entered an owner that is in flight on another one."""
+
+
+class StaleSnapshotError(RuntimeError):
+    """A consumer was handed a snapshot stamped for another step, layer, role or owner."""
+
+
+class AmbiguousRecomputeError(RuntimeError):
+    """A recompute could not be matched to exactly one true-forward call."""
+
+
+class StateLoadError(ValueError):
+    """A saved quantizer state is corrupt or does not match the live one; nothing was loaded."""

@@ -1,0 +1,118 @@
+"""Fp8State: the public facade — convert a model, run logical events, save and load state."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import QuantConfig
+from .errors import StateLoadError, StateTransitionError
+from .nn import ConversionReport, convert_model
+from .protocol import QuantProtocol
+
+__all__ = ["STATE_FORMAT_VERSION", "Fp8State"]
+
+STATE_FORMAT_VERSION = 1
+# Config fields that change the meaning of saved state: a checkpoint must agree on them.
+_STATE_DEFINING = ("recipe", "history_len", "amax_algo", "margin", "ownership", "forward_format", "backward_format")
+
+
+class Fp8State(QuantProtocol):
+    """Owns the state bank, logical clock, ledger and snapshot stash of one process.
+
+    Example::
+
+        state = Fp8State(QuantConfig())
+        model = state.convert(model)
+        for step in range(n):
+            with state.step(step, microbatch=0):
+                y = lightning_fp8state.checkpoint(block, x)
+                loss = y.float().pow(2).mean()
+                state.commit_forward()
+                loss.backward()
+    """
+
+    def __init__(self, config: QuantConfig | None = None, *, rank: int = 0) -> None:
+        super().__init__(config if config is not None else QuantConfig(), rank=rank)
+        self.last_conversion: ConversionReport | None = None
+
+    @property
+    def protocol(self) -> QuantProtocol:
+        return self
+
+    def convert(self, model: nn.Module) -> nn.Module:
+        """Swap matching ``nn.Linear`` layers of ``model`` (in place) and return it.
+
+        The report of converted and skipped layers is kept in :attr:`last_conversion`.
+        """
+        self.last_conversion = convert_model(model, self)
+        return model
+
+    def nonfinite_counts(self) -> dict:
+        """Per owner: how many events had a non-finite amax (skipped, not committed).
+
+        Reads device memory (a host sync): for logging steps and tests, not the hot path.
+        """
+        counts = self.bank.nonfinite_count.cpu().tolist()
+        return {o: c for o, c in zip(self.bank.owners, counts)}
+
+    def scale_of(self, owner) -> torch.Tensor:
+        """The live scale of ``owner`` (a view: it changes at the owner's next commit)."""
+        return self.bank.scale[self.bank.index[owner]]
+
+    # -- checkpoint ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Bank, clock and ledger as tensors and plain values (``weights_only``-loadable)."""
+        if self.clock.event is not None:
+            raise StateTransitionError(
+                f"state_dict() inside event {self.clock.event}: save between events, never mid-event"
+            )
+        return {
+            "format_version": STATE_FORMAT_VERSION,
+            "config": {k: getattr(self.config, k) for k in _STATE_DEFINING},
+            "rank": self.rank,
+            "bank": self.bank.state_dict(),
+            "clock": self.clock.state_dict(),
+            "ledger": self.ledger.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a saved state; every check runs before anything is changed.
+
+        Raises:
+            StateLoadError: the state is corrupt, of another format version, or belongs to
+                a differently configured run, another rank or another model. The live
+                state is left untouched.
+        """
+        if self.clock.event is not None:
+            raise StateTransitionError(f"load_state_dict() inside event {self.clock.event}: load between events")
+        sd = state_dict
+        if not isinstance(sd, dict) or "format_version" not in sd:
+            raise StateLoadError("not an Fp8State state dict: 'format_version' is missing")
+        if sd["format_version"] != STATE_FORMAT_VERSION:
+            raise StateLoadError(
+                f"state format_version {sd['format_version']!r} is not supported: expected {STATE_FORMAT_VERSION}"
+            )
+        for key in ("config", "rank", "bank", "clock", "ledger"):
+            if key not in sd:
+                raise StateLoadError(f"saved quantizer state is corrupt: '{key}' is missing")
+        saved_cfg = sd["config"]
+        diff = {k: (saved_cfg.get(k), getattr(self.config, k)) for k in _STATE_DEFINING
+                if saved_cfg.get(k) != getattr(self.config, k)}
+        if diff:
+            detail = ", ".join(f"{k}: saved {a!r}, live {b!r}" for k, (a, b) in diff.items())
+            raise StateLoadError(f"saved quantizer state was made with another configuration ({detail})")
+        if sd["rank"] != self.rank:
+            raise StateLoadError(f"saved quantizer state belongs to rank {sd['rank']}, this is rank {self.rank}")
+        try:
+            last = sd["clock"]["last"]
+            if last is not None and (len(last) != 2 or any(int(v) < 0 for v in last)):
+                raise ValueError(last)
+            ledger_sd = sd["ledger"]
+            if not (len(ledger_sd["owners"]) == len(ledger_sd["commits"]) == len(ledger_sd["observations"])):
+                raise ValueError("ledger lengths differ")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StateLoadError(f"saved quantizer state is corrupt: clock or ledger ({exc!r})") from exc
+        self.bank.load_state_dict(sd["bank"])  # validates fully before changing anything
+        self.clock.load_state_dict(sd["clock"])
+        self.ledger.load_state_dict(sd["ledger"])

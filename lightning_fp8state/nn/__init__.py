@@ -1,0 +1,7 @@
+"""Quantized modules and model conversion."""
+
+from .convert import ConversionReport, convert_model
+from .gemm import scaled_matmul, scaled_mm_available
+from .linear import LINEAR_ROLES, Fp8Linear
+
+__all__ = ["LINEAR_ROLES", "ConversionReport", "Fp8Linear", "convert_model", "scaled_matmul", "scaled_mm_available"]

@@ -1,0 +1,58 @@
+"""Scaled FP8 matrix products: torch._scaled_mm where the GPU has it, an exact emulation elsewhere."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["scaled_matmul", "scaled_mm_available"]
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def scaled_mm_available(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` runs FP8 on ``device`` (CUDA compute capability >= 8.9)."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+def _emulated(a: torch.Tensor, b: torch.Tensor, descale_a, descale_b, out_dtype) -> torch.Tensor:
+    # Products of FP8 values are exact in float32; accumulate in float32, then apply the
+    # paired descales once, as _scaled_mm does, and round once to the output dtype.
+    acc = a.to(torch.float32) @ b.to(torch.float32)
+    return (acc * (descale_a.reshape(()) * descale_b.reshape(()))).to(out_dtype)
+
+
+def scaled_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    descale_a: torch.Tensor,
+    descale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``(a @ b) * descale_a * descale_b`` for FP8 ``a [M, K]`` and ``b [K, N]``.
+
+    ``backend``: ``auto`` (``_scaled_mm`` when available and the shapes allow it),
+    ``emulated`` or ``scaled_mm`` (raises where it cannot run).
+    """
+    use_mm = backend == "scaled_mm" or (
+        backend == "auto"
+        and scaled_mm_available(a.device)
+        and a.shape[1] % 16 == 0
+        and b.shape[1] % 16 == 0
+        and not (a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2)
+    )
+    if not use_mm:
+        return _emulated(a, b, descale_a, descale_b, out_dtype)
+    # _scaled_mm wants a row-major and b column-major.
+    a = a if a.is_contiguous() else a.contiguous()
+    b = b if b.t().is_contiguous() else b.t().contiguous().t()
+    return torch._scaled_mm(
+        a, b, scale_a=descale_a.reshape(()), scale_b=descale_b.reshape(()), out_dtype=out_dtype
+    )

@@ -1,0 +1,109 @@
+"""Fp8Linear: nn.Linear whose input, weight and grad_output are delayed-scaled FP8 owners."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..protocol import QuantProtocol
+from ..recompute import Phase
+from .gemm import scaled_matmul
+
+__all__ = ["Fp8Linear", "LINEAR_ROLES"]
+
+LINEAR_ROLES = ("input", "weight", "grad_output")
+
+
+def _consume(snap, record, role):
+    """A consumer's check that the snapshot it reads is the one paired with its data."""
+    return snap.expect(owner=record.owners[role], event=record.event)
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, protocol: QuantProtocol, record, phase: Phase, out_dtype, backend):
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, sx = protocol.quantize(record, "input", x2, phase)
+        wq, sw = protocol.quantize(record, "weight", weight, phase)
+        if phase is not Phase.INFERENCE:
+            _consume(sx, record, "input")
+            _consume(sw, record, "weight")
+        y = scaled_matmul(xq, wq.t(), sx.descale, sw.descale, out_dtype, backend)
+        if bias is not None:
+            y = y + bias.to(out_dtype)
+        ctx.save_for_backward(xq, wq)
+        ctx.snaps = (sx, sw)
+        ctx.protocol, ctx.record, ctx.backend = protocol, record, backend
+        ctx.x_dtype, ctx.x_shape, ctx.w_dtype = x.dtype, x.shape, weight.dtype
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xq, wq = ctx.saved_tensors
+        sx, sw = ctx.snaps
+        protocol, record = ctx.protocol, ctx.record
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        if not g2.is_contiguous():
+            g2 = g2.contiguous()
+        gq, sg = protocol.quantize(record, "grad_output", g2, Phase.FORWARD)
+        for snap, role in ((sx, "input"), (sw, "weight"), (sg, "grad_output")):
+            _consume(snap, record, role)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = scaled_matmul(gq, wq, sg.descale, sw.descale, ctx.x_dtype, ctx.backend).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = scaled_matmul(gq.t(), xq, sg.descale, sx.descale, ctx.w_dtype, ctx.backend)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.to(torch.float32).sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+class Fp8Linear(nn.Linear):
+    """A drop-in ``nn.Linear`` driven by a :class:`QuantProtocol`.
+
+    Input and weight are E4M3 (forward roles), grad_output E5M2 (backward role), each an
+    owner of its own delayed state. Under the ``bf16`` recipe it runs plain ``F.linear``
+    and holds no quantizer state, but still reports its calls to the audit.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, protocol: QuantProtocol,
+                 layer_name: str, device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.protocol = protocol
+        self.layer_name = layer_name
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, protocol: QuantProtocol, layer_name: str) -> Fp8Linear:
+        """Wrap an existing ``nn.Linear``, sharing its parameters (optimizers keep working)."""
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                  protocol=protocol, layer_name=layer_name, device="meta")
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, layer={self.layer_name!r}, recipe={self.protocol.config.recipe}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        protocol = self.protocol
+        config = protocol.config
+        roles = LINEAR_ROLES if config.quantized else ()
+        phase, record = protocol.enter_call(self.layer_name, roles, x.device)
+        if not config.quantized:
+            out = F.linear(x, self.weight, self.bias)
+            protocol.observe_output(record, phase, out, {})
+            return out
+        if torch.is_autocast_enabled(x.device.type):
+            out_dtype = torch.get_autocast_dtype(x.device.type)
+        else:
+            out_dtype = x.dtype
+        if not x.is_contiguous():
+            x = x.contiguous()
+        with torch.autocast(x.device.type, enabled=False):
+            out = _Fp8LinearFn.apply(x, self.weight, self.bias, protocol, record, phase, out_dtype, config.gemm)
+        protocol.observe_output(record, phase, out, dict(record.used))
+        return out

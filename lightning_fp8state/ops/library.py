@@ -1,0 +1,141 @@
+"""The ``fp8state`` torch.library: op schemas, input checks, reference and fake kernels.
+
+Schemas live here in Python. The reference implementation is registered as
+``CompositeExplicitAutograd`` so it serves every device until a backend kernel (the CUDA
+one from ``csrc/``, registered with ``TORCH_LIBRARY_IMPL(fp8state, CUDA, m)``) overrides it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import AMAX_ALGOS
+from ..formats import FP8_FORMATS
+from . import reference as ref
+
+__all__ = ["LIB", "check_quantize_args", "check_update_args"]
+
+LIB = torch.library.Library("fp8state", "DEF")
+
+LIB.define("quantize_fp8(Tensor x, Tensor scale, ScalarType dtype) -> Tensor")
+LIB.define(
+    "quantize_fp8_record_amax(Tensor x, Tensor scale, Tensor(a!) amax_pending, int slot, "
+    "ScalarType dtype) -> Tensor"
+)
+LIB.define("dequantize_fp8(Tensor q, Tensor descale, ScalarType dtype) -> Tensor")
+LIB.define(
+    "update_scales(Tensor(a!) amax_history, Tensor(b!) scale, Tensor(c!) descale, "
+    "Tensor(d!) amax_pending, Tensor(e!) nonfinite_count, Tensor commit_mask, Tensor fmax, "
+    "str amax_algo, int margin) -> ()"
+)
+
+_FP8_DTYPES = tuple(f.dtype for f in FP8_FORMATS.values())
+_IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _expect(cond: bool, what: str, expected: str, found: object) -> None:
+    if not cond:
+        raise ValueError(f"fp8state: {what}: expected {expected}, got {found}")
+
+
+def _check_scalar(name: str, t: torch.Tensor, device: torch.device) -> None:
+    _expect(t.dtype == torch.float32, f"{name}.dtype", "torch.float32", t.dtype)
+    _expect(t.numel() == 1, f"{name}.numel()", "1", t.numel())
+    _expect(t.device == device, f"{name}.device", str(device), t.device)
+
+
+def check_quantize_args(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+    """Validate the arguments shared by the quantize ops."""
+    _expect(x.dtype in _IN_DTYPES, "x.dtype", f"one of {list(_IN_DTYPES)}", x.dtype)
+    _expect(dtype in _FP8_DTYPES, "dtype", f"one of {list(_FP8_DTYPES)}", dtype)
+    _check_scalar("scale", scale, x.device)
+
+
+def _check_pending(amax_pending: torch.Tensor, slot: int, device: torch.device) -> None:
+    _expect(amax_pending.dtype == torch.float32, "amax_pending.dtype", "torch.float32", amax_pending.dtype)
+    _expect(amax_pending.dim() == 1, "amax_pending.dim()", "1", amax_pending.dim())
+    _expect(amax_pending.device == device, "amax_pending.device", str(device), amax_pending.device)
+    _expect(0 <= slot < amax_pending.numel(), "slot", f"0 <= slot < {amax_pending.numel()}", slot)
+
+
+def check_update_args(
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    descale: torch.Tensor,
+    amax_pending: torch.Tensor,
+    nonfinite_count: torch.Tensor,
+    commit_mask: torch.Tensor,
+    fmax: torch.Tensor,
+    amax_algo: str,
+    margin: int,
+) -> None:
+    """Validate the batched scale update's arguments (shapes, dtypes, devices, values)."""
+    _expect(amax_history.dim() == 2, "amax_history.dim()", "2 ([history_len, owners])", amax_history.dim())
+    n = amax_history.shape[1]
+    device = amax_history.device
+    for name, t, dtype in (
+        ("amax_history", amax_history, torch.float32),
+        ("scale", scale, torch.float32),
+        ("descale", descale, torch.float32),
+        ("amax_pending", amax_pending, torch.float32),
+        ("nonfinite_count", nonfinite_count, torch.int32),
+        ("commit_mask", commit_mask, torch.bool),
+        ("fmax", fmax, torch.float32),
+    ):
+        _expect(t.dtype == dtype, f"{name}.dtype", str(dtype), t.dtype)
+        _expect(t.device == device, f"{name}.device", str(device), t.device)
+        if name != "amax_history":
+            _expect(tuple(t.shape) == (n,), f"{name}.shape", f"({n},)", tuple(t.shape))
+    _expect(amax_algo in AMAX_ALGOS, "amax_algo", f"one of {list(AMAX_ALGOS)}", repr(amax_algo))
+    _expect(margin >= 0, "margin", "an integer >= 0", margin)
+
+
+@torch.library.impl(LIB, "quantize_fp8", "CompositeExplicitAutograd")
+def _quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    check_quantize_args(x, scale, dtype)
+    return ref.quantize_fp8_reference(x, scale, dtype)
+
+
+@torch.library.impl(LIB, "quantize_fp8_record_amax", "CompositeExplicitAutograd")
+def _quantize_fp8_record_amax(
+    x: torch.Tensor, scale: torch.Tensor, amax_pending: torch.Tensor, slot: int, dtype: torch.dtype
+) -> torch.Tensor:
+    check_quantize_args(x, scale, dtype)
+    _check_pending(amax_pending, slot, x.device)
+    cell = amax_pending.narrow(0, slot, 1)
+    cell.copy_(torch.maximum(cell, ref.amax_reference(x).reshape(1)))
+    return ref.quantize_fp8_reference(x, scale, dtype)
+
+
+@torch.library.impl(LIB, "dequantize_fp8", "CompositeExplicitAutograd")
+def _dequantize_fp8(q: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    _expect(q.dtype in _FP8_DTYPES, "q.dtype", f"one of {list(_FP8_DTYPES)}", q.dtype)
+    _expect(dtype in _IN_DTYPES, "dtype", f"one of {list(_IN_DTYPES)}", dtype)
+    _check_scalar("descale", descale, q.device)
+    return ref.dequantize_fp8_reference(q, descale, dtype)
+
+
+@torch.library.impl(LIB, "update_scales", "CompositeExplicitAutograd")
+def _update_scales(*args) -> None:
+    check_update_args(*args)
+    ref.update_scales_reference(*args)
+
+
+@torch.library.register_fake("fp8state::quantize_fp8")
+def _quantize_fp8_fake(x, scale, dtype):
+    return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("fp8state::quantize_fp8_record_amax")
+def _quantize_fp8_record_amax_fake(x, scale, amax_pending, slot, dtype):
+    return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("fp8state::dequantize_fp8")
+def _dequantize_fp8_fake(q, descale, dtype):
+    return torch.empty_like(q, dtype=dtype, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("fp8state::update_scales")
+def _update_scales_fake(*args):
+    return None

@@ -1,0 +1,75 @@
+"""Pure-torch reference implementations of the fp8state ops: the oracle for every kernel.
+
+Each function follows the invariants written down in ``lightning_fp8state.formats``; the
+CUDA kernels in ``csrc/`` must agree with these bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import fp8_format
+
+__all__ = [
+    "amax_reference",
+    "dequantize_fp8_reference",
+    "quantize_fp8_reference",
+    "update_scales_reference",
+]
+
+
+def amax_reference(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 scalar tensor; NaN if any element is NaN; 0 for an empty x."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.detach().abs().amax().to(torch.float32)
+
+
+def quantize_fp8_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Encode ``x`` as FP8: float32 multiply by ``scale``, clamp to ±max, round to nearest even."""
+    fmt = fp8_format(dtype)
+    v = x.to(torch.float32) * scale.reshape(()).to(torch.float32)
+    return v.clamp(-fmt.max, fmt.max).to(fmt.dtype)
+
+
+def dequantize_fp8_reference(q: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Decode FP8 ``q``: float32 multiply by ``descale``, one rounding to ``dtype``."""
+    return (q.to(torch.float32) * descale.reshape(()).to(torch.float32)).to(dtype)
+
+
+def update_scales_reference(
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    descale: torch.Tensor,
+    amax_pending: torch.Tensor,
+    nonfinite_count: torch.Tensor,
+    commit_mask: torch.Tensor,
+    fmax: torch.Tensor,
+    amax_algo: str,
+    margin: int,
+) -> None:
+    """Advance every owner selected by ``commit_mask`` by one logical event, in place.
+
+    For a selected owner with a finite pending amax: the history rolls (newest in row 0),
+    the amax is the history's max (``max``) or its newest entry (``most_recent``), and
+    ``scale = fmax / amax / 2**margin``, ``descale = 1 / scale``, unless that amax is zero
+    or the scale would not be finite, in which case scale and descale stay as they were.
+    A selected owner with a non-finite pending amax keeps history, scale and descale and
+    has its ``nonfinite_count`` incremented. Every selected owner's pending amax is reset
+    to zero. Unselected owners are untouched.
+    """
+    pending = amax_pending
+    finite = torch.isfinite(pending)
+    roll = commit_mask & finite
+    shifted = torch.cat([pending.unsqueeze(0), amax_history[:-1]], dim=0)
+    history = torch.where(roll.unsqueeze(0), shifted, amax_history)
+    amax = history.amax(dim=0) if amax_algo == "max" else history[0]
+    candidate = fmax / amax / float(2**margin)
+    ok = roll & (amax > 0) & torch.isfinite(candidate)
+    new_scale = torch.where(ok, candidate, scale)
+    new_descale = torch.where(ok, torch.reciprocal(candidate), descale)
+    amax_history.copy_(history)
+    scale.copy_(new_scale)
+    descale.copy_(new_descale)
+    nonfinite_count.add_((commit_mask & ~finite).to(nonfinite_count.dtype))
+    amax_pending.masked_fill_(commit_mask, 0.0)

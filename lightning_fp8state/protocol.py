@@ -1,0 +1,300 @@
+"""QuantProtocol: the rules, enforced per call — own, snapshot, pair, commit once, replay.
+
+Every converted module asks :meth:`QuantProtocol.enter_call` who it is and in which phase
+it runs, then quantizes through :meth:`QuantProtocol.quantize`. In ``safe`` mode:
+
+1. Ownership: each call gets owners for its roles (layer × role × rank × stream × site).
+2. Snapshot before advance: a true-forward call's snapshot is a view of the event's frozen
+   copy of all scales, taken before any commit in the event.
+3. Pairing: quantize returns the snapshot with the data; consumers read only it.
+4. One commit per owner per event: :meth:`commit_forward` / :meth:`end_event`, batched.
+5. Recompute is read-only: it looks up the true forward's call record and records nothing.
+6. Stamps: snapshots carry (event, owner, region, ordinal); consumers check them.
+
+``naive`` mode breaks rules 2–5 on purpose (the seed's defect) so the audit can catch it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ops
+from .config import QuantConfig
+from .errors import StateTransitionError
+from .formats import fp8_format
+from .recompute import CallRecord, Phase, SnapshotStash, current_frame, in_backward
+from .state import (
+    ConcurrencyGuard,
+    Event,
+    FrozenScales,
+    Ledger,
+    LogicalClock,
+    OwnerKey,
+    QuantSnapshot,
+    StateBank,
+    current_stream_ident,
+    role_phase,
+    scoped_owner,
+)
+
+__all__ = ["QuantProtocol"]
+
+
+@dataclass
+class _OpenEvent:
+    event: Event
+    frozen: FrozenScales | None = None
+    sites: defaultdict = field(default_factory=lambda: defaultdict(int))  # (layer, stream) -> n
+    top_ordinals: defaultdict = field(default_factory=lambda: defaultdict(int))
+    observed: dict = field(default_factory=dict)  # OwnerKey -> bank index, in order
+    committed: set = field(default_factory=set)
+
+
+class QuantProtocol:
+    """Owns the bank, clock, ledger, guard and stash of one process's quantizers."""
+
+    def __init__(self, config: QuantConfig, *, rank: int = 0) -> None:
+        if not isinstance(config, QuantConfig):
+            raise TypeError(f"config: expected a QuantConfig, got {type(config).__name__}")
+        self.config = config
+        self.rank = int(rank)
+        self.bank = StateBank(config.history_len)
+        self.clock = LogicalClock()
+        self.ledger = Ledger(strict=config.strict, window=config.ledger_window)
+        self.guard = ConcurrencyGuard()
+        self.stash = SnapshotStash()
+        self.auditors: list = []
+        self._open: _OpenEvent | None = None
+        self._streams: dict[tuple, int] = {}
+        self._lock = threading.RLock()
+
+    # -- events --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, step: int | None = None, microbatch: int = 0):
+        """One logical event (one microbatch's forward + backward).
+
+        On a clean exit, every observed owner not yet committed is committed, the ledger
+        is checked and the stash released. If the body raises, the event is aborted:
+        pending amaxes are discarded, nothing further commits, and the error propagates.
+        """
+        self.begin_event(step, microbatch)
+        try:
+            yield self
+        except BaseException:
+            self.abort_event()
+            raise
+        self.end_event()
+
+    def begin_event(self, step: int | None = None, microbatch: int = 0) -> Event:
+        with self._lock:
+            event = self.clock.begin(step, microbatch)
+            self._open = _OpenEvent(event)
+            return event
+
+    def _require_open(self, what: str) -> _OpenEvent:
+        if self._open is None:
+            raise StateTransitionError(f"{what} outside a logical event: call it inside `with state.step(...)`")
+        return self._open
+
+    def commit_forward(self) -> None:
+        """Advance the forward roles (input, weight, attention operands) observed so far."""
+        self._commit(self._require_open("commit_forward()"), {"forward"})
+
+    def _commit(self, ev: _OpenEvent, phases: set[str]) -> None:
+        with self._lock:
+            owners = [
+                o for o in ev.observed
+                if o not in ev.committed and role_phase(o.role) in phases
+            ]
+            if not owners:
+                return
+            self.bank.commit(tuple(ev.observed[o] for o in owners), self.config.amax_algo, self.config.margin)
+            ev.committed.update(owners)
+            self.guard.release(owners)
+            self.ledger.commit(ev.event, owners)
+
+    def end_event(self) -> None:
+        """Commit what is left (backward roles, or all if commit_forward was not called)."""
+        ev = self._require_open("end_event()")
+        try:
+            self._commit(ev, {"forward", "backward"})
+            self.ledger.check_event(ev.event)
+        finally:
+            self._close(ev)
+
+    def abort_event(self) -> None:
+        """Close the open event without committing; its pending amaxes are discarded."""
+        ev = self._open
+        if ev is None:
+            return
+        with self._lock:
+            pending = tuple(i for o, i in ev.observed.items() if o not in ev.committed)
+            self.bank.discard_pending(pending)
+        self._close(ev)
+
+    def _close(self, ev: _OpenEvent) -> None:
+        with self._lock:
+            self.stash.release()
+            self.guard.clear()
+            self.clock.end()
+            self._open = None
+
+    @property
+    def event(self) -> Event | None:
+        return self.clock.event
+
+    # -- calls ---------------------------------------------------------------------
+    def _stream_ordinal(self, ident: tuple) -> int:
+        n = self._streams.get(ident)
+        if n is None:
+            with self._lock:
+                n = self._streams.setdefault(ident, len(self._streams))
+        return n
+
+    def role_dtype(self, role: str) -> torch.dtype:
+        name = self.config.backward_format if role_phase(role) == "backward" else self.config.forward_format
+        return fp8_format(name).dtype
+
+    def enter_call(self, layer: str, roles: tuple[str, ...], device: torch.device) -> tuple[Phase, CallRecord]:
+        """Identify one call of ``layer``: its phase and its call record.
+
+        A true-forward call gets a new record (owners registered, snapshots taken from
+        the event's frozen scales) that is stashed; a recompute gets the stashed record
+        of the true-forward call it replays.
+
+        Raises:
+            StateTransitionError: a training forward (grad enabled) outside any event.
+            AmbiguousRecomputeError: a recompute that matches no unique true-forward call.
+        """
+        frame = current_frame()
+        backward = in_backward()
+        ev = self._open
+        if ev is None:
+            if torch.is_grad_enabled() or backward:
+                raise StateTransitionError(
+                    f"layer {layer!r} ran a training forward outside a logical event: its amax "
+                    "would belong to no step. Wrap forward and backward in `with state.step(step, "
+                    "microbatch)` (the Lightning callback does this), or run under torch.no_grad() "
+                    "for evaluation"
+                )
+            return Phase.INFERENCE, self._live_record(layer, roles, device, frame)
+        if (frame is not None and frame.phase is Phase.RECOMPUTE) or backward:
+            return Phase.RECOMPUTE, self.stash.find(ev.event, frame, layer)
+        return Phase.FORWARD, self._new_record(ev, layer, roles, device, frame)
+
+    def _owners(self, layer, roles, device, stream, site) -> tuple[dict, dict]:
+        owners, indices = {}, {}
+        for role in roles:
+            owner = scoped_owner(self.config.ownership, layer, role, self.rank, stream, site)
+            owners[role] = owner
+            indices[role] = self.bank.register(owner, self.role_dtype(role), device)
+        return owners, indices
+
+    def _new_record(self, ev: _OpenEvent, layer, roles, device, frame) -> CallRecord:
+        ident = current_stream_ident(device)
+        stream = self._stream_ordinal(ident)
+        with self._lock:
+            site = ev.sites[(layer, stream)]
+            ev.sites[(layer, stream)] = site + 1
+            if frame is not None:
+                ordinal = frame.next_ordinal(layer)
+            else:
+                ordinal = ev.top_ordinals[layer]
+                ev.top_ordinals[layer] = ordinal + 1
+            owners, indices = self._owners(layer, roles, device, stream, site) if self.config.quantized else ({}, {})
+            if ev.frozen is None or ev.frozen.version != self.bank.version:
+                ev.frozen = self.bank.freeze()
+            frozen = ev.frozen
+        region = frame.key if frame is not None else None
+        snapshots = {
+            role: QuantSnapshot(
+                owner, ev.event[0], ev.event[1], region, ordinal, self.role_dtype(role),
+                frozen.scale(indices[role]), frozen.descale(indices[role]),
+            )
+            for role, owner in owners.items()
+        }
+        record = CallRecord(ev.event, layer, site, region, ordinal, stream, ident, owners, indices, snapshots)
+        self.stash.put(record)
+        return record
+
+    def _live_record(self, layer, roles, device, frame) -> CallRecord:
+        ident = current_stream_ident(device)
+        stream = self._stream_ordinal(ident)
+        owners, indices = self._owners(layer, roles, device, stream, 0) if self.config.quantized else ({}, {})
+        region = frame.key if frame is not None else None
+        snapshots = {
+            role: self._live_snapshot(owner, indices[role], None, region, 0, role)
+            for role, owner in owners.items()
+        }
+        return CallRecord(None, layer, 0, region, 0, stream, ident, owners, indices, snapshots)
+
+    def _live_snapshot(self, owner, index, event, region, ordinal, role, *, copy: bool = True) -> QuantSnapshot:
+        scale, descale = self.bank.scale[index], self.bank.descale[index]
+        if copy:
+            scale, descale = scale.clone(), descale.clone()
+        step, mb = (None, None) if event is None else event
+        return QuantSnapshot(owner, step, mb, region, ordinal, self.role_dtype(role), scale, descale)
+
+    # -- quantize ------------------------------------------------------------------
+    def quantize(self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase) -> tuple[torch.Tensor, QuantSnapshot]:
+        """Quantize ``x`` for ``role`` of ``record``; returns the data and its paired snapshot.
+
+        ``phase`` is the call's phase for forward roles and FORWARD for backward roles
+        (a backward pass runs once per event; checkpointing re-runs only forwards).
+        """
+        q, snap = self._quantize(record, role, x, phase)
+        record.used[role] = snap
+        return q, snap
+
+    def _quantize(self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase):
+        owner = record.owners[role]
+        index = record.indices[role]
+        dtype = self.role_dtype(role)
+        if phase is Phase.INFERENCE:
+            snap = record.snapshots[role]
+            return ops.quantize_fp8(x, snap.scale, dtype), snap
+        event = self._require_open(f"quantizing {owner}").event
+        if self.config.mode == "naive":
+            return self._quantize_naive(record, role, x, phase, event)
+        snap = record.snapshots[role]
+        if phase is Phase.RECOMPUTE:
+            self.ledger.recompute_read(event, owner)
+            return ops.quantize_fp8(x, snap.scale, dtype), snap
+        self._observe(record, role, event, recompute=False)
+        return ops.quantize_fp8_record_amax(x, snap.scale, self.bank.amax_pending, index, dtype), snap
+
+    def _observe(self, record: CallRecord, role: str, event: Event, *, recompute: bool) -> None:
+        owner = record.owners[role]
+        if role_phase(role) == "forward" and not recompute:
+            self.guard.enter(
+                owner, current_stream_ident(self.bank.device),
+                stream_scoped=self.config.ownership == "per_layer_rank_stream",
+            )
+        self.ledger.observe(event, owner, call_site=(record.layer, record.site), recompute=recompute)
+        with self._lock:
+            self._open.observed.setdefault(owner, record.indices[role])
+
+    def _quantize_naive(self, record, role, x, phase, event):
+        """The seed's defect, reproduced on purpose: quantize with live state, record even
+        in recompute, advance at once, and hand the consumer the *live* descale (which now
+        belongs to the next call)."""
+        owner, index, dtype = record.owners[role], record.indices[role], self.role_dtype(role)
+        recompute = phase is Phase.RECOMPUTE
+        self._observe(record, role, event, recompute=recompute)
+        q = ops.quantize_fp8_record_amax(x, self.bank.scale[index].clone(), self.bank.amax_pending, index, dtype)
+        with self._lock:
+            self.bank.commit((index,), self.config.amax_algo, self.config.margin)
+            self._open.committed.add(owner)
+        self.ledger.commit(event, [owner])
+        return q, self._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=False)
+
+    # -- audit ---------------------------------------------------------------------
+    def observe_output(self, record: CallRecord, phase: Phase, output: torch.Tensor, snaps: dict) -> None:
+        """Hand one module output to the attached auditors (no-op without any)."""
+        for auditor in self.auditors:
+            auditor.observe(record, phase, output, snaps)

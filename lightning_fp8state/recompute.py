@@ -1,0 +1,211 @@
+"""Recompute tracking: checkpoint regions, forward-vs-recompute phase, the snapshot stash.
+
+``checkpoint(fn, *args, engine=...)`` wraps torch's or DeepSpeed's activation
+checkpointing. Every call of a region in the true forward gets a region key; the engine's
+later re-run of ``fn`` runs under the same key with phase RECOMPUTE, so each quantizer
+call inside finds exactly the snapshot its true forward made, in any traversal order.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .errors import AmbiguousRecomputeError, ConfigError
+from .state import Event, OwnerKey, QuantSnapshot
+
+__all__ = [
+    "CallRecord",
+    "Phase",
+    "RegionFrame",
+    "SnapshotStash",
+    "checkpoint",
+    "current_frame",
+    "in_backward",
+]
+
+ENGINES = ("torch", "deepspeed")
+
+
+class Phase(enum.Enum):
+    FORWARD = "forward"  # the true forward: records amax, stashes snapshots
+    RECOMPUTE = "recompute"  # checkpoint re-run during backward: read-only
+    INFERENCE = "inference"  # outside any event with grad off: read live state, record nothing
+
+
+@dataclass
+class RegionFrame:
+    """One running instance of a checkpoint region on this thread."""
+
+    key: tuple
+    phase: Phase
+    layer_calls: defaultdict = field(default_factory=lambda: defaultdict(int))
+    child_regions: int = 0
+
+    def next_ordinal(self, layer: str) -> int:
+        n = self.layer_calls[layer]
+        self.layer_calls[layer] = n + 1
+        return n
+
+
+_tls = threading.local()
+_region_counter = itertools.count()
+
+
+def _stack() -> list[RegionFrame]:
+    stack = getattr(_tls, "stack", None)
+    if stack is None:
+        stack = _tls.stack = []
+    return stack
+
+
+def current_frame() -> RegionFrame | None:
+    """The innermost checkpoint region running on this thread, if any."""
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread (recompute too)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _new_region_key() -> tuple:
+    parent = current_frame()
+    if parent is None:
+        return ("region", next(_region_counter))
+    parent.child_regions += 1
+    return (*parent.key, parent.child_regions - 1)
+
+
+def checkpoint(fn: Callable, *args: Any, engine: str = "torch", use_reentrant: bool = False, **kwargs: Any):
+    """Activation-checkpoint ``fn(*args, **kwargs)`` so that stateful quantizers inside
+    replay their true-forward snapshots during recompute.
+
+    Args:
+        fn: the region body (a module or function).
+        *args: its positional inputs.
+        engine: ``"torch"`` (``torch.utils.checkpoint.checkpoint``) or ``"deepspeed"``
+            (``deepspeed.checkpointing.checkpoint``, always reentrant; no ``configure``
+            needed on the CPU).
+        use_reentrant: torch engine only: the reentrant (True) or non-reentrant variant.
+        **kwargs: passed to the engine (torch: ``preserve_rng_state``, ``context_fn``,
+            ``determinism_check``, ``debug``, ``early_stop``; region keyword inputs are
+            passed to ``fn`` only by the non-reentrant torch engine).
+
+    Returns:
+        Whatever ``fn`` returns.
+    """
+    if engine not in ENGINES:
+        raise ConfigError(f"engine={engine!r} is not allowed: expected one of {list(ENGINES)}")
+    key = _new_region_key()
+    calls = itertools.count()
+
+    def region(*inner_args, **inner_kwargs):
+        first = next(calls) == 0
+        phase = Phase.FORWARD if first and not in_backward() else Phase.RECOMPUTE
+        stack = _stack()
+        stack.append(RegionFrame(key, phase))
+        try:
+            return fn(*inner_args, **inner_kwargs)
+        finally:
+            # torch's early stop raises out of the region mid-body: leave it here anyway.
+            stack.pop()
+
+    if engine == "deepspeed":
+        import deepspeed  # noqa: PLC0415  (heavy; only when asked for)
+
+        if kwargs:
+            raise ConfigError(
+                f"engine='deepspeed' takes no keyword arguments; got {sorted(kwargs)}"
+            )
+        return deepspeed.checkpointing.checkpoint(region, *args)
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    return torch_checkpoint(region, *args, use_reentrant=use_reentrant, **kwargs)
+
+
+@dataclass
+class CallRecord:
+    """One true-forward call of a converted module: its identity and its snapshots."""
+
+    event: Event | None
+    layer: str
+    site: int
+    region: tuple | None
+    ordinal: int
+    stream: int  # stream ordinal
+    stream_ident: tuple
+    owners: dict[str, OwnerKey]
+    indices: dict[str, int]
+    snapshots: dict[str, QuantSnapshot]
+    recomputes: int = 0
+    used: dict = field(default_factory=dict)  # role -> the snapshot the last run consumed
+
+
+class SnapshotStash:
+    """True-forward call records of the open event, keyed by (event, region, layer, ordinal).
+
+    Released at every event's end: torch's early stop may leave some never read.
+    """
+
+    def __init__(self) -> None:
+        self._by_region: dict[tuple, CallRecord] = {}
+        self._by_layer: defaultdict[tuple, list[CallRecord]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    def put(self, record: CallRecord) -> None:
+        with self._lock:
+            if record.region is not None:
+                self._by_region[(record.event, record.region, record.layer, record.ordinal)] = record
+            self._by_layer[(record.event, record.layer)].append(record)
+
+    def find(self, event: Event, frame: RegionFrame | None, layer: str) -> CallRecord:
+        """The true-forward call a recompute of ``layer`` replays.
+
+        Inside a wrapped region the (region, ordinal) key decides. Outside one (a plain
+        torch or DeepSpeed checkpoint), the layer's only call in the event is served.
+
+        Raises:
+            AmbiguousRecomputeError: no unique true-forward call matches.
+        """
+        with self._lock:
+            if frame is not None:
+                ordinal = frame.next_ordinal(layer)
+                hit = self._by_region.get((event, frame.key, layer, ordinal))
+                if hit is not None:
+                    hit.recomputes += 1
+                    return hit
+            candidates = self._by_layer.get((event, layer), [])
+            if len(candidates) == 1:
+                candidates[0].recomputes += 1
+                return candidates[0]
+        if not candidates:
+            raise AmbiguousRecomputeError(
+                f"layer {layer!r} is being recomputed in event {event} but ran no true forward in "
+                "it: was the model called outside state.step(), or the event closed before backward?"
+            )
+        raise AmbiguousRecomputeError(
+            f"layer {layer!r} ran {len(candidates)} times in event {event} and is being recomputed "
+            "by a checkpoint this package cannot see, so which call's snapshot to replay is "
+            "ambiguous: wrap each checkpointed region in lightning_fp8state.checkpoint(fn, *args, "
+            "engine='torch'|'deepspeed')"
+        )
+
+    def records(self) -> list[CallRecord]:
+        with self._lock:
+            return [r for recs in self._by_layer.values() for r in recs]
+
+    def release(self) -> None:
+        with self._lock:
+            self._by_region.clear()
+            self._by_layer.clear()
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._by_layer.values())

@@ -1,0 +1,63 @@
+"""QuantSnapshot: the frozen scale/descale one call used, stamped with whose it is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import StaleSnapshotError
+from .owner import OwnerKey
+
+__all__ = ["QuantSnapshot"]
+
+
+@dataclass(frozen=True, eq=False)
+class QuantSnapshot:
+    """Metadata paired with one quantized tensor.
+
+    ``scale`` and ``descale`` are views of a copy taken before any state advanced in the
+    event; nothing writes to that copy, so a snapshot never changes after it is taken.
+    Consumers call :meth:`expect` before reading it.
+    """
+
+    owner: OwnerKey
+    step: int | None  # None outside any event (inference)
+    microbatch: int | None
+    region: tuple | None  # checkpoint region key, None outside regions
+    ordinal: int  # call ordinal of the layer inside the region (or event)
+    dtype: torch.dtype
+    scale: torch.Tensor
+    descale: torch.Tensor
+
+    @property
+    def event(self) -> tuple[int, int] | None:
+        return None if self.step is None else (self.step, self.microbatch)
+
+    def expect(
+        self,
+        *,
+        owner: OwnerKey | None = None,
+        event: tuple[int, int] | None = None,
+        layer: str | None = None,
+        role: str | None = None,
+    ) -> QuantSnapshot:
+        """Assert this snapshot belongs to the consumer; returns ``self``.
+
+        Raises:
+            StaleSnapshotError: a stamp differs from what the consumer expects.
+        """
+        checks = (
+            ("owner", owner, self.owner),
+            ("event", event, self.event),
+            ("layer", layer, self.owner.layer),
+            ("role", role, self.owner.role),
+        )
+        for name, want, have in checks:
+            if want is not None and want != have:
+                raise StaleSnapshotError(
+                    f"snapshot {name} mismatch: the consumer expects {want!r} but the snapshot "
+                    f"belongs to {have!r} (snapshot of {self.owner} at event {self.event}); "
+                    "a consumer must read the snapshot paired with its data, never another call's"
+                )
+        return self

@@ -15,9 +15,9 @@ __all__ = ["Fp8Linear", "LINEAR_ROLES"]
 LINEAR_ROLES = ("input", "weight", "grad_output")
 
 
-def _consume(snap, record, role):
-    """A consumer's check that the snapshot it reads is the one paired with its data."""
-    return snap.expect(owner=record.owners[role], event=record.event)
+def _consume(snap, record, role, protocol):
+    """A consumer's check that the snapshot it reads belongs to it: its owner, this event."""
+    return snap.expect(owner=record.owners[role], event=protocol.event)
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -27,8 +27,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         xq, sx = protocol.quantize(record, "input", x2, phase)
         wq, sw = protocol.quantize(record, "weight", weight, phase)
         if phase is not Phase.INFERENCE:
-            _consume(sx, record, "input")
-            _consume(sw, record, "weight")
+            _consume(sx, record, "input", protocol)
+            _consume(sw, record, "weight", protocol)
         y = scaled_matmul(xq, wq.t(), sx.descale, sw.descale, out_dtype, backend)
         if bias is not None:
             y = y + bias.to(out_dtype)
@@ -50,7 +50,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             g2 = g2.contiguous()
         gq, sg = protocol.quantize(record, "grad_output", g2, Phase.FORWARD)
         for snap, role in ((sx, "input"), (sw, "weight"), (sg, "grad_output")):
-            _consume(snap, record, role)
+            _consume(snap, record, role, protocol)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = scaled_matmul(gq, wq, sg.descale, sw.descale, ctx.x_dtype, ctx.backend).reshape(ctx.x_shape)

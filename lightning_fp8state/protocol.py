@@ -272,7 +272,7 @@ class QuantProtocol:
         owner = record.owners[role]
         if role_phase(role) == "forward" and not recompute:
             self.guard.enter(
-                owner, current_stream_ident(self.bank.device),
+                owner, record.stream_ident,
                 stream_scoped=self.config.ownership == "per_layer_rank_stream",
             )
         self.ledger.observe(event, owner, call_site=(record.layer, record.site), recompute=recompute)

@@ -91,15 +91,15 @@ class StateBank:
     def register(self, owner: OwnerKey, dtype: torch.dtype, device: torch.device) -> int:
         """Index of ``owner``, adding it (scale 1, empty history) if new."""
         idx = self.index.get(owner)
-        if idx is not None:
+        if idx is not None and self.device is not None:
             return idx
         with self._lock:
+            if self.device is None:  # first use, possibly right after loading a checkpoint
+                self.to(device)
             idx = self.index.get(owner)
             if idx is not None:
                 return idx
-            if self.device is None:
-                self.to(device)
-            elif self.device != device:
+            if self.device != device:
                 raise ValueError(
                     f"{owner} is used on {device} but this state bank lives on {self.device}: "
                     "one Fp8State serves one device"

@@ -22,7 +22,7 @@ __all__ = ["AuditReport", "AuditRow", "RecomputeAuditor"]
 @dataclass
 class _Digest:
     sha256: str
-    output: torch.Tensor  # host copy
+    output: torch.Tensor | None  # host copy, dropped once its event is over
     descales: dict[str, float]
     stamps: dict[str, tuple]
 
@@ -149,6 +149,7 @@ class RecomputeAuditor:
         self.protocol = getattr(state, "protocol", state)
         self._forward: dict[tuple, _Digest] = {}
         self._rows: dict[tuple, AuditRow] = {}
+        self._event = None
         self._lock = threading.Lock()
 
     def __enter__(self) -> RecomputeAuditor:
@@ -165,6 +166,9 @@ class RecomputeAuditor:
         digest = _digest(output, snaps)
         with self._lock:
             if phase is Phase.FORWARD:
+                if record.event != self._event:  # recompute never crosses events: free old copies
+                    self._forward = {}
+                    self._event = record.event
                 self._forward[key] = digest
                 self._rows[key] = AuditRow(record.event, record.layer, record.site, digest.sha256)
             elif key in self._forward:

@@ -79,16 +79,18 @@ class AuditReport:
         """Summary per layer: calls, recomputed calls, mismatches, worst differences."""
         out: dict[str, dict] = {}
         for r in self.rows:
-            s = out.setdefault(r.layer, {"calls": 0, "recomputed": 0, "mismatches": 0,
-                                         "max_abs_diff": 0.0, "max_rel_diff": 0.0})
+            s = out.setdefault(
+                r.layer, {"calls": 0, "recomputed": 0, "mismatches": 0, "max_abs_diff": 0.0, "max_rel_diff": 0.0}
+            )
             s["calls"] += 1
             s["recomputed"] += r.recomputed
             s["mismatches"] += not r.ok
             s["max_abs_diff"] = max(s["max_abs_diff"], r.max_abs_diff)
             s["max_rel_diff"] = max(s["max_rel_diff"], r.max_rel_diff)
         for v in self.violations:
-            s = out.setdefault(v.owner.layer, {"calls": 0, "recomputed": 0, "mismatches": 0,
-                                               "max_abs_diff": 0.0, "max_rel_diff": 0.0})
+            s = out.setdefault(
+                v.owner.layer, {"calls": 0, "recomputed": 0, "mismatches": 0, "max_abs_diff": 0.0, "max_rel_diff": 0.0}
+            )
             s["violations"] = s.get("violations", 0) + 1
         return out
 
@@ -101,8 +103,11 @@ class AuditReport:
                 f"{layer:<32} {s['calls']:>6} {s['recomputed']:>6} {s['mismatches']:>8} "
                 f"{s.get('violations', 0):>5} {s['max_abs_diff']:>11.4g} {s['max_rel_diff']:>10.4g}"
             )
-        verdict = "OK: forward and recompute bit-identical" if self.ok else (
-            f"FAIL: {len(self.mismatches)} mismatching call(s), {len(self.violations)} ledger violation(s)")
+        verdict = (
+            "OK: forward and recompute bit-identical"
+            if self.ok
+            else (f"FAIL: {len(self.mismatches)} mismatching call(s), {len(self.violations)} ledger violation(s)")
+        )
         lines.append(verdict)
         return "\n".join(lines)
 

@@ -81,6 +81,5 @@ def fp8_format(spec: str | torch.dtype | Fp8Format) -> Fp8Format:
     elif spec in FP8_FORMATS:
         return FP8_FORMATS[spec]
     raise ConfigError(
-        f"unknown FP8 format {spec!r}: expected one of {sorted(FP8_FORMATS)} "
-        f"or {[str(d) for d in _BY_DTYPE]}"
+        f"unknown FP8 format {spec!r}: expected one of {sorted(FP8_FORMATS)} or {[str(d) for d in _BY_DTYPE]}"
     )

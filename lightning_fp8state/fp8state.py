@@ -54,7 +54,7 @@ class Fp8State(QuantProtocol):
         Reads device memory (a host sync): for logging steps and tests, not the hot path.
         """
         counts = self.bank.nonfinite_count.cpu().tolist()
-        return {o: c for o, c in zip(self.bank.owners, counts)}
+        return {o: c for o, c in zip(self.bank.owners, counts, strict=False)}
 
     def scale_of(self, owner) -> torch.Tensor:
         """The live scale of ``owner`` (a view: it changes at the owner's next commit)."""
@@ -97,8 +97,11 @@ class Fp8State(QuantProtocol):
             if key not in sd:
                 raise StateLoadError(f"saved quantizer state is corrupt: '{key}' is missing")
         saved_cfg = sd["config"]
-        diff = {k: (saved_cfg.get(k), getattr(self.config, k)) for k in _STATE_DEFINING
-                if saved_cfg.get(k) != getattr(self.config, k)}
+        diff = {
+            k: (saved_cfg.get(k), getattr(self.config, k))
+            for k in _STATE_DEFINING
+            if saved_cfg.get(k) != getattr(self.config, k)
+        }
         if diff:
             detail = ", ".join(f"{k}: saved {a!r}, live {b!r}" for k, (a, b) in diff.items())
             raise StateLoadError(f"saved quantizer state was made with another configuration ({detail})")

@@ -34,7 +34,6 @@ from .state import (
     FrozenScales,
     Ledger,
     LogicalClock,
-    OwnerKey,
     QuantSnapshot,
     StateBank,
     current_stream_ident,
@@ -107,10 +106,7 @@ class QuantProtocol:
 
     def _commit(self, ev: _OpenEvent, phases: set[str]) -> None:
         with self._lock:
-            owners = [
-                o for o in ev.observed
-                if o not in ev.committed and role_phase(o.role) in phases
-            ]
+            owners = [o for o in ev.observed if o not in ev.committed and role_phase(o.role) in phases]
             if not owners:
                 return
             self.bank.commit(tuple(ev.observed[o] for o in owners), self.config.amax_algo, self.config.margin)
@@ -213,8 +209,14 @@ class QuantProtocol:
         region = frame.key if frame is not None else None
         snapshots = {
             role: QuantSnapshot(
-                owner, ev.event[0], ev.event[1], region, ordinal, self.role_dtype(role),
-                frozen.scale(indices[role]), frozen.descale(indices[role]),
+                owner,
+                ev.event[0],
+                ev.event[1],
+                region,
+                ordinal,
+                self.role_dtype(role),
+                frozen.scale(indices[role]),
+                frozen.descale(indices[role]),
             )
             for role, owner in owners.items()
         }
@@ -228,8 +230,7 @@ class QuantProtocol:
         owners, indices = self._owners(layer, roles, device, stream, 0) if self.config.quantized else ({}, {})
         region = frame.key if frame is not None else None
         snapshots = {
-            role: self._live_snapshot(owner, indices[role], None, region, 0, role)
-            for role, owner in owners.items()
+            role: self._live_snapshot(owner, indices[role], None, region, 0, role) for role, owner in owners.items()
         }
         return CallRecord(None, layer, 0, region, 0, stream, ident, owners, indices, snapshots)
 
@@ -241,7 +242,9 @@ class QuantProtocol:
         return QuantSnapshot(owner, step, mb, region, ordinal, self.role_dtype(role), scale, descale)
 
     # -- quantize ------------------------------------------------------------------
-    def quantize(self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase) -> tuple[torch.Tensor, QuantSnapshot]:
+    def quantize(
+        self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase
+    ) -> tuple[torch.Tensor, QuantSnapshot]:
         """Quantize ``x`` for ``role`` of ``record``; returns the data and its paired snapshot.
 
         ``phase`` is the call's phase for forward roles and FORWARD for backward roles
@@ -272,7 +275,8 @@ class QuantProtocol:
         owner = record.owners[role]
         if role_phase(role) == "forward" and not recompute:
             self.guard.enter(
-                owner, record.stream_ident,
+                owner,
+                record.stream_ident,
                 stream_scoped=self.config.ownership == "per_layer_rank_stream",
             )
         self.ledger.observe(event, owner, call_site=(record.layer, record.site), recompute=recompute)

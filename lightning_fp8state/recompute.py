@@ -12,10 +12,12 @@ import enum
 import itertools
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .errors import AmbiguousRecomputeError, ConfigError
 from .state import Event, OwnerKey, QuantSnapshot
@@ -122,11 +124,9 @@ def checkpoint(fn: Callable, *args: Any, engine: str = "torch", use_reentrant: b
         import deepspeed  # noqa: PLC0415  (heavy; only when asked for)
 
         if kwargs:
-            raise ConfigError(
-                f"engine='deepspeed' takes no keyword arguments; got {sorted(kwargs)}"
-            )
+            raise ConfigError(f"engine='deepspeed' takes no keyword arguments; got {sorted(kwargs)}")
         return deepspeed.checkpointing.checkpoint(region, *args)
-    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint  # noqa: PLC0415
 
     return torch_checkpoint(region, *args, use_reentrant=use_reentrant, **kwargs)
 

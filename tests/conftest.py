@@ -36,7 +36,8 @@ class Stack(nn.Module):
         super().__init__()
         gains = gains or [1.0] * n
         self.blocks = nn.ModuleList(Block(d, g) for g in gains)
-        self.ckpt = ckpt  # None | ("torch", reentrant) | ("deepspeed", None) | ("plain", reentrant)
+        # None | ("torch", reentrant) | ("deepspeed", None) | ("plain", reentrant) | ("plain_deepspeed", None)
+        self.ckpt = ckpt
 
     def forward(self, x):
         for block in self.blocks:
@@ -49,6 +50,10 @@ class Stack(nn.Module):
         engine, reentrant = self.ckpt
         if engine == "plain":
             return torch_checkpoint(block, x, use_reentrant=reentrant)
+        if engine == "plain_deepspeed":
+            import deepspeed
+
+            return deepspeed.checkpointing.checkpoint(block, x)
         if engine == "deepspeed":
             return f8s.checkpoint(block, x, engine="deepspeed")
         return f8s.checkpoint(block, x, engine="torch", use_reentrant=reentrant)
@@ -83,8 +88,10 @@ def run_events(state, model, xs, *, commit_forward=True, step0=0):
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
     )
 
 

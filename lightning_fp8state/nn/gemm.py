@@ -9,7 +9,7 @@ import torch
 __all__ = ["scaled_matmul", "scaled_mm_available"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
@@ -53,6 +53,4 @@ def scaled_matmul(
     # _scaled_mm wants a row-major and b column-major.
     a = a if a.is_contiguous() else a.contiguous()
     b = b if b.t().is_contiguous() else b.t().contiguous().t()
-    return torch._scaled_mm(
-        a, b, scale_a=descale_a.reshape(()), scale_b=descale_b.reshape(()), out_dtype=out_dtype
-    )
+    return torch._scaled_mm(a, b, scale_a=descale_a.reshape(()), scale_b=descale_b.reshape(()), out_dtype=out_dtype)

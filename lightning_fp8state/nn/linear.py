@@ -69,8 +69,17 @@ class Fp8Linear(nn.Linear):
     and holds no quantizer state, but still reports its calls to the audit.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, protocol: QuantProtocol,
-                 layer_name: str, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        protocol: QuantProtocol,
+        layer_name: str,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.protocol = protocol
         self.layer_name = layer_name
@@ -78,8 +87,14 @@ class Fp8Linear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, protocol: QuantProtocol, layer_name: str) -> Fp8Linear:
         """Wrap an existing ``nn.Linear``, sharing its parameters (optimizers keep working)."""
-        new = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                  protocol=protocol, layer_name=layer_name, device="meta")
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            protocol=protocol,
+            layer_name=layer_name,
+            device="meta",
+        )
         new.weight = linear.weight
         new.bias = linear.bias
         new.train(linear.training)

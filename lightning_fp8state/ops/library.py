@@ -1,6 +1,7 @@
 """The ``fp8state`` torch.library: op schemas, input checks, reference and fake kernels.
 
-Schemas live here in Python. The reference implementation is registered as
+Schemas live here in Python. Every op returns a new contiguous tensor, whatever the
+input's layout (the fake kernels say so too, for torch.compile). The reference implementation is registered as
 ``CompositeExplicitAutograd`` so it serves every device until a backend kernel (the CUDA
 one from ``csrc/``, registered with ``TORCH_LIBRARY_IMPL(fp8state, CUDA, m)``) overrides it.
 """
@@ -19,8 +20,7 @@ LIB = torch.library.Library("fp8state", "DEF")
 
 LIB.define("quantize_fp8(Tensor x, Tensor scale, ScalarType dtype) -> Tensor")
 LIB.define(
-    "quantize_fp8_record_amax(Tensor x, Tensor scale, Tensor(a!) amax_pending, int slot, "
-    "ScalarType dtype) -> Tensor"
+    "quantize_fp8_record_amax(Tensor x, Tensor scale, Tensor(a!) amax_pending, int slot, ScalarType dtype) -> Tensor"
 )
 LIB.define("dequantize_fp8(Tensor q, Tensor descale, ScalarType dtype) -> Tensor")
 LIB.define(
@@ -93,7 +93,7 @@ def check_update_args(
 @torch.library.impl(LIB, "quantize_fp8", "CompositeExplicitAutograd")
 def _quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     check_quantize_args(x, scale, dtype)
-    return ref.quantize_fp8_reference(x, scale, dtype)
+    return ref.quantize_fp8_reference(x, scale, dtype).contiguous()
 
 
 @torch.library.impl(LIB, "quantize_fp8_record_amax", "CompositeExplicitAutograd")
@@ -104,7 +104,7 @@ def _quantize_fp8_record_amax(
     _check_pending(amax_pending, slot, x.device)
     cell = amax_pending.narrow(0, slot, 1)
     cell.copy_(torch.maximum(cell, ref.amax_reference(x).reshape(1)))
-    return ref.quantize_fp8_reference(x, scale, dtype)
+    return ref.quantize_fp8_reference(x, scale, dtype).contiguous()
 
 
 @torch.library.impl(LIB, "dequantize_fp8", "CompositeExplicitAutograd")
@@ -112,7 +112,7 @@ def _dequantize_fp8(q: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) 
     _expect(q.dtype in _FP8_DTYPES, "q.dtype", f"one of {list(_FP8_DTYPES)}", q.dtype)
     _expect(dtype in _IN_DTYPES, "dtype", f"one of {list(_IN_DTYPES)}", dtype)
     _check_scalar("descale", descale, q.device)
-    return ref.dequantize_fp8_reference(q, descale, dtype)
+    return ref.dequantize_fp8_reference(q, descale, dtype).contiguous()
 
 
 @torch.library.impl(LIB, "update_scales", "CompositeExplicitAutograd")

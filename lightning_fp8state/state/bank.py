@@ -134,8 +134,15 @@ class StateBank:
         if not indices:
             return
         ops.update_scales(
-            self.amax_history, self.scale, self.descale, self.amax_pending, self.nonfinite_count,
-            self.mask(indices), self.fmax, amax_algo, margin,
+            self.amax_history,
+            self.scale,
+            self.descale,
+            self.amax_pending,
+            self.nonfinite_count,
+            self.mask(indices),
+            self.fmax,
+            amax_algo,
+            margin,
         )
 
     def discard_pending(self, indices: tuple[int, ...]) -> None:

@@ -35,10 +35,7 @@ class ConcurrencyGuard:
         with self._lock:
             holder = self._holder.setdefault(owner, ident)
         if holder != ident:
-            hint = (
-                "" if stream_scoped else
-                "; set ownership='per_layer_rank_stream' to give each stream its own state"
-            )
+            hint = "" if stream_scoped else "; set ownership='per_layer_rank_stream' to give each stream its own state"
             raise ConcurrentEntryError(
                 f"{owner} is in flight on {holder} and was entered from {ident}: two streams "
                 f"must not advance one delayed-scaling state{hint}"

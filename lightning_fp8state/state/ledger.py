@@ -75,7 +75,9 @@ class Ledger:
                 rec.recompute_records += 1
                 self._observations[owner] += 1
                 self._violate(
-                    event, owner, "record_in_recompute",
+                    event,
+                    owner,
+                    "record_in_recompute",
                     f"{owner} recorded an amax during recompute of event {event}: recompute must "
                     "be read-only (it reuses the true forward's snapshot)",
                 )
@@ -85,7 +87,9 @@ class Ledger:
             rec.sites.add(call_site)
             if len(rec.sites) > 1:
                 self._violate(
-                    event, owner, "shared_owner",
+                    event,
+                    owner,
+                    "shared_owner",
                     f"{owner} was entered by {len(rec.sites)} call sites {sorted(rec.sites)} in event "
                     f"{event}: one state shared by several layers is the wrong owner (ownership "
                     "scope too coarse, e.g. per_model); give each layer its own state",
@@ -104,7 +108,9 @@ class Ledger:
                 self._commits[owner] += 1
                 if rec.commits > 1:
                     self._violate(
-                        event, owner, "second_commit",
+                        event,
+                        owner,
+                        "second_commit",
                         f"{owner} committed {rec.commits} times in event {event}: state must advance "
                         "exactly once per owner per logical event",
                     )
@@ -114,7 +120,9 @@ class Ledger:
         for owner, rec in list(self._events.get(event, {}).items()):
             if rec.observations and rec.commits == 0:
                 self._violate(
-                    event, owner, "uncommitted",
+                    event,
+                    owner,
+                    "uncommitted",
                     f"{owner} observed an amax in event {event} but was never committed",
                 )
 
@@ -158,7 +166,7 @@ class Ledger:
 
     def load_state_dict(self, sd: dict) -> None:
         owners = [OwnerKey.from_list(o) for o in sd["owners"]]
-        self._commits = defaultdict(int, zip(owners, (int(c) for c in sd["commits"])))
-        self._observations = defaultdict(int, zip(owners, (int(c) for c in sd["observations"])))
+        self._commits = defaultdict(int, zip(owners, (int(c) for c in sd["commits"]), strict=False))
+        self._observations = defaultdict(int, zip(owners, (int(c) for c in sd["observations"]), strict=False))
         self._events.clear()
         self.violations = []

@@ -27,9 +27,7 @@ def role_phase(role: str) -> str:
         return "forward"
     if role in BACKWARD_ROLES:
         return "backward"
-    raise ConfigError(
-        f"unknown quantization role {role!r}: expected one of {sorted(FORWARD_ROLES | BACKWARD_ROLES)}"
-    )
+    raise ConfigError(f"unknown quantization role {role!r}: expected one of {sorted(FORWARD_ROLES | BACKWARD_ROLES)}")
 
 
 @dataclass(frozen=True, order=True)

@@ -57,7 +57,10 @@ def test_consumer_reads_the_descale_paired_with_its_data(mode):
             state.commit_forward()
             loss.backward()
         exp_y, exp_gw = expected_linear_event(
-            x, w, scale(448.0, amax["x"]), (torch.tensor(448.0) / w.abs().max()).item() if step else 1.0,
+            x,
+            w,
+            scale(448.0, amax["x"]),
+            (torch.tensor(448.0) / w.abs().max()).item() if step else 1.0,
             scale(57344.0, amax["g"]),
         )
         matches.append(bitwise_equal(y.detach(), exp_y) and bitwise_equal(model[0].weight.grad, exp_gw))
@@ -178,7 +181,7 @@ def test_bf16_control_has_no_quantizer_state_and_recomputes_identically():
     assert report.ok and report.recomputed >= 10
     assert len(state.bank) == 0 and state.bank.amax_history.numel() == 0
     assert state.ledger.owners() == []
-    for x, y in zip(xs, outs):
+    for x, y in zip(xs, outs, strict=False):
         assert bitwise_equal(plain(x).detach(), y)
 
 
@@ -283,6 +286,10 @@ def test_unknown_checkpoint_engine_is_a_config_error():
 def test_errors_subclass_the_nearest_builtin():
     assert issubclass(f8s.ConfigError, ValueError)
     assert issubclass(f8s.StateLoadError, ValueError)
-    for err in (f8s.StateTransitionError, f8s.ConcurrentEntryError, f8s.StaleSnapshotError,
-                f8s.AmbiguousRecomputeError):
+    for err in (
+        f8s.StateTransitionError,
+        f8s.ConcurrentEntryError,
+        f8s.StaleSnapshotError,
+        f8s.AmbiguousRecomputeError,
+    ):
         assert issubclass(err, RuntimeError)

@@ -6,7 +6,6 @@ Every test asserts the safe protocol passes AND the naive mode (the seed's defec
 from __future__ import annotations
 
 import pytest
-import torch
 
 import lightning_fp8state as f8s
 from tests.conftest import ENGINE_IDS, ENGINES, bitwise_equal, event_inputs, make_stack, run_events
@@ -47,7 +46,7 @@ def test_naive_mode_recompute_differs_from_true_forward(ckpt):
 def test_checkpointed_gradients_equal_uncheckpointed_bitwise(ckpt):
     _, _, outs_ref, grads_ref = audited_run("safe", None)
     _, _, outs_ck, grads_ck = audited_run("safe", ckpt)
-    for event, (g_ref, g_ck) in enumerate(zip(grads_ref, grads_ck)):
+    for event, (g_ref, g_ck) in enumerate(zip(grads_ref, grads_ck, strict=False)):
         for name in g_ref:
             assert bitwise_equal(g_ref[name], g_ck[name]), f"event {event}: grad of {name} differs"
         assert bitwise_equal(outs_ref[event], outs_ck[event])
@@ -58,7 +57,10 @@ def test_naive_checkpointed_gradients_diverge_from_uncheckpointed(ckpt):
     _, _, _, grads_ref = audited_run("naive", None)
     _, _, _, grads_ck = audited_run("naive", ckpt)
     differing = [
-        (e, n) for e, (a, b) in enumerate(zip(grads_ref, grads_ck)) for n in a if not bitwise_equal(a[n], b[n])
+        (e, n)
+        for e, (a, b) in enumerate(zip(grads_ref, grads_ck, strict=False))
+        for n in a
+        if not bitwise_equal(a[n], b[n])
     ]
     assert differing, "the naive defect should make checkpointed gradients differ"
 
@@ -120,11 +122,17 @@ def test_commit_forward_advances_live_state_before_recompute():
     assert rec_snap == fwd_snap  # recompute still used the true forward's scale
 
 
-def test_plain_torch_checkpoint_without_wrapper_is_served():
-    for reentrant in (False, True):
-        state, report, _, _ = audited_run("safe", ("plain", reentrant))
-        assert report.recomputed >= N_EVENTS
-        assert report.ok, report.format_table()
+@pytest.mark.parametrize(
+    "ckpt",
+    [("plain", False), ("plain", True), ("plain_deepspeed", None)],
+    ids=["torch-nonreentrant", "torch-reentrant", "deepspeed"],
+)
+def test_plain_checkpoint_without_the_wrapper_is_detected_and_served(ckpt):
+    state, report, _, _ = audited_run("safe", ckpt)
+    assert report.recomputed >= 4 * N_EVENTS
+    assert report.ok, report.format_table()
+    _, naive, _, _ = audited_run("naive", ckpt)
+    assert not naive.ok
 
 
 def test_early_stop_leaves_snapshots_unread_and_the_stash_is_released():

@@ -126,8 +126,6 @@ def checkpoint(fn: Callable, *args: Any, engine: str = "torch", use_reentrant: b
         if kwargs:
             raise ConfigError(f"engine='deepspeed' takes no keyword arguments; got {sorted(kwargs)}")
         return deepspeed.checkpointing.checkpoint(region, *args)
-    from torch.utils.checkpoint import checkpoint as torch_checkpoint  # noqa: PLC0415
-
     return torch_checkpoint(region, *args, use_reentrant=use_reentrant, **kwargs)
 
 

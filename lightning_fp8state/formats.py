@@ -6,7 +6,10 @@ FP8 invariants (both formats, reference and CUDA alike):
   nearest even), clamps ``v`` to ``[-max, +max]`` and casts with round-to-nearest-even.
   Clamping first means every finite or infinite input saturates to ``±max``; torch 2.11
   would turn out-of-range values into NaN and 2.13 saturates, so we never rely on the cast.
-* NaN stays NaN (E4M3 has no infinity; E5M2's infinities are never produced).
+* NaN stays NaN and is written as the canonical code ``0x7F`` (positive sign) in both
+  formats; a decoded NaN is the output dtype's canonical quiet NaN (``float('nan')``), and a
+  recorded amax of a tensor holding NaN is the canonical float32 NaN ``0x7FC00000``.
+  (E4M3 has no infinity; E5M2's infinities are never produced.)
 * Subnormals are kept: the smallest positive E4M3 value is ``2**-9``, E5M2's ``2**-16``.
 * Decoding computes ``float32(q) * descale`` in float32 and rounds once to the output dtype.
 * ``descale == 1 / scale`` (IEEE division in float32), frozen together in one snapshot.

@@ -103,7 +103,7 @@ def _quantize_fp8_record_amax(
     check_quantize_args(x, scale, dtype)
     _check_pending(amax_pending, slot, x.device)
     cell = amax_pending.narrow(0, slot, 1)
-    cell.copy_(torch.maximum(cell, ref.amax_reference(x).reshape(1)))
+    cell.copy_(ref.canonical_nan(torch.maximum(cell, ref.amax_reference(x).reshape(1))))
     return ref.quantize_fp8_reference(x, scale, dtype).contiguous()
 
 

@@ -18,23 +18,38 @@ __all__ = [
 ]
 
 
+# NaN has many encodings and torch's CPU/CUDA paths disagree on its sign; every op writes
+# one canonical quiet NaN so that kernels and reference agree bit for bit.
+CANONICAL_NAN_FP8 = 0x7F
+
+
+def canonical_nan(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with every NaN replaced by the dtype's canonical quiet NaN (``float('nan')``)."""
+    return torch.where(torch.isnan(t), torch.full((), float("nan"), dtype=t.dtype, device=t.device), t)
+
+
 def amax_reference(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a float32 scalar tensor; NaN if any element is NaN; 0 for an empty x."""
+    """max |x| as a float32 scalar tensor; the canonical NaN if any element is NaN; 0 if empty."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    return x.detach().abs().amax().to(torch.float32)
+    return canonical_nan(x.detach().abs().amax().to(torch.float32))
 
 
 def quantize_fp8_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Encode ``x`` as FP8: float32 multiply by ``scale``, clamp to ±max, round to nearest even."""
+    """Encode ``x`` as FP8: float32 multiply by ``scale``, clamp to ±max, round to nearest
+    even; NaN becomes the canonical code 0x7F."""
     fmt = fp8_format(dtype)
     v = x.to(torch.float32) * scale.reshape(()).to(torch.float32)
-    return v.clamp(-fmt.max, fmt.max).to(fmt.dtype)
+    q = v.clamp(-fmt.max, fmt.max).to(fmt.dtype)
+    nan = torch.isnan(v)
+    bits = torch.where(nan, torch.full((), CANONICAL_NAN_FP8, dtype=torch.uint8, device=q.device), q.view(torch.uint8))
+    return bits.view(fmt.dtype)
 
 
 def dequantize_fp8_reference(q: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Decode FP8 ``q``: float32 multiply by ``descale``, one rounding to ``dtype``."""
-    return (q.to(torch.float32) * descale.reshape(()).to(torch.float32)).to(dtype)
+    """Decode FP8 ``q``: float32 multiply by ``descale``, one rounding to ``dtype``; NaN
+    becomes the canonical quiet NaN of ``dtype``."""
+    return canonical_nan((q.to(torch.float32) * descale.reshape(()).to(torch.float32)).to(dtype))
 
 
 def update_scales_reference(

@@ -1,0 +1,436 @@
+// CUDA kernels for the fp8state ops. Schemas are defined in Python
+// (lightning_fp8state/ops/library.py); this file only adds CUDA implementations.
+// Every kernel is bit-identical to the pure-torch reference in ops/reference.py:
+//   encode: v = float(x) * scale (one fp32 multiply), NaN -> canonical code 0x7F,
+//           else clamp to [-max, max] and round to nearest even;
+//   decode: float(q) * descale (one fp32 multiply), one rounding to the output dtype,
+//           NaN -> the dtype's canonical quiet NaN;
+//   amax:   max |x| in fp32, folded into the owner's pending slot; NaN -> canonical NaN
+//           (which orders above +inf as an integer, so one atomicMax folds it);
+//   update: history roll, max|most_recent, scale = fmax / amax / 2^margin, descale = 1/scale
+//           (IEEE divisions), guarded against zero or non-finite amax.
+// Every launch runs on the current stream; no kernel or wrapper synchronizes the host.
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr uint32_t kCanonicalNanF32 = 0x7fc00000u;
+constexpr uint8_t kCanonicalNanFp8 = 0x7f;
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
+
+#define FP8S_CHECK(cond, what, expected, found) \
+  TORCH_CHECK_VALUE(cond, "fp8state: ", what, ": expected ", expected, ", got ", found)
+
+// ---------------------------------------------------------------------------------------
+// element conversions
+// ---------------------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ float to_f32(T v);
+template <>
+__device__ __forceinline__ float to_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) {
+  return isnan(v) ? __uint_as_float(kCanonicalNanF32) : v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+  return isnan(v) ? __ushort_as_bfloat16(0x7fc0) : __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float v) {
+  return isnan(v) ? __ushort_as_half(0x7e00) : __float2half_rn(v);
+}
+
+template <bool E4M3>
+struct Fp8Traits;
+template <>
+struct Fp8Traits<true> {
+  static constexpr float kMax = 448.0f;
+  static constexpr __nv_fp8_interpretation_t kKind = __NV_E4M3;
+};
+template <>
+struct Fp8Traits<false> {
+  static constexpr float kMax = 57344.0f;
+  static constexpr __nv_fp8_interpretation_t kKind = __NV_E5M2;
+};
+
+// Two floats (already multiplied by the scale) -> two FP8 codes, low byte first.
+template <bool E4M3>
+__device__ __forceinline__ uint16_t encode2(float a, float b) {
+  constexpr float m = Fp8Traits<E4M3>::kMax;
+  const bool na = isnan(a), nb = isnan(b);
+  a = fminf(fmaxf(a, -m), m);  // fminf/fmaxf drop NaN: patched below
+  b = fminf(fmaxf(b, -m), m);
+  uint16_t pair = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, Fp8Traits<E4M3>::kKind);
+  if (na) pair = (pair & 0xff00u) | kCanonicalNanFp8;
+  if (nb) pair = (pair & 0x00ffu) | (uint16_t(kCanonicalNanFp8) << 8);
+  return pair;
+}
+
+template <bool E4M3>
+__device__ __forceinline__ float decode1(uint8_t code) {
+  __half_raw h = __nv_cvt_fp8_to_halfraw(code, Fp8Traits<E4M3>::kKind);
+  return __half2float(__half(h));
+}
+
+// ---------------------------------------------------------------------------------------
+// amax reduction helpers: (max of finite-or-inf magnitudes, any NaN) per block
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ void warp_reduce(float& m, bool& nan) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    nan = __any_sync(0xffffffffu, nan);
+  }
+}
+
+// Folds the block's amax into *slot with one atomicMax on the fp32 bit pattern
+// (non-negative floats order like their bits; the canonical NaN orders above +inf).
+__device__ __forceinline__ void block_fold_amax(float m, bool nan, float* slot) {
+  __shared__ float s_max[kThreads / 32];
+  __shared__ int s_nan[kThreads / 32];
+  warp_reduce(m, nan);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    s_max[warp] = m;
+    s_nan[warp] = nan;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const int nwarps = blockDim.x >> 5;
+    m = lane < nwarps ? s_max[lane] : 0.0f;
+    nan = lane < nwarps ? s_nan[lane] != 0 : false;
+    warp_reduce(m, nan);
+    if (lane == 0) {
+      const uint32_t bits = nan ? kCanonicalNanF32 : __float_as_uint(m);
+      atomicMax(reinterpret_cast<unsigned int*>(slot), bits);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// quantize (+ amax record): 16-byte loads, kUnroll loads in flight per thread
+// ---------------------------------------------------------------------------------------
+template <typename T>
+struct VecOf {
+  static constexpr int N = 16 / sizeof(T);  // elements per 16-byte load
+};
+
+template <int N>
+struct OutVec;  // N fp8 bytes
+template <>
+struct OutVec<4> {
+  using type = uint32_t;
+};
+template <>
+struct OutVec<8> {
+  using type = uint2;
+};
+
+template <typename T, bool E4M3, bool RECORD>
+__global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ out,
+                                                            const float* __restrict__ scale_ptr, float* amax_slot,
+                                                            int64_t n) {
+  constexpr int N = VecOf<T>::N;
+  using Out = typename OutVec<N>::type;
+  const float scale = *scale_ptr;
+  float m = 0.0f;
+  bool nan = false;
+  const int64_t nvec = n / N;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  Out* ov = reinterpret_cast<Out*>(out);
+  for (int64_t base = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; base < nvec; base += stride * kUnroll) {
+    uint4 raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * stride;
+      if (i < nvec) raw[u] = __ldcs(xv + i);  // streamed: read once
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * stride;
+      if (i < nvec) {
+        const T* e = reinterpret_cast<const T*>(&raw[u]);
+        alignas(sizeof(Out)) uint16_t pairs[N / 2];
+#pragma unroll
+        for (int k = 0; k < N; k += 2) {
+          const float a = to_f32(e[k]), b = to_f32(e[k + 1]);
+          if (RECORD) {
+            m = fmaxf(m, fmaxf(fabsf(a), fabsf(b)));
+            nan |= isnan(a) | isnan(b);
+          }
+          pairs[k / 2] = encode2<E4M3>(a * scale, b * scale);
+        }
+        __stcs(ov + i, *reinterpret_cast<const Out*>(pairs));
+      }
+    }
+  }
+  // tail (n % N elements), handled by the first threads of block 0
+  if (blockIdx.x == 0) {
+    const int64_t t = nvec * N + threadIdx.x;
+    if (t < n) {
+      const float a = to_f32(x[t]);
+      if (RECORD) {
+        m = fmaxf(m, fabsf(a));
+        nan |= isnan(a);
+      }
+      out[t] = uint8_t(encode2<E4M3>(a * scale, 0.0f) & 0xffu);
+    }
+  }
+  if (RECORD) block_fold_amax(m, nan, amax_slot);
+}
+
+int grid_for(int64_t work_items) {
+  static int sms = -1;
+  if (sms < 0) sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t needed = (work_items + int64_t(kThreads) * kUnroll - 1) / (int64_t(kThreads) * kUnroll);
+  return int(std::max<int64_t>(1, std::min<int64_t>(needed, int64_t(sms) * 8)));
+}
+
+void check_scalar(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  FP8S_CHECK(t.scalar_type() == at::kFloat, std::string(name) + ".dtype", "torch.float32", t.scalar_type());
+  FP8S_CHECK(t.numel() == 1, std::string(name) + ".numel()", "1", t.numel());
+  FP8S_CHECK(t.device() == like.device(), std::string(name) + ".device", like.device(), t.device());
+}
+
+void check_input(const at::Tensor& x, at::ScalarType dtype) {
+  FP8S_CHECK(x.is_cuda(), "x.device", "a CUDA tensor", x.device());
+  const auto st = x.scalar_type();
+  FP8S_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "x.dtype",
+             "one of [torch.float32, torch.bfloat16, torch.float16]", st);
+  FP8S_CHECK(dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2, "dtype",
+             "one of [torch.float8_e4m3fn, torch.float8_e5m2]", dtype);
+}
+
+at::Tensor launch_quantize(const at::Tensor& x_in, const at::Tensor& scale, at::ScalarType dtype, float* slot) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
+  const int64_t n = x.numel();
+  if (n == 0) return out;
+  const int vec = 16 / int(x.element_size());
+  const bool aligned = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const bool e4m3 = dtype == at::kFloat8_e4m3fn;
+  const bool record = slot != nullptr;
+  // A misaligned view (storage offset) is copied to an aligned buffer first.
+  const at::Tensor xa = aligned ? x : x.clone();
+  const int grid = grid_for(std::max<int64_t>(n / vec, 1));
+#define FP8S_LAUNCH(T, E, R)                                                                            \
+  quantize_kernel<T, E, R><<<grid, kThreads, 0, stream>>>(reinterpret_cast<const T*>(xa.data_ptr()), \
+                                                          reinterpret_cast<uint8_t*>(out.data_ptr()), \
+                                                          scale.data_ptr<float>(), slot, n)
+#define FP8S_BY_FLAGS(T)            \
+  if (e4m3 && record)               \
+    FP8S_LAUNCH(T, true, true);     \
+  else if (e4m3)                    \
+    FP8S_LAUNCH(T, true, false);    \
+  else if (record)                  \
+    FP8S_LAUNCH(T, false, true);    \
+  else                              \
+    FP8S_LAUNCH(T, false, false);
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      FP8S_BY_FLAGS(float);
+      break;
+    case at::kBFloat16:
+      FP8S_BY_FLAGS(__nv_bfloat16);
+      break;
+    default:
+      FP8S_BY_FLAGS(__half);
+      break;
+  }
+#undef FP8S_BY_FLAGS
+#undef FP8S_LAUNCH
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor quantize_fp8_cuda(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype) {
+  check_input(x, dtype);
+  check_scalar(scale, "scale", x);
+  return launch_quantize(x, scale, dtype, nullptr);
+}
+
+at::Tensor quantize_fp8_record_amax_cuda(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& amax_pending,
+                                         int64_t slot, at::ScalarType dtype) {
+  check_input(x, dtype);
+  check_scalar(scale, "scale", x);
+  FP8S_CHECK(amax_pending.scalar_type() == at::kFloat, "amax_pending.dtype", "torch.float32",
+             amax_pending.scalar_type());
+  FP8S_CHECK(amax_pending.dim() == 1, "amax_pending.dim()", "1", amax_pending.dim());
+  FP8S_CHECK(amax_pending.device() == x.device(), "amax_pending.device", x.device(), amax_pending.device());
+  FP8S_CHECK(0 <= slot && slot < amax_pending.numel(), "slot",
+             "0 <= slot < " + std::to_string(amax_pending.numel()), slot);
+  float* cell = amax_pending.data_ptr<float>() + slot * amax_pending.stride(0);
+  return launch_quantize(x, scale, dtype, cell);
+}
+
+// ---------------------------------------------------------------------------------------
+// dequantize: 16 FP8 codes per 16-byte load
+// ---------------------------------------------------------------------------------------
+template <typename T, bool E4M3>
+__global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __restrict__ q, T* __restrict__ out,
+                                                              const float* __restrict__ descale_ptr, int64_t n) {
+  const float descale = *descale_ptr;
+  const int64_t nvec = n / 16;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const uint4* qv = reinterpret_cast<const uint4*>(q);
+  constexpr int kOutPer16B = 16 / sizeof(T);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < nvec; i += stride) {
+    const uint4 raw = __ldcs(qv + i);
+    const uint8_t* c = reinterpret_cast<const uint8_t*>(&raw);
+    alignas(16) T vals[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) vals[k] = from_f32<T>(decode1<E4M3>(c[k]) * descale);
+    uint4* o = reinterpret_cast<uint4*>(out + i * 16);
+#pragma unroll
+    for (int k = 0; k < 16 / kOutPer16B; ++k) __stcs(o + k, reinterpret_cast<const uint4*>(vals)[k]);
+  }
+  if (blockIdx.x == 0) {
+    const int64_t t = nvec * 16 + threadIdx.x;
+    if (t < n) out[t] = from_f32<T>(decode1<E4M3>(q[t]) * descale);
+  }
+}
+
+at::Tensor dequantize_fp8_cuda(const at::Tensor& q_in, const at::Tensor& descale, at::ScalarType dtype) {
+  FP8S_CHECK(q_in.is_cuda(), "q.device", "a CUDA tensor", q_in.device());
+  const auto qt = q_in.scalar_type();
+  FP8S_CHECK(qt == at::kFloat8_e4m3fn || qt == at::kFloat8_e5m2, "q.dtype",
+             "one of [torch.float8_e4m3fn, torch.float8_e5m2]", qt);
+  FP8S_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "dtype",
+             "one of [torch.float32, torch.bfloat16, torch.float16]", dtype);
+  check_scalar(descale, "descale", q_in);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  at::Tensor q = q_in.contiguous();
+  if (reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 != 0) q = q.clone();
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(dtype));
+  const int64_t n = q.numel();
+  if (n == 0) return out;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int grid = grid_for(std::max<int64_t>(n / 16, 1) * kUnroll);
+  const bool e4m3 = qt == at::kFloat8_e4m3fn;
+#define FP8S_DQ(T)                                                                                                \
+  if (e4m3)                                                                                                       \
+    dequantize_kernel<T, true><<<grid, kThreads, 0, stream>>>(reinterpret_cast<const uint8_t*>(q.data_ptr()),   \
+                                                              reinterpret_cast<T*>(out.data_ptr()),             \
+                                                              descale.data_ptr<float>(), n);                    \
+  else                                                                                                            \
+    dequantize_kernel<T, false><<<grid, kThreads, 0, stream>>>(reinterpret_cast<const uint8_t*>(q.data_ptr()),  \
+                                                               reinterpret_cast<T*>(out.data_ptr()),            \
+                                                               descale.data_ptr<float>(), n);
+  switch (dtype) {
+    case at::kFloat:
+      FP8S_DQ(float);
+      break;
+    case at::kBFloat16:
+      FP8S_DQ(__nv_bfloat16);
+      break;
+    default:
+      FP8S_DQ(__half);
+      break;
+  }
+#undef FP8S_DQ
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// batched scale update: one thread per owner, all owners in one launch
+// ---------------------------------------------------------------------------------------
+__global__ void update_scales_kernel(float* __restrict__ hist, float* __restrict__ scale,
+                                     float* __restrict__ descale, float* __restrict__ pending,
+                                     int32_t* __restrict__ nonfinite, const bool* __restrict__ mask,
+                                     const float* __restrict__ fmax, int64_t H, int64_t n, int64_t hist_stride,
+                                     bool use_max, float pow2_margin) {
+  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= n || !mask[j]) return;
+  const float p = pending[j];
+  pending[j] = 0.0f;
+  if (!isfinite(p)) {
+    nonfinite[j] += 1;
+    return;
+  }
+  float carry = p, amax = p;
+  for (int64_t r = 0; r < H; ++r) {
+    float* cell = hist + r * hist_stride + j;
+    const float old = *cell;
+    *cell = carry;
+    amax = fmaxf(amax, carry);
+    carry = old;
+  }
+  if (!use_max) amax = p;
+  const float candidate = __fdiv_rn(__fdiv_rn(fmax[j], amax), pow2_margin);
+  if (amax > 0.0f && isfinite(candidate)) {
+    scale[j] = candidate;
+    descale[j] = __fdiv_rn(1.0f, candidate);
+  }
+}
+
+void update_scales_cuda(const at::Tensor& amax_history, const at::Tensor& scale, const at::Tensor& descale,
+                        const at::Tensor& amax_pending, const at::Tensor& nonfinite_count,
+                        const at::Tensor& commit_mask, const at::Tensor& fmax, c10::string_view amax_algo,
+                        int64_t margin) {
+  FP8S_CHECK(amax_history.is_cuda(), "amax_history.device", "a CUDA tensor", amax_history.device());
+  FP8S_CHECK(amax_history.dim() == 2, "amax_history.dim()", "2 ([history_len, owners])", amax_history.dim());
+  const int64_t H = amax_history.size(0), n = amax_history.size(1);
+  struct Arg {
+    const at::Tensor& t;
+    const char* name;
+    at::ScalarType dtype;
+  };
+  const Arg args[] = {{scale, "scale", at::kFloat},          {descale, "descale", at::kFloat},
+                      {amax_pending, "amax_pending", at::kFloat}, {nonfinite_count, "nonfinite_count", at::kInt},
+                      {commit_mask, "commit_mask", at::kBool},   {fmax, "fmax", at::kFloat}};
+  FP8S_CHECK(amax_history.scalar_type() == at::kFloat, "amax_history.dtype", "torch.float32",
+             amax_history.scalar_type());
+  FP8S_CHECK(amax_history.stride(1) == 1, "amax_history.stride(1)", "1 (rows contiguous)", amax_history.stride(1));
+  for (const Arg& a : args) {
+    FP8S_CHECK(a.t.scalar_type() == a.dtype, std::string(a.name) + ".dtype", a.dtype, a.t.scalar_type());
+    FP8S_CHECK(a.t.device() == amax_history.device(), std::string(a.name) + ".device", amax_history.device(),
+               a.t.device());
+    FP8S_CHECK(a.t.dim() == 1 && a.t.size(0) == n, std::string(a.name) + ".shape",
+               "(" + std::to_string(n) + ",)", a.t.sizes());
+    FP8S_CHECK(a.t.stride(0) == 1, std::string(a.name) + ".stride(0)", "1", a.t.stride(0));
+  }
+  FP8S_CHECK(amax_algo == "max" || amax_algo == "most_recent", "amax_algo", "one of ['max', 'most_recent']",
+             std::string(amax_algo));
+  FP8S_CHECK(margin >= 0 && margin < 127, "margin", "an integer in [0, 127)", margin);
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(amax_history.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int threads = 128;
+  const int blocks = int((n + threads - 1) / threads);
+  update_scales_kernel<<<blocks, threads, 0, stream>>>(
+      amax_history.data_ptr<float>(), scale.data_ptr<float>(), descale.data_ptr<float>(),
+      amax_pending.data_ptr<float>(), nonfinite_count.data_ptr<int32_t>(), commit_mask.data_ptr<bool>(),
+      fmax.data_ptr<float>(), H, n, amax_history.stride(0), amax_algo == "max", ldexpf(1.0f, int(margin)));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fp8state, CUDA, m) {
+  m.impl("quantize_fp8", &quantize_fp8_cuda);
+  m.impl("quantize_fp8_record_amax", &quantize_fp8_record_amax_cuda);
+  m.impl("dequantize_fp8", &dequantize_fp8_cuda);
+  m.impl("update_scales", &update_scales_cuda);
+}

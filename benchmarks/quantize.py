@@ -90,7 +90,7 @@ def main() -> None:
             f"{gbs['ours'] / copy_gbs:8.3f} {gbs['ours'] / gbs['compile']:8.2f} {gbs['ours'] / gbs['eager']:8.1f} "
             f"{deq_gbs:9.0f}"
         )
-        del xs, dst
+
     print(f"device: {dev}, torch {torch.__version__}")
     print("FP8 E4M3 quantize + amax from bf16; GB/s of ideal bytes (3 per element); copy counts read+write")
     print(

@@ -131,61 +131,59 @@ __device__ __forceinline__ void block_fold_amax(float m, bool nan, float* slot) 
 template <typename T>
 struct VecOf {
   static constexpr int N = 16 / sizeof(T);  // elements per 16-byte load
+  static constexpr int G = 16 / N;          // 16-byte loads per 16-byte (16-code) store
 };
 
-template <int N>
-struct OutVec;  // N fp8 bytes
-template <>
-struct OutVec<4> {
-  using type = uint32_t;
-};
-template <>
-struct OutVec<8> {
-  using type = uint2;
-};
-
+// One work item = 16 elements: G 16-byte loads in, one 16-byte store of 16 codes out.
+// Each thread keeps kUnroll work items (kUnroll * G loads) in flight.
 template <typename T, bool E4M3, bool RECORD>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ out,
                                                             const float* __restrict__ scale_ptr, float* amax_slot,
                                                             int64_t n) {
   constexpr int N = VecOf<T>::N;
-  using Out = typename OutVec<N>::type;
+  constexpr int G = VecOf<T>::G;
   const float scale = *scale_ptr;
   float m = 0.0f;
   bool nan = false;
-  const int64_t nvec = n / N;
+  const int64_t nitems = n / 16;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const uint4* xv = reinterpret_cast<const uint4*>(x);
-  Out* ov = reinterpret_cast<Out*>(out);
-  for (int64_t base = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; base < nvec; base += stride * kUnroll) {
-    uint4 raw[kUnroll];
+  uint4* ov = reinterpret_cast<uint4*>(out);
+  for (int64_t base = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; base < nitems; base += stride * kUnroll) {
+    uint4 raw[kUnroll][G];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * stride;
-      if (i < nvec) raw[u] = __ldcs(xv + i);  // streamed: read once
+      if (i < nitems) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) raw[u][g] = __ldcs(xv + i * G + g);
+      }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * stride;
-      if (i < nvec) {
-        const T* e = reinterpret_cast<const T*>(&raw[u]);
-        alignas(sizeof(Out)) uint16_t pairs[N / 2];
+      if (i < nitems) {
+        alignas(16) uint16_t pairs[8];
 #pragma unroll
-        for (int k = 0; k < N; k += 2) {
-          const float a = to_f32(e[k]), b = to_f32(e[k + 1]);
-          if (RECORD) {
-            m = fmaxf(m, fmaxf(fabsf(a), fabsf(b)));
-            nan |= isnan(a) | isnan(b);
+        for (int g = 0; g < G; ++g) {
+          const T* e = reinterpret_cast<const T*>(&raw[u][g]);
+#pragma unroll
+          for (int k = 0; k < N; k += 2) {
+            const float a = to_f32(e[k]), b = to_f32(e[k + 1]);
+            if (RECORD) {
+              m = fmaxf(m, fmaxf(fabsf(a), fabsf(b)));
+              nan |= isnan(a) | isnan(b);
+            }
+            pairs[(g * N + k) / 2] = encode2<E4M3>(a * scale, b * scale);
           }
-          pairs[k / 2] = encode2<E4M3>(a * scale, b * scale);
         }
-        __stcs(ov + i, *reinterpret_cast<const Out*>(pairs));
+        __stcs(ov + i, *reinterpret_cast<const uint4*>(pairs));
       }
     }
   }
-  // tail (n % N elements), handled by the first threads of block 0
+  // tail (n % 16 elements), handled by the first threads of block 0
   if (blockIdx.x == 0) {
-    const int64_t t = nvec * N + threadIdx.x;
+    const int64_t t = nitems * 16 + threadIdx.x;
     if (t < n) {
       const float a = to_f32(x[t]);
       if (RECORD) {
@@ -211,6 +209,10 @@ void check_scalar(const at::Tensor& t, const char* name, const at::Tensor& like)
   FP8S_CHECK(t.device() == like.device(), std::string(name) + ".device", like.device(), t.device());
 }
 
+void check_slot(int64_t slot, int64_t numel) {
+  TORCH_CHECK_VALUE(slot >= 0 && slot < numel, "fp8state: slot: expected 0 <= slot < ", numel, ", got ", slot);
+}
+
 void check_input(const at::Tensor& x, at::ScalarType dtype) {
   FP8S_CHECK(x.is_cuda(), "x.device", "a CUDA tensor", x.device());
   const auto st = x.scalar_type();
@@ -226,14 +228,13 @@ at::Tensor launch_quantize(const at::Tensor& x_in, const at::Tensor& scale, at::
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
   const int64_t n = x.numel();
   if (n == 0) return out;
-  const int vec = 16 / int(x.element_size());
   const bool aligned = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
   auto stream = at::cuda::getCurrentCUDAStream();
   const bool e4m3 = dtype == at::kFloat8_e4m3fn;
   const bool record = slot != nullptr;
   // A misaligned view (storage offset) is copied to an aligned buffer first.
   const at::Tensor xa = aligned ? x : x.clone();
-  const int grid = grid_for(std::max<int64_t>(n / vec, 1));
+  const int grid = grid_for(std::max<int64_t>(n / 16, 1));
 #define FP8S_LAUNCH(T, E, R)                                                                            \
   quantize_kernel<T, E, R><<<grid, kThreads, 0, stream>>>(reinterpret_cast<const T*>(xa.data_ptr()), \
                                                           reinterpret_cast<uint8_t*>(out.data_ptr()), \
@@ -278,8 +279,7 @@ at::Tensor quantize_fp8_record_amax_cuda(const at::Tensor& x, const at::Tensor& 
              amax_pending.scalar_type());
   FP8S_CHECK(amax_pending.dim() == 1, "amax_pending.dim()", "1", amax_pending.dim());
   FP8S_CHECK(amax_pending.device() == x.device(), "amax_pending.device", x.device(), amax_pending.device());
-  FP8S_CHECK(0 <= slot && slot < amax_pending.numel(), "slot",
-             "0 <= slot < " + std::to_string(amax_pending.numel()), slot);
+  check_slot(slot, amax_pending.numel());
   float* cell = amax_pending.data_ptr<float>() + slot * amax_pending.stride(0);
   return launch_quantize(x, scale, dtype, cell);
 }

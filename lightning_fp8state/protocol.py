@@ -234,10 +234,9 @@ class QuantProtocol:
         }
         return CallRecord(None, layer, 0, region, 0, stream, ident, owners, indices, snapshots)
 
-    def _live_snapshot(self, owner, index, event, region, ordinal, role, *, copy: bool = True) -> QuantSnapshot:
-        scale, descale = self.bank.scale[index], self.bank.descale[index]
-        if copy:
-            scale, descale = scale.clone(), descale.clone()
+    def _live_snapshot(self, owner, index, event, region, ordinal, role) -> QuantSnapshot:
+        """A snapshot of the live values *now* (copies: GEMMs want aligned scale pointers)."""
+        scale, descale = self.bank.scale[index].clone(), self.bank.descale[index].clone()
         step, mb = (None, None) if event is None else event
         return QuantSnapshot(owner, step, mb, region, ordinal, self.role_dtype(role), scale, descale)
 
@@ -295,7 +294,8 @@ class QuantProtocol:
             self.bank.commit((index,), self.config.amax_algo, self.config.margin)
             self._open.committed.add(owner)
         self.ledger.commit(event, [owner])
-        return q, self._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=False)
+        # the consumer gets the live descale, already advanced for the next call (the defect)
+        return q, self._live_snapshot(owner, index, event, record.region, record.ordinal, role)
 
     # -- audit ---------------------------------------------------------------------
     def observe_output(self, record: CallRecord, phase: Phase, output: torch.Tensor, snaps: dict) -> None:

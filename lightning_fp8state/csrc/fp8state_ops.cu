@@ -20,6 +20,8 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <string>
+#include <type_traits>
 
 namespace {
 
@@ -28,8 +30,24 @@ constexpr uint8_t kCanonicalNanFp8 = 0x7f;
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 
+// Error text is assembled from strings only: streaming an integer through an ostream from
+// this extension crashed on the H200 image (a libstdc++ num_put mismatch), so integers and
+// shapes go through std::to_string.
+template <typename X>
+std::string fp8s_str(const X& v) {
+  if constexpr (std::is_integral_v<X>) {
+    return std::to_string(v);
+  } else if constexpr (std::is_same_v<X, c10::IntArrayRef>) {
+    std::string s = "(";
+    for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+    return s + ")";
+  } else {
+    return c10::str(v);
+  }
+}
+
 #define FP8S_CHECK(cond, what, expected, found) \
-  TORCH_CHECK_VALUE(cond, "fp8state: ", what, ": expected ", expected, ", got ", found)
+  TORCH_CHECK_VALUE(cond, "fp8state: ", what, ": expected ", fp8s_str(expected), ", got ", fp8s_str(found))
 
 // ---------------------------------------------------------------------------------------
 // element conversions
@@ -72,16 +90,34 @@ struct Fp8Traits<false> {
 };
 
 // Two floats (already multiplied by the scale) -> two FP8 codes, low byte first.
+// The satfinite conversion rounds to nearest even and saturates |v| > max (inf included)
+// to ±max, which is exactly clamp-then-round; NaN codes are canonicalized by nan_fix4.
 template <bool E4M3>
-__device__ __forceinline__ uint16_t encode2(float a, float b) {
-  constexpr float m = Fp8Traits<E4M3>::kMax;
-  const bool na = isnan(a), nb = isnan(b);
-  a = fminf(fmaxf(a, -m), m);  // fminf/fmaxf drop NaN: patched below
-  b = fminf(fmaxf(b, -m), m);
-  uint16_t pair = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, Fp8Traits<E4M3>::kKind);
-  if (na) pair = (pair & 0xff00u) | kCanonicalNanFp8;
-  if (nb) pair = (pair & 0x00ffu) | (uint16_t(kCanonicalNanFp8) << 8);
-  return pair;
+__device__ __forceinline__ uint32_t encode2(float a, float b) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, Fp8Traits<E4M3>::kKind);
+}
+
+// Replace every NaN code among four packed codes by the canonical 0x7F.
+// E4M3: the NaN codes are 0x7F and 0xFF. E5M2: 0x7D-0x7F and 0xFD-0xFF (satfinite never
+// produces the infinities 0x7C/0xFC).
+template <bool E4M3>
+__device__ __forceinline__ uint32_t nan_fix4(uint32_t w) {
+  const uint32_t mag = w & 0x7f7f7f7fu;
+  const uint32_t is_nan = E4M3 ? __vcmpeq4(mag, 0x7f7f7f7fu) : __vcmpgtu4(mag, 0x7c7c7c7cu);
+  return (w & ~is_nan) | (0x7f7f7f7fu & is_nan);
+}
+
+// One encoded code for a single float (tails).
+template <bool E4M3>
+__device__ __forceinline__ uint8_t encode1(float v) {
+  return uint8_t(nan_fix4<E4M3>(encode2<E4M3>(v, 0.0f)) & 0xffu);
+}
+
+// NaN-propagating max (PTX max.NaN, sm_80+).
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
 }
 
 template <bool E4M3>
@@ -91,35 +127,27 @@ __device__ __forceinline__ float decode1(uint8_t code) {
 }
 
 // ---------------------------------------------------------------------------------------
-// amax reduction helpers: (max of finite-or-inf magnitudes, any NaN) per block
+// amax reduction: NaN-propagating max through the block, one atomicMax per block
 // ---------------------------------------------------------------------------------------
-__device__ __forceinline__ void warp_reduce(float& m, bool& nan) {
+__device__ __forceinline__ float warp_max_nan(float m) {
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    nan = __any_sync(0xffffffffu, nan);
-  }
+  for (int off = 16; off > 0; off >>= 1) m = fmax_nan(m, __shfl_xor_sync(0xffffffffu, m, off));
+  return m;
 }
 
 // Folds the block's amax into *slot with one atomicMax on the fp32 bit pattern
 // (non-negative floats order like their bits; the canonical NaN orders above +inf).
-__device__ __forceinline__ void block_fold_amax(float m, bool nan, float* slot) {
+__device__ __forceinline__ void block_fold_amax(float m, float* slot) {
   __shared__ float s_max[kThreads / 32];
-  __shared__ int s_nan[kThreads / 32];
-  warp_reduce(m, nan);
+  m = warp_max_nan(m);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) {
-    s_max[warp] = m;
-    s_nan[warp] = nan;
-  }
+  if (lane == 0) s_max[warp] = m;
   __syncthreads();
   if (warp == 0) {
     const int nwarps = blockDim.x >> 5;
-    m = lane < nwarps ? s_max[lane] : 0.0f;
-    nan = lane < nwarps ? s_nan[lane] != 0 : false;
-    warp_reduce(m, nan);
+    m = warp_max_nan(lane < nwarps ? s_max[lane] : 0.0f);
     if (lane == 0) {
-      const uint32_t bits = nan ? kCanonicalNanF32 : __float_as_uint(m);
+      const uint32_t bits = isnan(m) ? kCanonicalNanF32 : __float_as_uint(m);
       atomicMax(reinterpret_cast<unsigned int*>(slot), bits);
     }
   }
@@ -128,10 +156,74 @@ __device__ __forceinline__ void block_fold_amax(float m, bool nan, float* slot) 
 // ---------------------------------------------------------------------------------------
 // quantize (+ amax record): 16-byte loads, kUnroll loads in flight per thread
 // ---------------------------------------------------------------------------------------
+// Per input type: how a 16-byte load is encoded (4 words of packed codes per 16 bf16/fp16
+// elements, 1 word per 4 fp32 elements) and how |x| is folded into a running max.
+// The running max is kept in the input type where that is exact (the max of bf16/fp16
+// magnitudes is one of them), with NaN-propagating packed max: one instruction per pair.
 template <typename T>
-struct VecOf {
-  static constexpr int N = 16 / sizeof(T);  // elements per 16-byte load
-  static constexpr int G = 16 / N;          // 16-byte loads per 16-byte (16-code) store
+struct Codec;
+
+template <>
+struct Codec<__nv_bfloat16> {
+  static constexpr int kPerLoad = 8;
+  using Acc = __nv_bfloat162;
+  static __device__ __forceinline__ Acc zero() { return __floats2bfloat162_rn(0.0f, 0.0f); }
+  template <bool E4M3, bool RECORD>
+  static __device__ __forceinline__ void encode(const uint4& raw, float scale, uint32_t* words, Acc& m) {
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int k = 0; k < 4; k += 2) {
+      if (RECORD) {
+        m = __hmax2_nan(m, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&w[k])));
+        m = __hmax2_nan(m, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&w[k + 1])));
+      }
+      const uint32_t lo = encode2<E4M3>(__uint_as_float(w[k] << 16) * scale, __uint_as_float(w[k] & 0xffff0000u) * scale);
+      const uint32_t hi = encode2<E4M3>(__uint_as_float(w[k + 1] << 16) * scale,
+                                        __uint_as_float(w[k + 1] & 0xffff0000u) * scale);
+      words[k / 2] = nan_fix4<E4M3>(lo | (hi << 16));
+    }
+  }
+  static __device__ __forceinline__ float finish(Acc m) { return fmax_nan(__low2float(m), __high2float(m)); }
+};
+
+template <>
+struct Codec<__half> {
+  static constexpr int kPerLoad = 8;
+  using Acc = __half2;
+  static __device__ __forceinline__ Acc zero() { return __floats2half2_rn(0.0f, 0.0f); }
+  template <bool E4M3, bool RECORD>
+  static __device__ __forceinline__ void encode(const uint4& raw, float scale, uint32_t* words, Acc& m) {
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+    for (int k = 0; k < 4; k += 2) {
+      if (RECORD) {
+        m = __hmax2_nan(m, __habs2(h[k]));
+        m = __hmax2_nan(m, __habs2(h[k + 1]));
+      }
+      const float2 a = __half22float2(h[k]), b = __half22float2(h[k + 1]);
+      const uint32_t lo = encode2<E4M3>(a.x * scale, a.y * scale);
+      const uint32_t hi = encode2<E4M3>(b.x * scale, b.y * scale);
+      words[k / 2] = nan_fix4<E4M3>(lo | (hi << 16));
+    }
+  }
+  static __device__ __forceinline__ float finish(Acc m) { return fmax_nan(__low2float(m), __high2float(m)); }
+};
+
+template <>
+struct Codec<float> {
+  static constexpr int kPerLoad = 4;
+  using Acc = float;
+  static __device__ __forceinline__ Acc zero() { return 0.0f; }
+  template <bool E4M3, bool RECORD>
+  static __device__ __forceinline__ void encode(const uint4& raw, float scale, uint32_t* words, Acc& m) {
+    const float f[4] = {__uint_as_float(raw.x), __uint_as_float(raw.y), __uint_as_float(raw.z),
+                        __uint_as_float(raw.w)};
+    if (RECORD) m = fmax_nan(m, fmax_nan(fmax_nan(fabsf(f[0]), fabsf(f[1])), fmax_nan(fabsf(f[2]), fabsf(f[3]))));
+    const uint32_t lo = encode2<E4M3>(f[0] * scale, f[1] * scale);
+    const uint32_t hi = encode2<E4M3>(f[2] * scale, f[3] * scale);
+    words[0] = nan_fix4<E4M3>(lo | (hi << 16));
+  }
+  static __device__ __forceinline__ float finish(Acc m) { return m; }
 };
 
 // One work item = 16 elements: G 16-byte loads in, one 16-byte store of 16 codes out.
@@ -140,11 +232,11 @@ template <typename T, bool E4M3, bool RECORD>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ out,
                                                             const float* __restrict__ scale_ptr, float* amax_slot,
                                                             int64_t n) {
-  constexpr int N = VecOf<T>::N;
-  constexpr int G = VecOf<T>::G;
+  using C = Codec<T>;
+  constexpr int G = 16 / C::kPerLoad;
+  constexpr int kWordsPerLoad = C::kPerLoad / 4;
   const float scale = *scale_ptr;
-  float m = 0.0f;
-  bool nan = false;
+  typename C::Acc m = C::zero();
   const int64_t nitems = n / 16;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const uint4* xv = reinterpret_cast<const uint4*>(x);
@@ -163,37 +255,37 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict_
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * stride;
       if (i < nitems) {
-        alignas(16) uint16_t pairs[8];
+        uint32_t words[4];
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const T* e = reinterpret_cast<const T*>(&raw[u][g]);
-#pragma unroll
-          for (int k = 0; k < N; k += 2) {
-            const float a = to_f32(e[k]), b = to_f32(e[k + 1]);
-            if (RECORD) {
-              m = fmaxf(m, fmaxf(fabsf(a), fabsf(b)));
-              nan |= isnan(a) | isnan(b);
-            }
-            pairs[(g * N + k) / 2] = encode2<E4M3>(a * scale, b * scale);
-          }
-        }
-        __stcs(ov + i, *reinterpret_cast<const uint4*>(pairs));
+        for (int g = 0; g < G; ++g) C::template encode<E4M3, RECORD>(raw[u][g], scale, words + g * kWordsPerLoad, m);
+        __stcs(ov + i, make_uint4(words[0], words[1], words[2], words[3]));
       }
     }
   }
+  float amax = RECORD ? C::finish(m) : 0.0f;
   // tail (n % 16 elements), handled by the first threads of block 0
   if (blockIdx.x == 0) {
     const int64_t t = nitems * 16 + threadIdx.x;
     if (t < n) {
       const float a = to_f32(x[t]);
-      if (RECORD) {
-        m = fmaxf(m, fabsf(a));
-        nan |= isnan(a);
-      }
-      out[t] = uint8_t(encode2<E4M3>(a * scale, 0.0f) & 0xffu);
+      if (RECORD) amax = fmax_nan(amax, fabsf(a));
+      out[t] = encode1<E4M3>(a * scale);
     }
   }
-  if (RECORD) block_fold_amax(m, nan, amax_slot);
+  if (RECORD) block_fold_amax(amax, amax_slot);
+}
+
+template <typename T, bool E4M3, bool RECORD>
+int grid_for_quantize(int64_t items) {
+  static int resident = -1;  // blocks that fit on the whole device at once
+  if (resident < 0) {
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quantize_kernel<T, E4M3, RECORD>,
+                                                                 kThreads, 0));
+    resident = std::max(1, per_sm) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  }
+  const int64_t needed = (items + int64_t(kThreads) * kUnroll - 1) / (int64_t(kThreads) * kUnroll);
+  return int(std::max<int64_t>(1, std::min<int64_t>(needed, resident)));
 }
 
 int grid_for(int64_t work_items) {
@@ -210,7 +302,8 @@ void check_scalar(const at::Tensor& t, const char* name, const at::Tensor& like)
 }
 
 void check_slot(int64_t slot, int64_t numel) {
-  TORCH_CHECK_VALUE(slot >= 0 && slot < numel, "fp8state: slot: expected 0 <= slot < ", numel, ", got ", slot);
+  TORCH_CHECK_VALUE(slot >= 0 && slot < numel, "fp8state: slot: expected 0 <= slot < ", std::to_string(numel),
+                    ", got ", std::to_string(slot));
 }
 
 void check_input(const at::Tensor& x, at::ScalarType dtype) {
@@ -234,9 +327,8 @@ at::Tensor launch_quantize(const at::Tensor& x_in, const at::Tensor& scale, at::
   const bool record = slot != nullptr;
   // A misaligned view (storage offset) is copied to an aligned buffer first.
   const at::Tensor xa = aligned ? x : x.clone();
-  const int grid = grid_for(std::max<int64_t>(n / 16, 1));
 #define FP8S_LAUNCH(T, E, R)                                                                            \
-  quantize_kernel<T, E, R><<<grid, kThreads, 0, stream>>>(reinterpret_cast<const T*>(xa.data_ptr()), \
+  quantize_kernel<T, E, R><<<grid_for_quantize<T, E, R>(n / 16), kThreads, 0, stream>>>(reinterpret_cast<const T*>(xa.data_ptr()), \
                                                           reinterpret_cast<uint8_t*>(out.data_ptr()), \
                                                           scale.data_ptr<float>(), slot, n)
 #define FP8S_BY_FLAGS(T)            \

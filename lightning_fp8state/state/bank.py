@@ -17,18 +17,20 @@ __all__ = ["FrozenScales", "StateBank"]
 class FrozenScales:
     """A copy of every owner's scale and descale, taken once per event before any commit.
 
-    Snapshots are views into it; nothing ever writes to it.
+    Snapshots are views into it; nothing ever writes to it. Each value sits at the start
+    of its own 16-byte cell (layout ``[2, n, 4]``) because cuBLASLt's FP8 GEMM wants
+    16-byte-aligned scale pointers.
     """
 
     def __init__(self, scales: torch.Tensor, version: int) -> None:
-        self.scales = scales  # [2, n]: row 0 scale, row 1 descale
+        self.scales = scales  # [2, n, 4]: [0, i, 0] scale, [1, i, 0] descale
         self.version = version
 
     def scale(self, index: int) -> torch.Tensor:
-        return self.scales[0, index]
+        return self.scales[0, index, 0]
 
     def descale(self, index: int) -> torch.Tensor:
-        return self.scales[1, index]
+        return self.scales[1, index, 0]
 
 
 class StateBank:
@@ -118,7 +120,7 @@ class StateBank:
 
     def freeze(self) -> FrozenScales:
         """One copy of all scales and descales (one device op), for this event's snapshots."""
-        return FrozenScales(self.scales.clone(), self.version)
+        return FrozenScales(torch.nn.functional.pad(self.scales.unsqueeze(-1), (0, 3)), self.version)
 
     def mask(self, indices: tuple[int, ...]) -> torch.Tensor:
         """A device bool mask selecting ``indices`` (cached: the same set recurs every step)."""

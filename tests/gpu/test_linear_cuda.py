@@ -78,8 +78,9 @@ def test_recompute_bit_identical_and_grads_equal_uncheckpointed_on_gpu(ckpt):
     assert not naive.ok
 
 
-@pytest.mark.parametrize(("a_fmt", "b_fmt"), [(torch.float8_e4m3fn, torch.float8_e4m3fn),
-                                               (torch.float8_e5m2, torch.float8_e4m3fn)])
+@pytest.mark.parametrize(
+    ("a_fmt", "b_fmt"), [(torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e4m3fn)]
+)
 def test_scaled_mm_agrees_with_the_emulation(a_fmt, b_fmt):
     """Same FP8 operands and descales through both backends: float32 outputs differ only by
     the order of float32 accumulation; bf16 outputs by one rounding on top of that."""

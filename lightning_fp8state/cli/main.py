@@ -1,0 +1,106 @@
+"""The ``fp8state`` command: ``train``, ``audit`` and ``report``.
+
+Bad input (an unknown key, a wrong type, an out-of-range value, a missing file) exits with
+code 2 and one line naming the key or path and what is allowed; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import ConfigError
+
+__all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own usage errors: also code 2, one line
+        self.exit(2, f"fp8state: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="fp8state", description="Recompute-safe FP8/FP4 training: train, audit, report.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    t = sub.add_parser("train", help="train a recipe (default: the tiny CPU GPT)")
+    t.add_argument("recipe", nargs="?", default=None, help="recipe name or YAML path")
+    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_steps=50")
+    t.add_argument(
+        "--resume", metavar="RUN_DIR", default=None, help="continue the run in RUN_DIR from its last checkpoint"
+    )
+    a = sub.add_parser("audit", help="prove forward and recompute bit-identical (exit 1 if not)")
+    a.add_argument("recipe", nargs="?", default=None)
+    a.add_argument("overrides", nargs="*")
+    a.add_argument("--mode", choices=["safe", "naive", "bf16"], default=None, help="override quant mode / recipe")
+    a.add_argument("--steps", type=int, default=10, help="logical events to audit (default 10)")
+    a.add_argument("--compare", action="store_true", help="also run naive and bf16 and print the seed's table")
+    r = sub.add_parser("report", help="plots and a summary of a run directory")
+    r.add_argument("run_dir")
+    return p
+
+
+def _split(args) -> tuple[str | None, list[str]]:
+    """A first positional with '=' is an override, not a recipe."""
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe:
+        overrides.insert(0, recipe)
+        recipe = None
+    return recipe, overrides
+
+
+def _audit(args) -> int:
+    from .audit import HEADER, run_audit
+    from .config import load_config
+
+    if args.steps < 1:
+        raise ConfigError(f"--steps={args.steps} is not allowed: expected an integer >= 1")
+    recipe, overrides = _split(args)
+    modes = [args.mode] if args.mode else [None]
+    if args.compare:
+        modes = ["naive", "safe", "bf16"]
+    outcomes = []
+    for mode in modes:
+        extra = []
+        if mode == "bf16":
+            extra = ["quant.recipe=bf16"]
+        elif mode is not None:
+            extra = ["quant.recipe=fp8_delayed", f"quant.mode={mode}"]
+        cfg = load_config(recipe, overrides + extra + ["quant.strict=false"])
+        outcome = run_audit(cfg, args.steps)
+        print(f"== {outcome.mode}: {args.steps} events, recipe {cfg.name}")
+        print(outcome.report.format_table())
+        outcomes.append(outcome)
+    print()
+    print(HEADER)
+    for o in outcomes:
+        print(o.summary_row())
+    primary = outcomes[0] if not args.compare else next(o for o in outcomes if o.mode == "safe")
+    if args.compare:
+        return 0 if primary.report.ok else 1
+    return 0 if all(o.report.ok for o in outcomes) else 1
+
+
+def _train(args) -> int:
+    from .train import run_training
+
+    recipe, overrides = _split(args)
+    return run_training(recipe, overrides, resume=args.resume)
+
+
+def _report(args) -> int:
+    from .report import run_report
+
+    return run_report(args.run_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return {"audit": _audit, "train": _train, "report": _report}[args.command](args)
+    except ConfigError as exc:
+        print(f"fp8state: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""The run configuration schema: plain (non-frozen) dataclasses that omegaconf types and
+validates. Each field's comment is its documentation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["DataCfg", "ModelCfg", "QuantCfg", "RunCfg", "StrategyCfg", "TelemetryCfg", "TrainerCfg"]
+
+
+@dataclass
+class ModelCfg:
+    vocab_size: int = 64
+    seq_len: int = 64
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    mlp_ratio: int = 4
+    checkpoint: bool = True  # activation-checkpoint every block
+    checkpoint_engine: str = "torch"  # torch | deepspeed
+    use_reentrant: bool = False  # torch engine: reentrant variant
+
+
+@dataclass
+class DataCfg:
+    source: str = "markov"  # markov (generated) | text (UTF-8 file, byte tokens) | bin (uint16 memmap)
+    path: str | None = None  # for text / bin
+    batch_size: int = 16
+    num_samples: int = 100_000  # generated samples (markov)
+    seed: int = 0
+    num_workers: int = 0
+
+
+@dataclass
+class QuantCfg:
+    """The library's QuantConfig, field for field (validated by it)."""
+
+    recipe: str = "fp8_delayed"  # fp8_delayed | bf16
+    history_len: int = 16
+    margin: int = 0
+    amax_algo: str = "max"  # max | most_recent
+    mode: str = "safe"  # safe | naive
+    ownership: str = "per_layer_rank"  # per_model | per_layer | per_layer_rank | per_layer_rank_stream
+    strict: bool = False  # raise at the first protocol violation (else count it)
+    include: list[str] = field(default_factory=lambda: ["*"])
+    exclude: list[str] = field(default_factory=lambda: ["head"])
+    forward_format: str = "e4m3"
+    backward_format: str = "e5m2"
+    gemm: str = "auto"  # auto | emulated | scaled_mm
+
+
+@dataclass
+class TelemetryCfg:
+    wandb: str = "offline"  # offline | online | disabled
+    project: str = "fp8state"
+    log_every_n_steps: int = 10
+    audit: bool = False  # attach the recompute auditor during training (diagnostic, slower)
+
+
+@dataclass
+class TrainerCfg:
+    max_steps: int = 200
+    accelerator: str = "cpu"  # cpu | gpu | auto
+    devices: int = 1
+    num_nodes: int = 1
+    precision: str = "32-true"  # 32-true | bf16-mixed | bf16-true
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float = 1.0
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    seed: int = 0
+    checkpoint_every_n_steps: int = 100
+    deterministic: bool = False
+
+
+@dataclass
+class StrategyCfg:
+    name: str = "auto"  # auto | fp8state_ddp | fp8state_deepspeed
+    zero_stage: int = 2  # DeepSpeed ZeRO stage 1-3
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+
+
+@dataclass
+class RunCfg:
+    name: str = "tiny_gpt_cpu"
+    out_dir: str = "runs"  # the run directory is out_dir/name
+    model: ModelCfg = field(default_factory=ModelCfg)
+    data: DataCfg = field(default_factory=DataCfg)
+    quant: QuantCfg = field(default_factory=QuantCfg)
+    telemetry: TelemetryCfg = field(default_factory=TelemetryCfg)
+    trainer: TrainerCfg = field(default_factory=TrainerCfg)
+    strategy: StrategyCfg = field(default_factory=StrategyCfg)

@@ -1,0 +1,75 @@
+"""Token data: a seeded Markov source with learnable structure, or a user's text / token file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ..errors import ConfigError
+
+__all__ = ["MarkovTokens", "TokenFile", "make_dataset"]
+
+
+class MarkovTokens(Dataset):
+    """Sequences from a random sparse Markov chain: each token has ``branching`` equally
+    likely successors, so the best achievable loss is ``log(branching)``. Item ``i`` is a
+    pure function of (seed, i): any worker, rank or resumed run sees the same data."""
+
+    def __init__(self, vocab_size: int, seq_len: int, length: int, seed: int = 0, branching: int = 3) -> None:
+        self.vocab_size, self.seq_len, self.length, self.seed = vocab_size, seq_len, length, seed
+        g = torch.Generator().manual_seed(seed)
+        self.successors = torch.randint(0, vocab_size, (vocab_size, branching), generator=g)
+        self.branching = branching
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i + 1)
+        picks = torch.randint(0, self.branching, (self.seq_len,), generator=g)
+        tokens = torch.empty(self.seq_len + 1, dtype=torch.long)
+        tokens[0] = torch.randint(0, self.vocab_size, (1,), generator=g)
+        for t in range(self.seq_len):
+            tokens[t + 1] = self.successors[tokens[t], picks[t]]
+        return tokens[:-1], tokens[1:]
+
+
+class TokenFile(Dataset):
+    """Windows of ``seq_len + 1`` tokens from a UTF-8 text file (bytes as tokens, vocab 256)
+    or a memory-mapped ``.bin`` of uint16 token ids."""
+
+    def __init__(self, path: str, seq_len: int, vocab_size: int) -> None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"data.path={path!r}: no such file")
+        if p.suffix == ".bin":
+            self.tokens = np.memmap(p, dtype=np.uint16, mode="r")
+        else:
+            self.tokens = np.frombuffer(p.read_bytes(), dtype=np.uint8)
+        top = int(self.tokens.max()) if len(self.tokens) else 0
+        if top >= vocab_size:
+            raise ConfigError(f"data.path={path!r} holds token id {top} but model.vocab_size={vocab_size}")
+        if len(self.tokens) < seq_len + 1:
+            raise ConfigError(f"data.path={path!r} holds {len(self.tokens)} tokens; need at least {seq_len + 1}")
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = torch.from_numpy(np.asarray(self.tokens[i * self.seq_len : (i + 1) * self.seq_len + 1], dtype=np.int64))
+        return chunk[:-1], chunk[1:]
+
+
+def make_dataset(source: str, *, vocab_size: int, seq_len: int, length: int, seed: int, path: str | None = None):
+    """``markov`` (generated, seeded), ``text`` or ``bin`` (a user's file at ``path``)."""
+    if source == "markov":
+        return MarkovTokens(vocab_size, seq_len, length, seed)
+    if source in ("text", "bin"):
+        if not path:
+            raise ConfigError(f"data.source={source!r} needs data.path")
+        return TokenFile(path, seq_len, vocab_size)
+    raise ConfigError(f"data.source={source!r} is not allowed: expected one of ['markov', 'text', 'bin']")

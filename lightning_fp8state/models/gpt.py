@@ -1,0 +1,79 @@
+"""A small pre-norm GPT whose blocks run through the recompute-safe checkpoint wrapper."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..recompute import checkpoint
+
+__all__ = ["GPT", "GPTConfig"]
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 64
+    seq_len: int = 64
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    mlp_ratio: int = 4
+    # activation checkpointing of every block, and through which engine
+    checkpoint: bool = True
+    checkpoint_engine: str = "torch"  # torch | deepspeed
+    use_reentrant: bool = False
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.n_heads = cfg.n_heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.fc = nn.Linear(d, cfg.mlp_ratio * d)
+        self.out = nn.Linear(cfg.mlp_ratio * d, d)
+        # optional hook for quantized attention operands: (q, k, v) -> (q, k, v)
+        self.attn_operands: nn.Module | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.reshape(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        if self.attn_operands is not None:
+            q, k, v = self.attn_operands(q, k, v)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Token embedding + learned positions, ``n_layers`` checkpointed blocks, tied-free head."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Parameter(torch.randn(cfg.seq_len, cfg.d_model) * 0.02)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            if self.cfg.checkpoint and torch.is_grad_enabled():
+                engine = self.cfg.checkpoint_engine
+                kw = {"use_reentrant": self.cfg.use_reentrant} if engine == "torch" else {}
+                x = checkpoint(block, x, engine=engine, **kw)
+            else:
+                x = block(x)
+        return self.head(self.ln(x))
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(idx)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,117 @@
+"""The CLI's configuration loading and the audit command (no Lightning needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_fp8state.cli.config import CONFIGS_DIR, RECIPES_DIR, load_config
+from lightning_fp8state.cli.main import main
+from lightning_fp8state.errors import ConfigError
+
+RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
+PIECES = sorted(CONFIGS_DIR.rglob("*.yaml"))
+FAST = ["model.d_model=32", "model.n_layers=2", "model.seq_len=16", "data.batch_size=4"]
+
+
+def test_there_are_recipes_and_pieces():
+    assert {p.stem for p in RECIPES} >= {
+        "tiny_gpt_cpu",
+        "gpt_124m_h200",
+        "gpt_350m_h200x2_deepspeed",
+        "multinode_template",
+    }
+    assert len(PIECES) >= 8
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_every_recipe_loads_and_validates(recipe):
+    cfg = load_config(str(recipe))
+    assert cfg.name and cfg.trainer.max_steps >= 1
+
+
+@pytest.mark.parametrize("piece", PIECES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_config_piece_merges_and_validates(piece, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    rel = piece.relative_to(CONFIGS_DIR).with_suffix("")
+    recipe.write_text(f"base: [{rel.as_posix()}]\nname: piece\n")
+    cfg = load_config(str(recipe))
+    assert cfg.name == "piece"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["trainer.max_stepz=3"], "trainer.max_stepz"),
+        (["trainer.max_steps=abc"], "trainer.max_steps"),
+        (["trainer.max_steps=0"], "trainer.max_steps=0"),
+        (["quant.mode=careful"], "quant.mode='careful'"),
+        (["quant.history_len=0"], "history_len"),
+        (["strategy.name=horovod"], "strategy.name='horovod'"),
+        (["data.source=text"], "data.path"),
+        (["data.source=bin", "data.path=/no/such/file.bin"], "data.path='/no/such/file.bin'"),
+        (["bogus"], "recipe 'bogus'"),
+        (["tiny_gpt_cpu", "bogus"], "expected key=value"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_key_and_writes_nothing(argv, needle, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", *argv, f"out_dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert needle in err, err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_missing_recipe_file_exits_2(capsys):
+    assert main(["audit", "no_such_recipe.yaml"]) == 2
+    assert "no_such_recipe.yaml" in capsys.readouterr().err
+
+
+def test_bad_yaml_key_in_a_recipe_names_the_file_and_key(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  max_steps: 5\n  learning_rate: 0.1\n")
+    assert main(["audit", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "learning_rate" in err and "bad.yaml" in err
+
+
+def test_command_line_usage_errors_exit_2():
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_fp8state", "audit", "--mode", "sloppy"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert "sloppy" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_audit_safe_exits_0_and_naive_exits_1(capsys):
+    assert main(["audit", "--mode", "safe", "--steps", "3", *FAST]) == 0
+    out = capsys.readouterr().out
+    assert "OK: forward and recompute bit-identical" in out
+    assert main(["audit", "--mode", "naive", "--steps", "3", *FAST]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "mismatch in" in out
+
+
+def test_audit_bf16_control_exits_0(capsys):
+    assert main(["audit", "--mode", "bf16", "--steps", "2", *FAST]) == 0
+
+
+def test_audit_compare_prints_the_seed_table(capsys):
+    assert main(["audit", "--compare", "--steps", "3", *FAST]) == 0  # judged on safe
+    out = capsys.readouterr().out
+    table = out[out.index("mode   |") :]
+    assert "naive  | mismatch in" in table
+    assert "safe   | bit-identical at all 3 events" in table
+    assert "bf16   | bit-identical at all 3 events" in table
+
+
+def test_config_error_is_a_value_error():
+    with pytest.raises(ConfigError):
+        load_config(None, ["quant.amax_algo=mean"])
+    assert issubclass(ConfigError, ValueError)
+    assert Path(RECIPES_DIR).is_dir()

@@ -134,7 +134,7 @@ def _plot_loss(plt, rows, path: Path) -> bool:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.set_title("Loss (red: skipped steps)")
-    ax.legend(loc="upper right")
+    ax.legend(loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -157,7 +157,7 @@ def _plot_grad_norm(plt, rows, path: Path) -> bool:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("total gradient norm")
     ax.set_title("Gradient norm (red: skipped steps)")
-    ax.legend(loc="upper right")
+    ax.legend(loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -171,9 +171,10 @@ def _plot_scales(plt, rows, path: Path) -> bool:
     if not keys:
         return False
     fig, ax = plt.subplots(figsize=(9, 5))
-    for key in keys:
+    colors = plt.get_cmap("tab20")
+    for i, key in enumerate(keys):
         xs, ys = _series(rows, key)
-        ax.plot(xs, ys, marker=".", linewidth=1, label=key.removeprefix("fp8state/scale/"))
+        ax.plot(xs, ys, marker=".", linewidth=1, color=colors(i % 20), label=key.removeprefix("fp8state/scale/"))
     ax.set_yscale("log")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("scale (fmax / amax)")

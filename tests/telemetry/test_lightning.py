@@ -8,6 +8,7 @@ import math
 import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, Logger
 
 import lightning_fp8state as f8s
 from lightning_fp8state.lightning import TelemetryCallback, wandb_logger
@@ -190,3 +191,37 @@ def test_bad_arguments_are_config_errors():
         TelemetryCallback(log_every_n_steps=0)
     with pytest.raises(f8s.ConfigError, match="tokens_per_batch='many'"):
         TelemetryCallback(tokens_per_batch="many")
+
+
+class MemoryLogger(Logger):
+    def __init__(self):
+        super().__init__()
+        self.logged: list[tuple[int, dict]] = []
+
+    @property
+    def name(self):
+        return "memory"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.logged.append((step, dict(metrics)))
+
+
+def test_every_lightning_logger_gets_the_rows(tmp_path):
+    memory, csv = MemoryLogger(), CSVLogger(tmp_path / "csv", name="run")
+    trainer(tmp_path, [TelemetryCallback(log_every_n_steps=2)], max_steps=4, logger=[csv, memory]).fit(TinyModule())
+    ours = [(step, m) for step, m in memory.logged if "train/steps_attempted" in m]
+    assert [step for step, _ in ours] == [1, 2, 3, 4]
+    assert all(isinstance(v, (int, float)) for _, m in ours for v in m.values())  # text only to W&B
+    assert "train/dominant_grad_source" not in ours[0][1] and "train/dominant_grad_share" in ours[0][1]
+    with open(csv.log_dir + "/metrics.csv") as f:
+        header = f.readline()
+    assert "train/effective_tokens_per_s" in header and "train/grad_norm" in header
+    # the JSONL goes where the first logger writes (trainer.log_dir)
+    assert (tmp_path / "csv" / "run" / "version_0" / "telemetry.jsonl").is_file()

@@ -17,7 +17,7 @@ from typing import Any
 
 from .sinks import JSONL_NAME, read_jsonl
 
-__all__ = ["TelemetryReport", "find_jsonl", "summarize", "write_report"]
+__all__ = ["TelemetryReport", "find_jsonl", "format_summary", "print_summary", "summarize", "write_report"]
 
 PLOTS = ("loss", "grad_norm", "scales", "throughput")
 

@@ -335,7 +335,7 @@ class TrainingTelemetry:
             return None
         for row in rows:
             sources = row.pop(_SOURCES, None)
-            index = row.get("train/dominant_grad_index")
+            index = row.pop("train/dominant_grad_index", None)  # meaningful only with its name list
             if sources is not None and index is not None and math.isfinite(index):
                 row["train/dominant_grad_source"] = sources[int(index)]
             if row.get("train/grad_finite", 1.0) == 0.0:

@@ -114,6 +114,32 @@ def assert_bitwise_same(before: dict, after: dict) -> None:
                 assert value == other, f"optimizer state {idx}.{key} changed"
 
 
+class _FakeFp16Optimizer:
+    def __init__(self):
+        self.cur_scale = 65536.0
+        self.overflow = False
+
+
+class FakeDeepSpeedEngine:
+    """What the reader relies on in a DeepSpeed engine: skipped_steps, optimizer.cur_scale /
+    overflow, get_global_grad_norm()."""
+
+    def __init__(self):
+        self.skipped_steps = 0
+        self.optimizer = _FakeFp16Optimizer()
+        self._norm = None
+
+    def get_global_grad_norm(self):
+        return self._norm
+
+    def step(self, overflow: bool, norm=1.0):
+        self.optimizer.overflow = overflow
+        if overflow:
+            self.skipped_steps += 1
+            self.optimizer.cur_scale /= 2
+        self._norm = norm
+
+
 # -- W&B offline runs: the transaction log (.wandb) that `wandb sync` uploads ------------------
 # wandb >= 0.18 writes runs from its Go core and ships no Python reader, so this reads the
 # format directly: a 7-byte header (":W&B", magic 0xBEE1, version 0), then 32 KiB blocks of

@@ -4,6 +4,7 @@ from the run's own files, dominant source, clipping, accumulation, Fp8State, res
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -13,7 +14,14 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 import lightning_fp8state as f8s
 from lightning_fp8state.lightning import TelemetryCallback, wandb_logger
 from lightning_fp8state.telemetry import read_jsonl
-from tests.telemetry.helpers import TinyModule, assert_bitwise_same, snapshot, wandb_history
+from tests.telemetry.helpers import (
+    FakeDeepSpeedEngine,
+    TinyModule,
+    assert_bitwise_same,
+    regression_batches,
+    snapshot,
+    wandb_history,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -225,3 +233,46 @@ def test_every_lightning_logger_gets_the_rows(tmp_path):
     assert "train/effective_tokens_per_s" in header and "train/grad_norm" in header
     # the JSONL goes where the first logger writes (trainer.log_dir)
     assert (tmp_path / "csv" / "run" / "version_0" / "telemetry.jsonl").is_file()
+
+
+def test_callback_under_a_deepspeed_like_engine_counts_the_engines_skips(tmp_path):
+    """Lightning's DeepSpeedStrategy needs CUDA, so the callback is driven by hand here with
+    ``trainer.model`` a fake engine: the guard stands down and the engine's skips count."""
+    engine = FakeDeepSpeedEngine()
+    module = TinyModule()
+    fake_trainer = SimpleNamespace(
+        log_dir=str(tmp_path),
+        default_root_dir=str(tmp_path),
+        model=engine,
+        gradient_clip_val=None,
+        gradient_clip_algorithm=None,
+        is_global_zero=True,
+        log_every_n_steps=50,
+        world_size=2,
+        loggers=[],
+        global_step=0,
+    )
+    cb = TelemetryCallback(log_every_n_steps=2, progress_bar=False)
+    with pytest.warns(UserWarning, match="DeepSpeed keeps gradients"):
+        cb.on_train_start(fake_trainer, module)
+    assert cb.telemetry.guard is False
+    opt = module.configure_optimizers()
+    for step, batch in enumerate(regression_batches(4)):
+        cb.on_train_batch_start(fake_trainer, module, batch, step)
+        loss = module.training_step(batch, step)
+        cb.on_before_backward(fake_trainer, module, loss)
+        loss.backward()
+        if step == 1:
+            module.net.head.weight.grad[0, 0] = float("inf")  # fp16 overflow: the engine skips
+        cb.on_before_optimizer_step(fake_trainer, module, opt)
+        engine.step(overflow=step == 1)
+        opt.zero_grad()
+        fake_trainer.global_step = step + 1
+        cb.on_train_batch_end(fake_trainer, module, None, batch, step)
+    cb.on_train_end(fake_trainer, module)
+    rows = read_jsonl(tmp_path / "telemetry.jsonl")
+    assert [r["train/skipped"] for r in rows] == [0, 1, 0, 0]
+    assert [r["train/steps_skipped_loss_scale"] for r in rows] == [0, 1, 1, 1]
+    assert rows[1]["train/loss_scale"] == 32768.0 and rows[1]["train/grad_finite"] == 0.0
+    assert rows[-1]["train/steps_applied"] == 3
+    assert [r["train/tokens"] for r in rows] == [16] * 4  # 8 rows x world size 2

@@ -21,6 +21,7 @@ from lightning_fp8state.telemetry import (
     source_groups,
 )
 from lightning_fp8state.telemetry.sinks import JsonlSink
+from tests.telemetry.helpers import FakeDeepSpeedEngine
 
 
 def test_gradient_norms_match_float64_norms_of_each_tensor():
@@ -141,32 +142,6 @@ def test_jsonl_is_strict_json_and_round_trips_nonfinite(tmp_path):
     rows = read_jsonl(tmp_path / "run" / "t.jsonl")
     assert math.isnan(rows[0]["loss"]) and rows[0]["norm"] == math.inf and rows[0]["low"] == -math.inf
     assert rows[0]["name"] == "a" and rows[1] == {"step": 2, "loss": 0.5}
-
-
-class _FakeFp16Optimizer:
-    def __init__(self):
-        self.cur_scale = 65536.0
-        self.overflow = False
-
-
-class FakeDeepSpeedEngine:
-    """What the reader relies on in a DeepSpeed engine: skipped_steps, optimizer.cur_scale /
-    overflow, get_global_grad_norm()."""
-
-    def __init__(self):
-        self.skipped_steps = 0
-        self.optimizer = _FakeFp16Optimizer()
-        self._norm = None
-
-    def get_global_grad_norm(self):
-        return self._norm
-
-    def step(self, overflow: bool, norm=1.0):
-        self.optimizer.overflow = overflow
-        if overflow:
-            self.skipped_steps += 1
-            self.optimizer.cur_scale /= 2
-        self._norm = norm
 
 
 def test_read_engine_step_reads_a_deepspeed_like_engine():

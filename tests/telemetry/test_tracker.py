@@ -10,8 +10,7 @@ import torch
 
 from lightning_fp8state.errors import ConfigError
 from lightning_fp8state.telemetry import TrainingTelemetry, read_jsonl
-from tests.telemetry.helpers import TinyNet, assert_bitwise_same, regression_batches, snapshot
-from tests.telemetry.test_metrics import FakeDeepSpeedEngine
+from tests.telemetry.helpers import FakeDeepSpeedEngine, TinyNet, assert_bitwise_same, regression_batches, snapshot
 
 
 def make(tmp_path, **kw):

@@ -47,6 +47,7 @@ def trainer(tmp_path, callbacks, **kw):
         "enable_model_summary": False,
         "enable_checkpointing": False,
         "default_root_dir": tmp_path,
+        "log_every_n_steps": 1,  # Lightning's own logging; telemetry has its own window
     }
     return pl.Trainer(callbacks=callbacks, **(defaults | kw))
 

@@ -1,0 +1,252 @@
+"""TelemetryCallback: training-effective telemetry and the non-finite guard in Lightning.
+
+A thin driver of :class:`~lightning_fp8state.telemetry.TrainingTelemetry`: Lightning's hooks
+feed it tokens, losses and gradients; its rows go to a JSONL file in the run directory
+(always, whatever the loggers) and to every Lightning logger; the progress bar shows loss,
+effective tokens/s and skipped steps.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from ..errors import ConfigError
+from ..telemetry import JSONL_NAME, TrainingTelemetry, count_tokens, read_engine_step
+
+__all__ = ["LightningLoggerSink", "TelemetryCallback", "wandb_logger"]
+
+_NOT_FOR_LOGGERS = ("step", "time")
+
+
+def wandb_logger(save_dir: str | os.PathLike, *, project: str = "lightning_fp8state", online: bool = False, **kwargs):
+    """A ``WandbLogger`` that runs offline unless ``online=True``: no account, no network.
+
+    The run lands in ``<save_dir>/wandb/offline-run-*``; ``wandb sync`` uploads it later.
+    ``kwargs`` go to ``WandbLogger`` (name, tags, log_model, ...).
+    """
+    os.makedirs(save_dir, exist_ok=True)
+    return WandbLogger(save_dir=str(save_dir), project=project, offline=not online, **kwargs)
+
+
+class LightningLoggerSink:
+    """Writes telemetry rows to every logger of a trainer, each row at its own step.
+
+    Numbers go to every logger; text values (the dominant gradient source's name) only to
+    W&B, the one logger here that takes text.
+    """
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+
+    def write(self, rows: Sequence[dict[str, Any]]) -> None:
+        for logger in self.trainer.loggers:
+            text_ok = isinstance(logger, WandbLogger)
+            for row in rows:
+                metrics = {
+                    k: v
+                    for k, v in row.items()
+                    if k not in _NOT_FOR_LOGGERS
+                    and ((isinstance(v, (int, float)) and not isinstance(v, bool)) or (text_ok and isinstance(v, str)))
+                }
+                logger.log_metrics(metrics, step=int(row["step"]))
+            logger.save()
+
+    def close(self) -> None:
+        pass
+
+
+class TelemetryCallback(Callback):
+    """Per optimizer step: steps attempted/applied/skipped, loss, lr, gradient norm before
+    clipping, dominant gradient source, clipping, finiteness, raw and effective tokens/s,
+    and the quantizer's health; a guard skips steps whose gradients are not finite.
+
+    Example::
+
+        trainer = Trainer(
+            logger=lightning_fp8state.lightning.wandb_logger("runs/a"),  # offline W&B
+            callbacks=[TelemetryCallback(log_every_n_steps=10)],
+        )
+
+    Args:
+        run_dir: where ``telemetry.jsonl`` goes (default: ``trainer.log_dir``, which is the
+            first logger's directory or ``default_root_dir`` without loggers).
+        log_every_n_steps: optimizer steps per window (default: the trainer's).
+        guard: skip optimizer steps whose gradients are not all finite: their gradients are
+            set to ``None`` before Lightning clips and steps, so parameters and optimizer
+            state stay exactly as they were. Costs one host sync per optimizer step.
+        tokens_per_batch: tokens in a batch: an int, a function of the batch, or ``None``
+            (integer tensors count elements, floating ones rows; see ``count_tokens``).
+            Throughput is global: this rank's tokens times the world size.
+        state: the ``Fp8State`` to report on (default: the one driving the model's
+            converted layers, if any).
+        dominant_by: ``"layer"`` or ``"parameter"``.
+        saturation: count saturated elements per owner on log steps.
+        per_owner: per-owner quantizer keys (scales, amaxes, saturation).
+        progress_bar: show loss, effective tokens/s and skipped steps (refreshed on log steps).
+        clip_threshold: count clip events against this (default: ``trainer.gradient_clip_val``).
+    """
+
+    def __init__(
+        self,
+        *,
+        run_dir: str | os.PathLike | None = None,
+        log_every_n_steps: int | None = None,
+        guard: bool = True,
+        tokens_per_batch: int | Callable[[Any], int] | None = None,
+        state=None,
+        dominant_by: str = "layer",
+        saturation: bool = True,
+        per_owner: bool = True,
+        progress_bar: bool = True,
+        clip_threshold: float | None = None,
+        jsonl_name: str = JSONL_NAME,
+    ) -> None:
+        if log_every_n_steps is not None and (
+            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+        ):
+            raise ConfigError(f"log_every_n_steps={log_every_n_steps!r} is not allowed: expected an integer >= 1")
+        if not (tokens_per_batch is None or callable(tokens_per_batch) or isinstance(tokens_per_batch, int)):
+            raise ConfigError(
+                f"tokens_per_batch={tokens_per_batch!r} is not allowed: expected an int, a function of the batch or None"
+            )
+        if dominant_by not in ("layer", "parameter"):
+            raise ConfigError(f"dominant_by={dominant_by!r} is not allowed: expected 'layer' or 'parameter'")
+        self.run_dir = run_dir
+        self.log_every_n_steps = log_every_n_steps
+        self.guard = guard
+        self.tokens_per_batch = tokens_per_batch
+        self.state = state
+        self.dominant_by = dominant_by
+        self.saturation = saturation
+        self.per_owner = per_owner
+        self.progress_bar = progress_bar
+        self.clip_threshold = clip_threshold
+        self.jsonl_name = jsonl_name
+        self.telemetry: TrainingTelemetry | None = None
+        self._engine = None
+        self._world_size = 1
+        self._restored: dict | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        run_dir = self.run_dir if self.run_dir is not None else (trainer.log_dir or trainer.default_root_dir)
+        engine = trainer.model if read_engine_step(trainer.model) is not None else None
+        guard = self.guard
+        if engine is not None and guard:
+            rank_zero_warn(
+                "TelemetryCallback: DeepSpeed keeps gradients in its own buffers, so the non-finite "
+                "guard only reports here; DeepSpeed's fp16 loss scaler skips overflowing steps itself "
+                "and those are counted as skipped (train/steps_skipped_loss_scale)."
+            )
+            guard = False
+        threshold, algorithm = self.clip_threshold, "norm"
+        if engine is None and pl_module.automatic_optimization and trainer.gradient_clip_val:
+            threshold = threshold if threshold is not None else float(trainer.gradient_clip_val)
+            algorithm = str(
+                getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm) or "norm"
+            )
+        sinks = [LightningLoggerSink(trainer)] if trainer.is_global_zero else []
+        self.telemetry = TrainingTelemetry(
+            run_dir,
+            model=pl_module,
+            state=self.state,
+            log_every=self.log_every_n_steps or trainer.log_every_n_steps or 50,
+            guard=guard,
+            max_grad_norm=threshold,
+            clip_algorithm=algorithm,
+            apply_clipping=False,  # Lightning clips; we count
+            dominant_by=self.dominant_by,
+            saturation=self.saturation,
+            per_owner=self.per_owner,
+            sinks=sinks,
+            jsonl_name=self.jsonl_name,
+            write=trainer.is_global_zero,
+        )
+        if self._restored is not None:
+            self.telemetry.load_state_dict(self._restored)
+            self._restored = None
+        self._engine = engine
+        self._world_size = trainer.world_size
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close()  # the rows measured so far are written: they may explain the failure
+
+    def _close(self) -> None:
+        if self.telemetry is not None:
+            self._restored = self.telemetry.state_dict()
+            self.telemetry.close()
+            self.telemetry = None
+
+    # -- per batch / step ----------------------------------------------------------------
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.telemetry is None:
+            return
+        if self.tokens_per_batch is None:
+            tokens = count_tokens(batch)
+        elif callable(self.tokens_per_batch):
+            tokens = int(self.tokens_per_batch(batch))
+        else:
+            tokens = self.tokens_per_batch
+        self.telemetry.observe_tokens(tokens * self._world_size)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss) -> None:
+        if self.telemetry is not None:
+            self.telemetry.observe_loss(loss)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        if self.telemetry is not None:
+            self.telemetry.before_optimizer_step(optimizer)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch: Any, batch_idx: int
+    ) -> None:
+        tel = self.telemetry
+        if tel is None or not tel.step_pending:  # no optimizer step in this batch (accumulating)
+            return
+        row = tel.after_optimizer_step(step=trainer.global_step, engine=self._engine)
+        if row is not None and self.progress_bar:
+            shown = {
+                "train/loss": row.get("train/loss"),
+                "eff_tok/s": row.get("train/effective_tokens_per_s"),
+                "skipped": row.get("train/steps_skipped"),
+            }
+            for name, value in shown.items():
+                if value is not None:
+                    pl_module.log(name, float(value), prog_bar=True, logger=False, on_step=True, on_epoch=False)
+
+    # -- checkpoint ----------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self.telemetry is not None:
+            return {"counters": self.telemetry.state_dict()}
+        return {"counters": self._restored} if self._restored is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        counters = state_dict.get("counters")
+        if counters is None:
+            return
+        if self.telemetry is not None:
+            self.telemetry.load_state_dict(counters)
+        else:
+            self._restored = dict(counters)

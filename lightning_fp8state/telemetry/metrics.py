@@ -1,0 +1,120 @@
+"""Per-step training metrics as pure functions on device tensors: no host sync in here.
+
+Each function returns ``dict[str, Tensor]`` of 0-d device tensors (the torchtitan shape,
+one step earlier): the caller decides when they reach the host (only on log steps, see
+:class:`~lightning_fp8state.telemetry.recorder.StepRecorder`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "CLIP_ALGORITHMS",
+    "clip_event",
+    "gradient_norms",
+    "gradient_summary",
+    "loss_summary",
+    "source_groups",
+]
+
+CLIP_ALGORITHMS = ("norm", "value")
+
+
+def gradient_norms(grads: Sequence[torch.Tensor], ord: float = 2.0) -> torch.Tensor:
+    """The ``ord``-norm of every gradient tensor, stacked: a ``[P]`` float64 device tensor.
+
+    Norms are accumulated in float64, so a 2-norm is finite exactly when every element of
+    its gradient is finite (float32/bf16/fp16 squares cannot overflow float64), and one
+    fused ``torch._foreach_norm`` pass per device serves both the norm and the finiteness
+    check.
+    """
+    if not grads:
+        return torch.zeros(0, dtype=torch.float64)
+    device = grads[0].device
+    by_device: dict[torch.device, list[int]] = {}
+    for i, g in enumerate(grads):
+        by_device.setdefault(g.device, []).append(i)
+    if len(by_device) == 1:
+        return torch.stack(torch._foreach_norm(list(grads), ord, dtype=torch.float64))
+    out = torch.empty(len(grads), dtype=torch.float64, device=device)
+    for idx in by_device.values():
+        norms = torch.stack(torch._foreach_norm([grads[i] for i in idx], ord, dtype=torch.float64))
+        out[torch.tensor(idx, device=device)] = norms.to(device, non_blocking=True)
+    return out
+
+
+def source_groups(names: Sequence[str], by: str = "layer") -> tuple[list[str], list[int]]:
+    """Group parameter names into gradient sources.
+
+    Args:
+        names: parameter names as ``named_parameters()`` gives them (``"blocks.0.fc1.weight"``).
+        by: ``"layer"`` (the owning module's path, ``"blocks.0.fc1"``) or ``"parameter"``.
+
+    Returns:
+        The source names and, per parameter, the index of its source.
+    """
+    if by not in ("layer", "parameter"):
+        raise ValueError(f"by={by!r} is not allowed: expected 'layer' or 'parameter'")
+    sources: dict[str, int] = {}
+    index = []
+    for name in names:
+        source = name.rsplit(".", 1)[0] if by == "layer" and "." in name else name
+        index.append(sources.setdefault(source, len(sources)))
+    return list(sources), index
+
+
+def gradient_summary(param_norms: torch.Tensor, group_index: torch.Tensor, n_groups: int) -> dict[str, torch.Tensor]:
+    """Total gradient norm, finiteness and the dominant source, all on the device.
+
+    Args:
+        param_norms: ``[P]`` per-parameter 2-norms (:func:`gradient_norms`).
+        group_index: ``[P]`` int64 source index of each parameter (:func:`source_groups`).
+        n_groups: number of sources.
+
+    Returns:
+        ``grad_norm`` (total 2-norm), ``grad_finite`` (1.0 when every gradient element is
+        finite), ``dominant_index`` (the source with the largest norm; a source holding a
+        NaN wins, so a non-finite step names where the NaN is), ``dominant_share`` (that
+        source's share of the total *squared* norm: shares of all sources sum to 1).
+    """
+    sq = param_norms.square()
+    total_sq = sq.sum()
+    group_sq = torch.zeros(n_groups, dtype=sq.dtype, device=sq.device).index_add_(0, group_index, sq)
+    dominant = torch.argmax(group_sq)
+    total = total_sq.sqrt()
+    return {
+        "grad_norm": total,
+        "grad_finite": torch.isfinite(total).to(torch.float64),
+        "dominant_index": dominant.to(torch.float64),
+        "dominant_share": group_sq[dominant] / total_sq,
+    }
+
+
+def clip_event(
+    total_norm: torch.Tensor, max_abs: torch.Tensor | None, threshold: float, algorithm: str = "norm"
+) -> torch.Tensor:
+    """1.0 when clipping at ``threshold`` changes the gradients of a finite step, else 0.0.
+
+    ``norm``: the criterion of ``torch.nn.utils.clip_grad_norm_`` (it scales by
+    ``threshold / (norm + 1e-6)`` when that is below 1). ``value``: some element's
+    magnitude exceeds ``threshold`` (``max_abs`` is the largest gradient magnitude).
+    """
+    if algorithm not in CLIP_ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r} is not allowed: expected one of {list(CLIP_ALGORITHMS)}")
+    finite = torch.isfinite(total_norm)
+    if algorithm == "norm":
+        clipped = (threshold / (total_norm + 1e-6)) < 1.0
+    else:
+        if max_abs is None:
+            raise ValueError("value clipping needs max_abs (the largest gradient magnitude)")
+        clipped = max_abs > threshold
+    return (clipped & finite).to(torch.float64)
+
+
+def loss_summary(loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The step's loss (detached, float64) and whether it is finite."""
+    value = loss.detach().reshape(()).to(torch.float64)
+    return {"loss": value, "loss_finite": torch.isfinite(value).to(torch.float64)}

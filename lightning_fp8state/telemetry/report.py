@@ -1,0 +1,277 @@
+"""The report of a run: PNG plots from its telemetry JSONL and a summary table.
+
+``python -m lightning_fp8state.telemetry report RUN_DIR`` (and ``fp8state report RUN_DIR``
+once the CLI lands) call :func:`write_report`. matplotlib runs on the Agg backend (no
+display needed) and is imported only here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .sinks import JSONL_NAME, read_jsonl
+
+__all__ = ["TelemetryReport", "find_jsonl", "format_summary", "print_summary", "summarize", "write_report"]
+
+PLOTS = ("loss", "grad_norm", "scales", "throughput")
+
+
+@dataclass
+class TelemetryReport:
+    """What :func:`write_report` produced."""
+
+    jsonl: Path
+    rows: int
+    plots: dict[str, Path] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def find_jsonl(run_dir: str | os.PathLike) -> Path:
+    """The telemetry file of a run: ``RUN_DIR`` itself if it is a file, ``RUN_DIR/telemetry.jsonl``,
+    or the newest ``telemetry*.jsonl`` below ``RUN_DIR`` (e.g. ``lightning_logs/version_0/``)."""
+    path = Path(run_dir)
+    if path.is_file():
+        return path
+    if (path / JSONL_NAME).is_file():
+        return path / JSONL_NAME
+    found = sorted(path.rglob("telemetry*.jsonl"), key=lambda p: p.stat().st_mtime) if path.is_dir() else []
+    if not found:
+        raise FileNotFoundError(
+            f"no telemetry JSONL in {path}: expected {path / JSONL_NAME} or a telemetry*.jsonl below it "
+            "(written by TelemetryCallback / TrainingTelemetry)"
+        )
+    return found[-1]
+
+
+def _finite(values) -> list[float]:
+    return [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, (int, float)):
+            xs.append(r["step"])
+            ys.append(float(v))
+    return xs, ys
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's summary as plain values (what the table prints)."""
+    if not rows:
+        return {}
+    last = rows[-1]
+    s: dict[str, Any] = {
+        "steps attempted": last.get("train/steps_attempted", len(rows)),
+        "steps applied": last.get("train/steps_applied"),
+        "steps skipped": last.get("train/steps_skipped"),
+    }
+    if s["steps attempted"]:
+        s["skip rate"] = (s["steps skipped"] or 0) / s["steps attempted"]
+    s["non-finite gradient steps"] = last.get("train/steps_nonfinite")
+    s["clip events"] = last.get("train/clip_events")
+    if "train/steps_skipped_loss_scale" in last:
+        s["skipped by loss scaler"] = last["train/steps_skipped_loss_scale"]
+    losses = _finite(r.get("train/loss") for r in rows)
+    if losses:
+        s["loss first"], s["loss last"], s["loss min"] = losses[0], losses[-1], min(losses)
+    norms = _finite(r.get("train/grad_norm") for r in rows)
+    if norms:
+        s["grad norm median"], s["grad norm max"] = statistics.median(norms), max(norms)
+    sources = Counter(r["train/dominant_grad_source"] for r in rows if "train/dominant_grad_source" in r)
+    if sources:
+        s["dominant gradient source"] = ", ".join(f"{name} ({n} steps)" for name, n in sources.most_common(3))
+    windows = [r for r in rows if "train/window_seconds" in r]
+    seconds = sum(r["train/window_seconds"] for r in windows)
+    if seconds > 0 and any("train/tokens_per_s" in r for r in windows):
+        raw = sum(r.get("train/tokens_per_s", 0.0) * r["train/window_seconds"] for r in windows)
+        eff = sum(r.get("train/effective_tokens_per_s", 0.0) * r["train/window_seconds"] for r in windows)
+        s["tokens/s"], s["effective tokens/s"] = raw / seconds, eff / seconds
+    elif seconds > 0:
+        s["steps/s"] = sum(r["train/window_steps"] for r in windows) / seconds
+        s["effective steps/s"] = sum(r["train/steps_applied_window"] for r in windows) / seconds
+    health = [r for r in rows if "fp8state/owners" in r]
+    if health:
+        h = health[-1]
+        s["quantizer owners"] = h["fp8state/owners"]
+        if "fp8state/scale_min" in h:
+            s["scale range (last)"] = f"{h['fp8state/scale_min']:.4g} .. {h['fp8state/scale_max']:.4g}"
+        sat = _finite(r.get("fp8state/saturated_frac_max") for r in health)
+        if sat:
+            s["saturated fraction max"] = max(sat)
+        lo = _finite(r.get("fp8state/commits_per_event_min") for r in health)
+        hi = _finite(r.get("fp8state/commits_per_event_max") for r in health)
+        if lo and hi:
+            s["commits per event"] = f"{min(lo):g} .. {max(hi):g}"
+        s["ledger violations"] = h.get("fp8state/ledger_violations")
+        s["non-finite amax events"] = h.get("fp8state/nonfinite_amax_events")
+        if "fp8state/recompute_mismatches" in h:
+            s["recompute mismatches"] = h["fp8state/recompute_mismatches"]
+    return {k: v for k, v in s.items() if v is not None}
+
+
+def _mark_skipped(ax, rows: list[dict]) -> None:
+    skipped = [r["step"] for r in rows if r.get("train/skipped") == 1.0]
+    for i, step in enumerate(skipped):
+        ax.axvline(step, color="tab:red", alpha=0.35, linewidth=1, label="skipped step" if i == 0 else None)
+
+
+def _plot_loss(plt, rows, path: Path) -> bool:
+    xs, ys = _series(rows, "train/loss")
+    if not xs:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(xs, ys, color="tab:blue", linewidth=1.2, label="loss")
+    _mark_skipped(ax, rows)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title("Loss (red: skipped steps)")
+    ax.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _plot_grad_norm(plt, rows, path: Path) -> bool:
+    xs, ys = _series(rows, "train/grad_norm")
+    if not xs:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ok = [(x, y) for x, y in zip(xs, ys, strict=True) if math.isfinite(y) and y > 0]
+    if ok:
+        ax.plot(*zip(*ok, strict=True), color="tab:green", linewidth=1.2, label="grad norm (before clipping)")
+        ax.set_yscale("log")
+    clipped = [(r["step"], r["train/grad_norm"]) for r in rows if r.get("train/clipped") == 1.0]
+    if clipped:
+        ax.scatter(*zip(*clipped, strict=True), s=12, color="tab:orange", label="clipped", zorder=3)
+    _mark_skipped(ax, rows)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("total gradient norm")
+    ax.set_title("Gradient norm (red: skipped steps)")
+    ax.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _plot_scales(plt, rows, path: Path) -> bool:
+    keys = sorted({k for r in rows for k in r if k.startswith("fp8state/scale/")})
+    if not keys:
+        keys = [k for k in ("fp8state/scale_min", "fp8state/scale_max") if any(k in r for r in rows)]
+    if not keys:
+        return False
+    fig, ax = plt.subplots(figsize=(9, 5))
+    colors = plt.get_cmap("tab20")
+    for i, key in enumerate(keys):
+        xs, ys = _series(rows, key)
+        ax.plot(xs, ys, marker=".", linewidth=1, color=colors(i % 20), label=key.removeprefix("fp8state/scale/"))
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("scale (fmax / amax)")
+    ax.set_title(f"Delayed scales per owner ({len(keys)})")
+    if len(keys) <= 16:
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _plot_throughput(plt, rows, path: Path) -> bool:
+    raw_key, eff_key, unit = "train/tokens_per_s", "train/effective_tokens_per_s", "tokens/s"
+    if not any(raw_key in r for r in rows):
+        raw_key, eff_key, unit = "train/steps_per_s", "train/effective_steps_per_s", "steps/s"
+    xs, raw = _series(rows, raw_key)
+    if not xs:
+        return False
+    _, eff = _series(rows, eff_key)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(xs, raw, marker="o", color="tab:gray", label=f"raw {unit}")
+    ax.plot(xs, eff, marker="o", color="tab:blue", label=f"effective {unit} (applied steps only)")
+    ax.fill_between(xs, eff, raw, color="tab:red", alpha=0.15, label="lost to skipped steps")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("optimizer step (end of window)")
+    ax.set_ylabel(unit)
+    ax.set_title("Throughput: raw vs effective")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as a plain two-column table."""
+    width = max((len(k) for k in summary), default=0)
+    lines = []
+    for key, value in summary.items():
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        lines.append(f"{key:<{width}}  {text}")
+    return "\n".join(lines)
+
+
+def print_summary(summary: dict[str, Any], title: str) -> None:
+    """Print the summary with rich when it is installed, else as plain text."""
+    try:
+        from rich.console import Console  # noqa: PLC0415  (optional)
+        from rich.table import Table  # noqa: PLC0415
+    except ImportError:
+        print(title)
+        print(format_summary(summary))
+        return
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    Console().print(table)
+
+
+def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, *, show: bool = True):
+    """Draw the run's plots (PNG) and print its summary.
+
+    Args:
+        run_dir: the run directory (or the JSONL file itself); see :func:`find_jsonl`.
+        out_dir: where the PNGs go (default: ``<dir of the JSONL>/report``).
+        show: print the summary table.
+
+    Returns:
+        A :class:`TelemetryReport` with the plot paths and the summary. Plots whose data
+        the run does not have (no quantizer state, no losses) are left out and named in
+        ``notes``.
+    """
+    import matplotlib  # noqa: PLC0415  (lazy: only the report draws)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    jsonl = find_jsonl(run_dir)
+    rows = read_jsonl(jsonl)  # in the order written (a resumed run appends)
+    out = Path(out_dir) if out_dir is not None else jsonl.parent / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    report = TelemetryReport(jsonl=jsonl, rows=len(rows))
+    drawers = {"loss": _plot_loss, "grad_norm": _plot_grad_norm, "scales": _plot_scales, "throughput": _plot_throughput}
+    for name in PLOTS:
+        path = out / f"{name}.png"
+        if drawers[name](plt, rows, path):
+            report.plots[name] = path
+        else:
+            report.notes.append(f"{name}.png not drawn: the run has no {name} data")
+    report.summary = summarize(rows)
+    if show:
+        print_summary(report.summary, f"telemetry: {jsonl} ({len(rows)} steps)")
+        for name, path in report.plots.items():
+            print(f"{name:>10}: {path}")
+        for note in report.notes:
+            print(note)
+    return report

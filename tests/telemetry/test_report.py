@@ -1,0 +1,101 @@
+"""The report: non-empty PNG plots from a run's JSONL, the summary, the module entry point."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_fp8state as f8s
+from lightning_fp8state.telemetry import TrainingTelemetry, write_report
+from lightning_fp8state.telemetry.__main__ import main
+from tests.conftest import event_inputs, make_stack
+from tests.telemetry.helpers import TinyNet, regression_batches
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def fp8_run(run_dir, steps=12, nan_at=5):
+    state = f8s.Fp8State(f8s.QuantConfig())
+    model = state.convert(make_stack(n=2, ckpt=("torch", False)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tel = TrainingTelemetry(run_dir, model=model, state=state, log_every=4, max_grad_norm=1.0)
+    for step, x in enumerate(event_inputs(steps, scale_growth=1.05)):
+        with state.step(step):
+            loss = model(x.requires_grad_(True)).float().pow(2).mean()
+            loss.backward()
+        if step == nan_at:
+            model.blocks[1].fc2.weight.grad[0, 0] = float("nan")
+        if tel.before_optimizer_step(opt, loss=loss, tokens=x.shape[0] * 16):
+            opt.step()
+        opt.zero_grad()
+        tel.after_optimizer_step()
+    tel.close()
+    return state
+
+
+def assert_real_png(path):
+    import matplotlib.image
+
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 5000, path
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[0] > 100 and pixels.shape[1] > 100
+    assert float(pixels[..., :3].std()) > 0.01  # not a blank canvas
+
+
+def test_report_writes_the_plots_and_the_summary(tmp_path, capsys):
+    fp8_run(tmp_path)
+    report = write_report(tmp_path)
+    assert set(report.plots) == {"loss", "grad_norm", "scales", "throughput"}
+    for path in report.plots.values():
+        assert path.parent == tmp_path / "report"
+        assert_real_png(path)
+    s = report.summary
+    assert (s["steps attempted"], s["steps applied"], s["steps skipped"]) == (12, 11, 1)
+    assert s["non-finite gradient steps"] == 1
+    assert s["quantizer owners"] == 2 * 2 * 3
+    assert s["commits per event"] == "1 .. 1" and s["ledger violations"] == 0
+    assert s["effective tokens/s"] < s["tokens/s"]
+    assert s["dominant gradient source"]
+    out = capsys.readouterr().out
+    assert "steps skipped" in out and "scales.png" in out
+
+
+def test_cli_entry_point(tmp_path, capsys):
+    fp8_run(tmp_path / "run", steps=4, nan_at=1)
+    assert main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "plots")]) == 0
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "grad_norm.png",
+        "loss.png",
+        "scales.png",
+        "throughput.png",
+    ]
+    assert "steps attempted" in capsys.readouterr().out
+    assert main(["report", str(tmp_path / "nothing-here")]) == 2
+    assert "no telemetry JSONL" in capsys.readouterr().err
+
+
+def test_report_of_a_run_without_quantizer_state(tmp_path):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    tel = TrainingTelemetry(tmp_path / "version_0", model=model, log_every=2)
+    for x, y in regression_batches(4):
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        tel.before_optimizer_step(opt, loss=loss)  # no tokens: throughput in steps/s
+        opt.step()
+        opt.zero_grad()
+        tel.after_optimizer_step()
+    tel.close()
+    report = write_report(tmp_path, show=False)  # found below the run directory
+    assert set(report.plots) == {"loss", "grad_norm", "throughput"}
+    assert any("scales.png" in note for note in report.notes)
+    assert "steps/s" in report.summary and "tokens/s" not in report.summary
+    for path in report.plots.values():
+        assert_real_png(path)
+
+
+def test_missing_run_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no telemetry JSONL"):
+        write_report(tmp_path)

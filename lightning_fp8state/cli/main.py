@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--steps", type=int, default=10, help="logical events to audit (default 10)")
     a.add_argument("--compare", action="store_true", help="also run naive and bf16 and print the seed's table")
     r = sub.add_parser("report", help="plots and a summary of a run directory")
-    r.add_argument("run_dir")
+    r.add_argument("run_dir", help="a run directory (or its telemetry.jsonl)")
+    r.add_argument("--out", default=None, help="where the PNGs go (default: <run>/report)")
     return p
 
 
@@ -90,7 +91,7 @@ def _train(args) -> int:
 def _report(args) -> int:
     from .report import run_report
 
-    return run_report(args.run_dir)
+    return run_report(args.run_dir, args.out)
 
 
 def main(argv: list[str] | None = None) -> int:

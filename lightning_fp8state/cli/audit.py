@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ..audit import AuditReport, RecomputeAuditor
 from ..fp8state import Fp8State

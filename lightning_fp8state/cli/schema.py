@@ -5,20 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["DataCfg", "ModelCfg", "QuantCfg", "RunCfg", "StrategyCfg", "TelemetryCfg", "TrainerCfg"]
+from ..models.gpt import GPTConfig
 
-
-@dataclass
-class ModelCfg:
-    vocab_size: int = 64
-    seq_len: int = 64
-    d_model: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    mlp_ratio: int = 4
-    checkpoint: bool = True  # activation-checkpoint every block
-    checkpoint_engine: str = "torch"  # torch | deepspeed
-    use_reentrant: bool = False  # torch engine: reentrant variant
+__all__ = ["DataCfg", "GPTConfig", "QuantCfg", "RunCfg", "StrategyCfg", "TelemetryCfg", "TrainerCfg"]
 
 
 @dataclass
@@ -87,7 +76,7 @@ class StrategyCfg:
 class RunCfg:
     name: str = "tiny_gpt_cpu"
     out_dir: str = "runs"  # the run directory is out_dir/name
-    model: ModelCfg = field(default_factory=ModelCfg)
+    model: GPTConfig = field(default_factory=GPTConfig)  # the model, field for field
     data: DataCfg = field(default_factory=DataCfg)
     quant: QuantCfg = field(default_factory=QuantCfg)
     telemetry: TelemetryCfg = field(default_factory=TelemetryCfg)

@@ -1,4 +1,5 @@
 import torch
+
 a = torch.randn(64, 256, device="cuda").to(torch.float8_e4m3fn)
 b = torch.randn(512, 256, device="cuda").to(torch.float8_e4m3fn).t()
 buf = torch.ones(64, device="cuda")

@@ -1,3 +1,8 @@
+"""Probe: does torch._scaled_mm accept FP8 scale pointers at 4-byte vs 16-byte offsets?
+
+Found on the H200 (2026-11-30): a 4-byte offset fails with CUBLAS_STATUS_NOT_SUPPORTED, 16 runs.
+"""
+
 import torch
 
 a = torch.randn(64, 256, device="cuda").to(torch.float8_e4m3fn)

@@ -22,13 +22,17 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from . import ops
 from .config import QuantConfig
-from .errors import StateTransitionError
+from .errors import ConfigError, StateTransitionError
 from .formats import fp8_format
 from .recompute import CallRecord, Phase, SnapshotStash, current_frame, in_backward
 from .state import (
+    BACKWARD_ROLES,
+    FORWARD_ROLES,
+    AmaxReducer,
     ConcurrencyGuard,
     Event,
     FrozenScales,
@@ -52,6 +56,7 @@ class _OpenEvent:
     top_ordinals: defaultdict = field(default_factory=lambda: defaultdict(int))
     observed: dict = field(default_factory=dict)  # OwnerKey -> bank index, in order
     committed: set = field(default_factory=set)
+    forward_committed: bool = False  # commit_forward() ran in this event
 
 
 class QuantProtocol:
@@ -68,6 +73,15 @@ class QuantProtocol:
         self.guard = ConcurrencyGuard()
         self.stash = SnapshotStash()
         self.auditors: list = []
+        # Set by enable_amax_reduction(): combines pending amaxes across data-parallel ranks
+        # right before each commit (safe mode only; naive mode never reduces).
+        self.amax_reducer: AmaxReducer | None = None
+        unknown = sorted({r for r, _ in config.amax_reduction} - FORWARD_ROLES - BACKWARD_ROLES - {"*"})
+        if unknown:
+            raise ConfigError(
+                f"amax_reduction names unknown role(s) {unknown}: expected roles from "
+                f"{sorted(FORWARD_ROLES | BACKWARD_ROLES)} or '*'"
+            )
         self._open: _OpenEvent | None = None
         self._streams: dict[tuple, int] = {}
         self._lock = threading.RLock()
@@ -102,14 +116,44 @@ class QuantProtocol:
 
     def commit_forward(self) -> None:
         """Advance the forward roles (input, weight, attention operands) observed so far."""
-        self._commit(self._require_open("commit_forward()"), {"forward"})
+        ev = self._require_open("commit_forward()")
+        self._commit(ev, {"forward"}, reduce_phases={"forward"})
+        ev.forward_committed = True
 
-    def _commit(self, ev: _OpenEvent, phases: set[str]) -> None:
+    def enable_amax_reduction(self, *, group=None, device: torch.device | None = None) -> bool:
+        """Reduce pending amaxes across the data-parallel ``group`` before every commit, for
+        the roles ``config.amax_reduction`` marks ``data_parallel``.
+
+        Every rank must enable it and run the same events. Does nothing (returns False)
+        without an initialized process group of more than one rank, under the bf16 recipe,
+        or when no role reduces.
+        """
+        roles = FORWARD_ROLES | BACKWARD_ROLES
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
+            return False
+        if not self.config.quantized or not any(self.config.reduction_of(r) == "data_parallel" for r in roles):
+            return False
+        self.amax_reducer = AmaxReducer(self.config.reduction_of, group=group, device=device)
+        return True
+
+    def _reduces(self, phases: set[str]) -> bool:
+        reducer = self.amax_reducer
+        if reducer is None or self.config.mode != "safe" or not self.config.quantized:
+            return False
+        roles = (FORWARD_ROLES if "forward" in phases else set()) | (BACKWARD_ROLES if "backward" in phases else set())
+        return any(reducer.reduces(r) for r in roles)
+
+    def _commit(self, ev: _OpenEvent, phases: set[str], *, reduce_phases: set[str]) -> None:
         with self._lock:
             owners = [o for o in ev.observed if o not in ev.committed and role_phase(o.role) in phases]
+            indices = tuple(ev.observed[o] for o in owners)
+            # The collective runs whenever a role of ``reduce_phases`` reduces, even with
+            # nothing to commit here: every rank must reach it at the same points.
+            if self._reduces(reduce_phases):
+                self.amax_reducer.reduce(self.bank, indices)
             if not owners:
                 return
-            self.bank.commit(tuple(ev.observed[o] for o in owners), self.config.amax_algo, self.config.margin)
+            self.bank.commit(indices, self.config.amax_algo, self.config.margin)
             ev.committed.update(owners)
             self.guard.release(owners)
             self.ledger.commit(ev.event, owners)
@@ -118,7 +162,8 @@ class QuantProtocol:
         """Commit what is left (backward roles, or all if commit_forward was not called)."""
         ev = self._require_open("end_event()")
         try:
-            self._commit(ev, {"forward", "backward"})
+            late = {"backward"} if ev.forward_committed else {"forward", "backward"}
+            self._commit(ev, {"forward", "backward"}, reduce_phases=late)
             self.ledger.check_event(ev.event)
         finally:
             self._close(ev)

@@ -1,0 +1,15 @@
+"""Lightning integration: Fp8StateCallback and the fp8state_ddp / fp8state_deepspeed strategies.
+
+Importing this module (``import lightning_fp8state.lightning``, or touching
+``lightning_fp8state.lightning.Fp8StateCallback``) registers the strategies with Lightning's
+registry, so ``Trainer(strategy="fp8state_ddp" | "fp8state_deepspeed")`` finds them.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from .callback import Fp8StateCallback
+from .strategies import Fp8StateDDPStrategy, Fp8StateDeepSpeedStrategy, register_strategies
+
+register_strategies(StrategyRegistry)
+
+__all__ = ["Fp8StateCallback", "Fp8StateDDPStrategy", "Fp8StateDeepSpeedStrategy", "register_strategies"]

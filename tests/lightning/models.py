@@ -26,7 +26,7 @@ class CheckpointedBoring(BoringModel):
     reentrant checkpointing (DeepSpeed's) gives a region's parameters no gradient otherwise.
     """
 
-    def __init__(self, ckpt: str = "f8s_torch", d: int = 16, n_blocks: int = 2, lr: float = 0.05, frozen: bool = False):
+    def __init__(self, ckpt: str = "f8s_torch", d: int = 16, n_blocks: int = 2, lr: float = 0.01, frozen: bool = False):
         super().__init__()
         del self.layer
         assert ckpt in CKPT_MODES, ckpt
@@ -74,8 +74,8 @@ class CheckpointedBoring(BoringModel):
 
 
 class ScaledDataset(Dataset):
-    """Sample i: fixed random vector (seeded by i) times 8 for odd i: with a DistributedSampler
-    without shuffling, rank 0 gets the even samples and rank 1 the 8x louder odd ones."""
+    """Sample i: a fixed random vector (seeded by i), times 8 for odd i: with a DistributedSampler
+    over two ranks without shuffling, rank 0 gets the even samples and rank 1 the louder odd ones."""
 
     def __init__(self, length: int = 32, size: int = 32, loud: float = 8.0) -> None:
         self.length, self.size, self.loud = length, size, loud

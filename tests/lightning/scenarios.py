@@ -16,6 +16,7 @@ import sys
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DistributedSampler
 
 import lightning_fp8state as f8s
 from tests.lightning.models import CheckpointedBoring, ResumableLoader, ScaledDataset
@@ -35,7 +36,7 @@ DEFAULTS = {
     "batch_size": 2,
     "frozen": False,  # a frozen layer whose weight differs per rank (perturbed after DDP's broadcast)
     "audit": True,
-    "save_at": [],  # [[epoch, batch_idx, file name], ...]: trainer.save_checkpoint there
+    "save_at": [],  # [[epoch, batch_idx, file name(, save_grads)], ...]: trainer.save_checkpoint there
     "stop_after_save": False,  # stop the fit right after the last save_at (an interruption)
     "resume_from": None,  # file name of a checkpoint written by an earlier run
 }
@@ -44,16 +45,18 @@ DEFAULTS = {
 class SaveAt(Callback):
     """Writes a checkpoint at chosen (epoch, batch) ends; optionally stops the fit there."""
 
-    def __init__(self, points, out, stop):
-        self.points = {(e, b): name for e, b, name in points}
-        self.last = max(self.points, default=None)
-        self.out, self.stop = out, stop
+    def __init__(self, points, out, stop, fp8cb):
+        self.points = [(e, b, name, *rest) for e, b, name, *rest in points]
+        self.last = max(((e, b) for e, b, *_ in self.points), default=None)
+        self.out, self.stop, self.fp8cb = out, stop, fp8cb
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        name = self.points.get((trainer.current_epoch, batch_idx))
-        if name is None:
-            return
-        trainer.save_checkpoint(os.path.join(self.out, name))
+        for epoch, index, name, *rest in self.points:
+            if (epoch, index) != (trainer.current_epoch, batch_idx):
+                continue
+            self.fp8cb.save_accumulated_grads = rest[0] if rest else True
+            trainer.save_checkpoint(os.path.join(self.out, name))
+            self.fp8cb.save_accumulated_grads = True
         if self.stop and (trainer.current_epoch, batch_idx) == self.last:
             trainer.should_stop = True
 
@@ -124,9 +127,17 @@ def run(spec: dict, out: str) -> None:
     pl.seed_everything(0, workers=True, verbose=False)
     model = CheckpointedBoring(ckpt=spec["ckpt"], frozen=spec["frozen"])
     data = ScaledDataset(spec["samples"])
-    model.train_dataloader = lambda: ResumableLoader(data, batch_size=spec["batch_size"])
+
+    def train_dataloader():
+        # Our own sampler without shuffling (Lightning's shuffles training data): rank 0 gets
+        # the even samples, rank 1 the 8x louder odd ones.
+        trainer = model.trainer
+        sampler = DistributedSampler(data, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
+        return ResumableLoader(data, batch_size=spec["batch_size"], sampler=sampler)
+
+    model.train_dataloader = train_dataloader
     cb = f8s.lightning.Fp8StateCallback(config=f8s.QuantConfig(**spec["config"]), audit=spec["audit"])
-    callbacks = [cb, Perturb(), SaveAt(spec["save_at"], out, spec["stop_after_save"])]
+    callbacks = [cb, Perturb(), SaveAt(spec["save_at"], out, spec["stop_after_save"], cb)]
     trainer = pl.Trainer(
         accelerator=spec["accelerator"],
         devices=spec["devices"],
@@ -142,6 +153,7 @@ def run(spec: dict, out: str) -> None:
         limit_val_batches=0,
         num_sanity_val_steps=0,
         deterministic=True,
+        use_distributed_sampler=False,
     )
     ckpt = None if spec["resume_from"] is None else os.path.join(out, spec["resume_from"])
     trainer.fit(model, ckpt_path=ckpt)

@@ -29,7 +29,9 @@ def run_plan(plan: list[dict], out: Path, *, timeout: float = 300) -> None:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"scenario plan timed out after {timeout}s:\n{exc.stdout}\n{exc.stderr}") from exc
-    assert proc.returncode == 0, f"scenario plan failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    assert proc.returncode == 0, (
+        f"scenario plan failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    )
 
 
 def load_ranks(out: Path, name: str, world_size: int) -> list[dict]:

@@ -40,6 +40,7 @@ from .state import (
     LogicalClock,
     QuantSnapshot,
     StateBank,
+    StreamOrder,
     current_stream_ident,
     role_phase,
     scoped_owner,
@@ -72,6 +73,8 @@ class QuantProtocol:
         self.ledger = Ledger(strict=config.strict, window=config.ledger_window)
         self.guard = ConcurrencyGuard()
         self.stash = SnapshotStash()
+        # Orders bank accesses across CUDA streams once a second stream enters (no-op otherwise).
+        self.stream_order = StreamOrder()
         self.auditors: list = []
         # Set by enable_amax_reduction(): combines pending amaxes across data-parallel ranks
         # right before each commit (safe mode only; naive mode never reduces).
@@ -149,6 +152,7 @@ class QuantProtocol:
             indices = tuple(ev.observed[o] for o in owners)
             # The collective runs whenever a role of ``reduce_phases`` reduces, even with
             # nothing to commit here: every rank must reach it at the same points.
+            self.stream_order.structural(self.bank.device)
             if self._reduces(reduce_phases):
                 self.amax_reducer.reduce(self.bank, indices)
             if not owners:
@@ -175,6 +179,8 @@ class QuantProtocol:
             return
         with self._lock:
             pending = tuple(i for o, i in ev.observed.items() if o not in ev.committed)
+            if pending:
+                self.stream_order.structural(self.bank.device)
             self.bank.discard_pending(pending)
         self._close(ev)
 
@@ -233,12 +239,15 @@ class QuantProtocol:
         for role in roles:
             owner = scoped_owner(self.config.ownership, layer, role, self.rank, stream, site)
             owners[role] = owner
+            if self.bank.device is None or owner not in self.bank.index:
+                self.stream_order.structural(device)  # registration reallocates the bank
             indices[role] = self.bank.register(owner, self.role_dtype(role), device)
         return owners, indices
 
     def _new_record(self, ev: _OpenEvent, layer, roles, device, frame) -> CallRecord:
         ident = current_stream_ident(device)
         stream = self._stream_ordinal(ident)
+        self.stream_order.enter(device)
         with self._lock:
             site = ev.sites[(layer, stream)]
             ev.sites[(layer, stream)] = site + 1
@@ -249,8 +258,10 @@ class QuantProtocol:
                 ev.top_ordinals[layer] = ordinal + 1
             owners, indices = self._owners(layer, roles, device, stream, site) if self.config.quantized else ({}, {})
             if ev.frozen is None or ev.frozen.version != self.bank.version:
+                self.stream_order.structural(device)
                 ev.frozen = self.bank.freeze()
             frozen = ev.frozen
+        self.stream_order.use(device, frozen.scales)
         region = frame.key if frame is not None else None
         snapshots = {
             role: QuantSnapshot(
@@ -272,6 +283,7 @@ class QuantProtocol:
     def _live_record(self, layer, roles, device, frame) -> CallRecord:
         ident = current_stream_ident(device)
         stream = self._stream_ordinal(ident)
+        self.stream_order.enter(device)
         owners, indices = self._owners(layer, roles, device, stream, 0) if self.config.quantized else ({}, {})
         region = frame.key if frame is not None else None
         snapshots = {
@@ -305,6 +317,7 @@ class QuantProtocol:
         dtype = self.role_dtype(role)
         if phase is Phase.INFERENCE:
             snap = record.snapshots[role]
+            self.stream_order.use(x.device, snap.scale)
             return ops.quantize_fp8(x, snap.scale, dtype), snap
         event = self._require_open(f"quantizing {owner}").event
         if self.config.mode == "naive":
@@ -312,9 +325,14 @@ class QuantProtocol:
         snap = record.snapshots[role]
         if phase is Phase.RECOMPUTE:
             self.ledger.recompute_read(event, owner)
+            self.stream_order.use(x.device, snap.scale)
             return ops.quantize_fp8(x, snap.scale, dtype), snap
         self._observe(record, role, event, recompute=False)
-        return ops.quantize_fp8_record_amax(x, snap.scale, self.bank.amax_pending, index, dtype), snap
+        # Under the lock: a registration on another thread must not swap the pending buffer
+        # between reading it here and the record landing in it.
+        with self._lock:
+            self.stream_order.use(x.device, self.bank.amax_pending, snap.scale)
+            return ops.quantize_fp8_record_amax(x, snap.scale, self.bank.amax_pending, index, dtype), snap
 
     def _observe(self, record: CallRecord, role: str, event: Event, *, recompute: bool) -> None:
         owner = record.owners[role]
@@ -335,8 +353,10 @@ class QuantProtocol:
         owner, index, dtype = record.owners[role], record.indices[role], self.role_dtype(role)
         recompute = phase is Phase.RECOMPUTE
         self._observe(record, role, event, recompute=recompute)
-        q = ops.quantize_fp8_record_amax(x, self.bank.scale[index].clone(), self.bank.amax_pending, index, dtype)
         with self._lock:
+            self.stream_order.use(x.device, self.bank.amax_pending)
+            q = ops.quantize_fp8_record_amax(x, self.bank.scale[index].clone(), self.bank.amax_pending, index, dtype)
+            self.stream_order.structural(self.bank.device)
             self.bank.commit((index,), self.config.amax_algo, self.config.margin)
             self._open.committed.add(owner)
         self.ledger.commit(event, [owner])

@@ -152,7 +152,7 @@ class Fp8StateCallback(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         last = self.state.clock.last
-        if not self._restored and last is not None and last[0] + self._step_offset >= trainer.global_step:
+        if not self._restored and last is not None and last[0] >= trainer.global_step + self._step_offset:
             # This callback trained before, in another fit: keep its logical clock moving forward.
             self._step_offset = last[0] + 1 - trainer.global_step
         self._restored = False
@@ -252,7 +252,16 @@ class Fp8StateCallback(Callback):
                     for name, p in pl_module.named_parameters()
                     if p.grad is not None
                 }
-        local = {"state": self.state.state_dict(), "grads": grads}
+        try:
+            state_dict = self.state.state_dict()
+        except StateTransitionError as exc:
+            raise StateTransitionError(
+                f"{exc}. A Lightning checkpoint can hold the quantizer state between batches only: save from "
+                "on_train_batch_end or later (ModelCheckpoint does), not from inside training_step or backward; "
+                "SLURM's auto-requeue signal handler saves wherever training is, so pair it with "
+                "ModelCheckpoint(every_n_train_steps=...) and resume from that"
+            ) from exc
+        local = {"state": state_dict, "grads": grads}
         gathered = _gather(local)  # every rank reaches on_save_checkpoint: Lightning dumps on all ranks
         checkpoint[CHECKPOINT_KEY] = {
             "format_version": CHECKPOINT_FORMAT_VERSION,
@@ -260,6 +269,8 @@ class Fp8StateCallback(Callback):
             "ranks": {r: g["state"] for r, g in enumerate(gathered)},
             "accumulated_grads": {r: g["grads"] for r, g in enumerate(gathered)} if grads is not None else None,
             "callback": {"step_offset": self._step_offset, "violations_seen": self.violations_seen},
+            # saved inside an accumulation window whose gradients could not be kept
+            "accumulation_lost": bool(mid_window and grads is None),
         }
 
     @override
@@ -302,6 +313,11 @@ class Fp8StateCallback(Callback):
             sd = ranks[rank]
         self._check_same_model(sd)
         self.state.load_state_dict(sd)
+        if entry.get("accumulation_lost"):
+            rank_zero_warn(
+                "lightning_fp8state: this checkpoint was saved inside a gradient-accumulation window without "
+                "its accumulated gradients: the resumed run is not an exact continuation"
+            )
         grads = entry.get("accumulated_grads")
         self._grads_to_restore = grads[rank] if grads is not None and saved_world == world else None
         callback_state = entry.get("callback", {})

@@ -7,6 +7,7 @@ from .ledger import EventRecord, Ledger, Violation
 from .owner import BACKWARD_ROLES, FORWARD_ROLES, OwnerKey, register_role, role_phase, scoped_owner
 from .reduction import AmaxReducer
 from .snapshot import QuantSnapshot
+from .streams import StreamOrder
 
 __all__ = [
     "BACKWARD_ROLES",
@@ -21,6 +22,7 @@ __all__ = [
     "OwnerKey",
     "QuantSnapshot",
     "StateBank",
+    "StreamOrder",
     "Violation",
     "current_stream_ident",
     "register_role",

@@ -71,6 +71,18 @@ def _key(owner) -> str:
     return f"{owner.layer}#{owner.site}.{owner.role}"
 
 
+def momentum_buffers(trainer) -> list:
+    """SGD momentum buffers of a torch optimizer (DeepSpeed's ZeRO optimizer keeps its own: [])."""
+    optimizer = trainer.optimizers[0] if trainer.optimizers else None
+    if not isinstance(optimizer, torch.optim.SGD):
+        return []
+    return [
+        s["momentum_buffer"].detach().float().cpu().clone()
+        for s in optimizer.state_dict()["state"].values()
+        if s.get("momentum_buffer") is not None
+    ]
+
+
 def observe(trainer, model, cb) -> dict:
     state = cb.state
     events = state.ledger.events()
@@ -99,13 +111,7 @@ def observe(trainer, model, cb) -> dict:
         "audit_mismatches": None if report is None else len(report.mismatches),
         "audit_table": None if report is None else report.format_table(),
         "params": {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()},
-        "momentum": [
-            s["momentum_buffer"].detach().float().cpu().clone()
-            for s in trainer.optimizers[0].state_dict()["state"].values()
-            if s.get("momentum_buffer") is not None
-        ]
-        if trainer.optimizers and hasattr(trainer.optimizers[0], "state_dict")
-        else [],
+        "momentum": momentum_buffers(trainer),
         "device": str(next(model.parameters()).device),
         "strategy": type(trainer.strategy).__name__,
         "default_engine": f8s.recompute.default_engine(),

@@ -301,3 +301,40 @@ def test_manual_optimization_closes_the_event_at_the_batch_end():
         assert len(per_owner) == 2 * N_OWNERS
         assert all(r.commits == 1 for r in per_owner.values())
     assert cb.audit_report().ok and state.ledger.ok
+
+
+def test_a_save_inside_a_window_of_an_engine_that_owns_the_gradients_warns_and_is_marked():
+    """DeepSpeed accumulates inside its engine (handles_gradient_accumulation): the window's
+    gradients cannot be saved, so the save warns, the entry says so, and loading warns again."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    cb = Fp8StateCallback()
+    model = make_model()
+    cb.setup(SimpleNamespace(global_rank=0), model, "fit")
+    cb._grads_pending = True  # as after a backward inside an accumulation window
+    engine = SimpleNamespace(strategy=SimpleNamespace(handles_gradient_accumulation=True))
+    checkpoint = {}
+    with pytest.warns(UserWarning, match="keeps the accumulated gradients inside its engine"):
+        cb.on_save_checkpoint(engine, model, checkpoint)
+    entry = checkpoint["fp8state"]
+    assert entry["accumulation_lost"] is True and entry["accumulated_grads"] is None
+    other = Fp8StateCallback()
+    model2 = make_model()
+    other.setup(SimpleNamespace(global_rank=0), model2, "fit")
+    fitting = SimpleNamespace(world_size=1, global_rank=0, state=SimpleNamespace(fn=TrainerFn.FITTING))
+    with pytest.warns(UserWarning, match="not an exact continuation"):
+        other.on_load_checkpoint(fitting, model2, checkpoint)
+
+
+def test_saving_inside_an_event_is_refused_with_lightning_advice():
+    from types import SimpleNamespace
+
+    cb = Fp8StateCallback()
+    model = make_model()
+    cb.setup(SimpleNamespace(global_rank=0), model, "fit")
+    cb.state.begin_event(0, 0)
+    with pytest.raises(f8s.StateTransitionError, match="save from on_train_batch_end or later"):
+        cb.on_save_checkpoint(SimpleNamespace(strategy=SimpleNamespace(handles_gradient_accumulation=False)), model, {})
+    cb.state.abort_event()

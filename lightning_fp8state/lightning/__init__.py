@@ -12,4 +12,9 @@ from .strategies import Fp8StateDDPStrategy, Fp8StateDeepSpeedStrategy, register
 
 register_strategies(StrategyRegistry)
 
-__all__ = ["Fp8StateCallback", "Fp8StateDDPStrategy", "Fp8StateDeepSpeedStrategy", "register_strategies"]
+__all__ = [
+    "Fp8StateCallback",
+    "Fp8StateDDPStrategy",
+    "Fp8StateDeepSpeedStrategy",
+    "register_strategies",
+]

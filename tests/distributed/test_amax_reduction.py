@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -77,7 +78,13 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("reduction")
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=2, start_method="spawn", join=True)
+    ctx = mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=2, start_method="spawn", join=False)
+    deadline = time.monotonic() + 300
+    while not ctx.join(timeout=5):  # raises if a worker failed
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the two gloo workers did not finish within 300 s")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

@@ -10,6 +10,8 @@ The public contract (see docs/ARCHITECTURE.md)::
         ...
 """
 
+import importlib
+
 from . import ops
 from .audit import AuditReport, AuditRow, RecomputeAuditor
 from .config import QuantConfig
@@ -17,6 +19,7 @@ from .errors import (
     AmbiguousRecomputeError,
     ConcurrentEntryError,
     ConfigError,
+    OwnerAlignmentError,
     StaleSnapshotError,
     StateLoadError,
     StateTransitionError,
@@ -28,6 +31,15 @@ from .recompute import Phase, checkpoint
 from .state import OwnerKey, QuantSnapshot
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # ``lightning_fp8state.lightning`` imports Lightning: load it on first use only, so that
+    # ``import lightning_fp8state`` stays free of Lightning.
+    if name == "lightning":
+        return importlib.import_module(f"{__name__}.lightning")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "E4M3",
@@ -41,6 +53,7 @@ __all__ = [
     "Fp8Format",
     "Fp8Linear",
     "Fp8State",
+    "OwnerAlignmentError",
     "OwnerKey",
     "Phase",
     "QuantConfig",

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 
 from .errors import ConfigError
 
-__all__ = ["AMAX_ALGOS", "MODES", "OWNERSHIP_SCOPES", "RECIPES", "QuantConfig"]
+__all__ = ["AMAX_ALGOS", "AMAX_REDUCTIONS", "MODES", "OWNERSHIP_SCOPES", "RECIPES", "QuantConfig"]
 
 RECIPES = ("fp8_delayed", "bf16")
 MODES = ("safe", "naive")
@@ -15,11 +15,41 @@ AMAX_ALGOS = ("max", "most_recent")
 OWNERSHIP_SCOPES = ("per_model", "per_layer", "per_layer_rank", "per_layer_rank_stream")
 FP8_NAMES = ("e4m3", "e5m2")
 GEMM_BACKENDS = ("auto", "emulated", "scaled_mm")
+# How a role's pending amax is combined across processes before its commit.
+# none: each rank keeps its own history. data_parallel: MAX over the data-parallel group.
+AMAX_REDUCTIONS = ("none", "data_parallel")
+# Weights are replicated across data-parallel ranks: reducing their amax keeps every
+# replica's weight quantization identical (even if replicas drift) and costs one collective
+# per commit. Inputs and gradients depend on each rank's data; a per-rank scale fits that
+# rank's data best, so reducing them is opt-in.
+DEFAULT_AMAX_REDUCTION = (("weight", "data_parallel"),)
 
 
 def _choice(key: str, value: object, allowed: tuple) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not allowed: expected one of {list(allowed)}")
+
+
+def _reduction_pairs(value: object) -> tuple[tuple[str, str], ...]:
+    """Normalize ``amax_reduction`` (a mode, a mapping or (role, mode) pairs) to sorted pairs."""
+    if isinstance(value, str):
+        _choice("amax_reduction", value, AMAX_REDUCTIONS)
+        return (("*", value),)
+    try:
+        items = list(value.items()) if hasattr(value, "items") else [tuple(p) for p in value]
+    except TypeError as exc:
+        raise ConfigError(
+            f"amax_reduction={value!r} is not allowed: expected a mode {list(AMAX_REDUCTIONS)} "
+            "or a mapping role -> mode"
+        ) from exc
+    pairs = {}
+    for item in items:
+        if len(item) != 2 or not isinstance(item[0], str) or not item[0]:
+            raise ConfigError(f"amax_reduction entry {item!r} is not allowed: expected role -> mode")
+        role, mode = item
+        _choice(f"amax_reduction[{role!r}]", mode, AMAX_REDUCTIONS)
+        pairs[role] = mode
+    return tuple(sorted(pairs.items()))
 
 
 @dataclass(frozen=True)
@@ -56,6 +86,10 @@ class QuantConfig:
     gemm: str = "auto"
     # How many events of per-event ledger detail to keep (totals are always kept).
     ledger_window: int = 64
+    # Per role, how pending amaxes are combined across the data-parallel group before each
+    # commit (see AMAX_REDUCTIONS): a mapping role -> mode ("*" = every other role) or one
+    # mode for all roles. Roles not named are "none". Stored as sorted (role, mode) pairs.
+    amax_reduction: tuple[tuple[str, str], ...] = DEFAULT_AMAX_REDUCTION
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -80,6 +114,7 @@ class QuantConfig:
                 raise ConfigError(f"{key}={value!r} is not allowed: expected a list of patterns")
             else:
                 object.__setattr__(self, key, tuple(value))
+        object.__setattr__(self, "amax_reduction", _reduction_pairs(self.amax_reduction))
         if self.extra:
             raise ConfigError(f"unknown QuantConfig keys {sorted(self.extra)}: expected {self.keys()}")
 
@@ -94,6 +129,11 @@ class QuantConfig:
         known = set(cls.keys())
         unknown = {k: v for k, v in values.items() if k not in known}
         return cls(**{k: v for k, v in values.items() if k in known}, extra=unknown)
+
+    def reduction_of(self, role: str) -> str:
+        """How ``role``'s amax is reduced across data-parallel ranks: ``none`` or ``data_parallel``."""
+        table = dict(self.amax_reduction)
+        return table.get(role, table.get("*", "none"))
 
     @property
     def quantized(self) -> bool:

@@ -6,6 +6,7 @@ __all__ = [
     "AmbiguousRecomputeError",
     "ConcurrentEntryError",
     "ConfigError",
+    "OwnerAlignmentError",
     "StaleSnapshotError",
     "StateLoadError",
     "StateTransitionError",
@@ -27,6 +28,11 @@ class StateTransitionError(RuntimeError):
 
 class ConcurrentEntryError(RuntimeError):
     """A second stream (or thread) entered an owner that is in flight on another one."""
+
+
+class OwnerAlignmentError(RuntimeError):
+    """Ranks registered different owners (or in another order), so their state banks cannot
+    be combined index by index (amax reduction across the data-parallel group)."""
 
 
 class StaleSnapshotError(RuntimeError):

@@ -76,6 +76,29 @@ class Fp8State(QuantProtocol):
             "ledger": self.ledger.state_dict(),
         }
 
+    @staticmethod
+    def remap_rank(state_dict: dict, rank: int) -> dict:
+        """A copy of a saved state re-keyed from its rank to ``rank``.
+
+        For read-only use of one rank's state on another (evaluating a checkpoint with a
+        different world size): owner keys carry the rank only under the per_layer_rank*
+        ownership scopes, and only those are rewritten. Training on from a remapped state
+        is not an exact resume: the histories belong to another rank's data.
+
+        Raises:
+            StateLoadError: ``state_dict`` is not a saved Fp8State.
+        """
+        try:
+            scope = state_dict["config"]["ownership"]
+            out = dict(state_dict, rank=int(rank))
+            if scope in ("per_layer_rank", "per_layer_rank_stream"):
+                for part in ("bank", "ledger"):
+                    owners = [[o[0], o[1], int(rank), *o[3:]] for o in state_dict[part]["owners"]]
+                    out[part] = dict(state_dict[part], owners=owners)
+        except (KeyError, TypeError, IndexError) as exc:
+            raise StateLoadError(f"not an Fp8State state dict: cannot remap its rank ({exc!r})") from exc
+        return out
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a saved state; every check runs before anything is changed.
 

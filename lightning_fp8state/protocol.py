@@ -22,13 +22,17 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from . import ops
 from .config import QuantConfig
-from .errors import StateTransitionError
+from .errors import ConfigError, StateTransitionError
 from .formats import fp8_format
 from .recompute import CallRecord, Phase, SnapshotStash, current_frame, in_backward
 from .state import (
+    BACKWARD_ROLES,
+    FORWARD_ROLES,
+    AmaxReducer,
     ConcurrencyGuard,
     Event,
     FrozenScales,
@@ -36,6 +40,7 @@ from .state import (
     LogicalClock,
     QuantSnapshot,
     StateBank,
+    StreamOrder,
     current_stream_ident,
     role_phase,
     scoped_owner,
@@ -52,6 +57,7 @@ class _OpenEvent:
     top_ordinals: defaultdict = field(default_factory=lambda: defaultdict(int))
     observed: dict = field(default_factory=dict)  # OwnerKey -> bank index, in order
     committed: set = field(default_factory=set)
+    forward_committed: bool = False  # commit_forward() ran in this event
 
 
 class QuantProtocol:
@@ -67,7 +73,18 @@ class QuantProtocol:
         self.ledger = Ledger(strict=config.strict, window=config.ledger_window)
         self.guard = ConcurrencyGuard()
         self.stash = SnapshotStash()
+        # Orders bank accesses across CUDA streams once a second stream enters (no-op otherwise).
+        self.stream_order = StreamOrder()
         self.auditors: list = []
+        # Set by enable_amax_reduction(): combines pending amaxes across data-parallel ranks
+        # right before each commit (safe mode only; naive mode never reduces).
+        self.amax_reducer: AmaxReducer | None = None
+        unknown = sorted({r for r, _ in config.amax_reduction} - FORWARD_ROLES - BACKWARD_ROLES - {"*"})
+        if unknown:
+            raise ConfigError(
+                f"amax_reduction names unknown role(s) {unknown}: expected roles from "
+                f"{sorted(FORWARD_ROLES | BACKWARD_ROLES)} or '*'"
+            )
         self._open: _OpenEvent | None = None
         self._streams: dict[tuple, int] = {}
         self._lock = threading.RLock()
@@ -102,14 +119,45 @@ class QuantProtocol:
 
     def commit_forward(self) -> None:
         """Advance the forward roles (input, weight, attention operands) observed so far."""
-        self._commit(self._require_open("commit_forward()"), {"forward"})
+        ev = self._require_open("commit_forward()")
+        self._commit(ev, {"forward"}, reduce_phases={"forward"})
+        ev.forward_committed = True
 
-    def _commit(self, ev: _OpenEvent, phases: set[str]) -> None:
+    def enable_amax_reduction(self, *, group=None, device: torch.device | None = None) -> bool:
+        """Reduce pending amaxes across the data-parallel ``group`` before every commit, for
+        the roles ``config.amax_reduction`` marks ``data_parallel``.
+
+        Every rank must enable it and run the same events. Does nothing (returns False)
+        without an initialized process group of more than one rank, under the bf16 recipe,
+        or when no role reduces.
+        """
+        roles = FORWARD_ROLES | BACKWARD_ROLES
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
+            return False
+        if not self.config.quantized or not any(self.config.reduction_of(r) == "data_parallel" for r in roles):
+            return False
+        self.amax_reducer = AmaxReducer(self.config.reduction_of, group=group, device=device)
+        return True
+
+    def _reduces(self, phases: set[str]) -> bool:
+        reducer = self.amax_reducer
+        if reducer is None or self.config.mode != "safe" or not self.config.quantized:
+            return False
+        roles = (FORWARD_ROLES if "forward" in phases else set()) | (BACKWARD_ROLES if "backward" in phases else set())
+        return any(reducer.reduces(r) for r in roles)
+
+    def _commit(self, ev: _OpenEvent, phases: set[str], *, reduce_phases: set[str]) -> None:
         with self._lock:
             owners = [o for o in ev.observed if o not in ev.committed and role_phase(o.role) in phases]
+            indices = tuple(ev.observed[o] for o in owners)
+            # The collective runs whenever a role of ``reduce_phases`` reduces, even with
+            # nothing to commit here: every rank must reach it at the same points.
+            self.stream_order.structural(self.bank.device)
+            if self._reduces(reduce_phases):
+                self.amax_reducer.reduce(self.bank, indices)
             if not owners:
                 return
-            self.bank.commit(tuple(ev.observed[o] for o in owners), self.config.amax_algo, self.config.margin)
+            self.bank.commit(indices, self.config.amax_algo, self.config.margin)
             ev.committed.update(owners)
             self.guard.release(owners)
             self.ledger.commit(ev.event, owners)
@@ -118,7 +166,8 @@ class QuantProtocol:
         """Commit what is left (backward roles, or all if commit_forward was not called)."""
         ev = self._require_open("end_event()")
         try:
-            self._commit(ev, {"forward", "backward"})
+            late = {"backward"} if ev.forward_committed else {"forward", "backward"}
+            self._commit(ev, {"forward", "backward"}, reduce_phases=late)
             self.ledger.check_event(ev.event)
         finally:
             self._close(ev)
@@ -130,6 +179,8 @@ class QuantProtocol:
             return
         with self._lock:
             pending = tuple(i for o, i in ev.observed.items() if o not in ev.committed)
+            if pending:
+                self.stream_order.structural(self.bank.device)
             self.bank.discard_pending(pending)
         self._close(ev)
 
@@ -188,12 +239,15 @@ class QuantProtocol:
         for role in roles:
             owner = scoped_owner(self.config.ownership, layer, role, self.rank, stream, site)
             owners[role] = owner
+            if self.bank.device is None or owner not in self.bank.index:
+                self.stream_order.structural(device)  # registration reallocates the bank
             indices[role] = self.bank.register(owner, self.role_dtype(role), device)
         return owners, indices
 
     def _new_record(self, ev: _OpenEvent, layer, roles, device, frame) -> CallRecord:
         ident = current_stream_ident(device)
         stream = self._stream_ordinal(ident)
+        self.stream_order.enter(device)
         with self._lock:
             site = ev.sites[(layer, stream)]
             ev.sites[(layer, stream)] = site + 1
@@ -204,8 +258,10 @@ class QuantProtocol:
                 ev.top_ordinals[layer] = ordinal + 1
             owners, indices = self._owners(layer, roles, device, stream, site) if self.config.quantized else ({}, {})
             if ev.frozen is None or ev.frozen.version != self.bank.version:
+                self.stream_order.structural(device)
                 ev.frozen = self.bank.freeze()
             frozen = ev.frozen
+        self.stream_order.use(device, frozen.scales)
         region = frame.key if frame is not None else None
         snapshots = {
             role: QuantSnapshot(
@@ -227,6 +283,7 @@ class QuantProtocol:
     def _live_record(self, layer, roles, device, frame) -> CallRecord:
         ident = current_stream_ident(device)
         stream = self._stream_ordinal(ident)
+        self.stream_order.enter(device)
         owners, indices = self._owners(layer, roles, device, stream, 0) if self.config.quantized else ({}, {})
         region = frame.key if frame is not None else None
         snapshots = {
@@ -259,6 +316,7 @@ class QuantProtocol:
         dtype = self.role_dtype(role)
         if phase is Phase.INFERENCE:
             snap = record.snapshots[role]
+            self.stream_order.use(x.device, snap.scale)
             return ops.quantize_fp8(x, snap.scale, dtype), snap
         event = self._require_open(f"quantizing {owner}").event
         if self.config.mode == "naive":
@@ -266,9 +324,14 @@ class QuantProtocol:
         snap = record.snapshots[role]
         if phase is Phase.RECOMPUTE:
             self.ledger.recompute_read(event, owner)
+            self.stream_order.use(x.device, snap.scale)
             return ops.quantize_fp8(x, snap.scale, dtype), snap
         self._observe(record, role, event, recompute=False)
-        return ops.quantize_fp8_record_amax(x, snap.scale, self.bank.amax_pending, index, dtype), snap
+        # Under the lock: a registration on another thread must not swap the pending buffer
+        # between reading it here and the record landing in it.
+        with self._lock:
+            self.stream_order.use(x.device, self.bank.amax_pending, snap.scale)
+            return ops.quantize_fp8_record_amax(x, snap.scale, self.bank.amax_pending, index, dtype), snap
 
     def _observe(self, record: CallRecord, role: str, event: Event, *, recompute: bool) -> None:
         owner = record.owners[role]
@@ -289,8 +352,10 @@ class QuantProtocol:
         owner, index, dtype = record.owners[role], record.indices[role], self.role_dtype(role)
         recompute = phase is Phase.RECOMPUTE
         self._observe(record, role, event, recompute=recompute)
-        q = ops.quantize_fp8_record_amax(x, self.bank.scale[index].clone(), self.bank.amax_pending, index, dtype)
         with self._lock:
+            self.stream_order.use(x.device, self.bank.amax_pending)
+            q = ops.quantize_fp8_record_amax(x, self.bank.scale[index].clone(), self.bank.amax_pending, index, dtype)
+            self.stream_order.structural(self.bank.device)
             self.bank.commit((index,), self.config.amax_algo, self.config.margin)
             self._open.committed.add(owner)
         self.ledger.commit(event, [owner])

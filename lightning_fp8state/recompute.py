@@ -29,10 +29,30 @@ __all__ = [
     "SnapshotStash",
     "checkpoint",
     "current_frame",
+    "default_engine",
     "in_backward",
+    "set_default_engine",
 ]
 
 ENGINES = ("torch", "deepspeed")
+# The engine ``checkpoint(fn, *args)`` uses when none is named. The fp8state_deepspeed
+# strategy sets "deepspeed" while DeepSpeed's activation checkpointing features
+# (partitioned activations, CPU checkpointing, contiguous memory) are configured.
+_default_engine = "torch"
+
+
+def default_engine() -> str:
+    """The engine :func:`checkpoint` uses when called without ``engine``."""
+    return _default_engine
+
+
+def set_default_engine(engine: str) -> str:
+    """Make ``engine`` the default of :func:`checkpoint`; returns the previous default."""
+    global _default_engine
+    if engine not in ENGINES:
+        raise ConfigError(f"engine={engine!r} is not allowed: expected one of {list(ENGINES)}")
+    previous, _default_engine = _default_engine, engine
+    return previous
 
 
 class Phase(enum.Enum):
@@ -86,7 +106,7 @@ def _new_region_key() -> tuple:
     return (*parent.key, parent.child_regions - 1)
 
 
-def checkpoint(fn: Callable, *args: Any, engine: str = "torch", use_reentrant: bool = False, **kwargs: Any):
+def checkpoint(fn: Callable, *args: Any, engine: str | None = None, use_reentrant: bool = False, **kwargs: Any):
     """Activation-checkpoint ``fn(*args, **kwargs)`` so that stateful quantizers inside
     replay their true-forward snapshots during recompute.
 
@@ -95,7 +115,9 @@ def checkpoint(fn: Callable, *args: Any, engine: str = "torch", use_reentrant: b
         *args: its positional inputs.
         engine: ``"torch"`` (``torch.utils.checkpoint.checkpoint``) or ``"deepspeed"``
             (``deepspeed.checkpointing.checkpoint``, always reentrant; no ``configure``
-            needed on the CPU).
+            needed on the CPU). ``None``: :func:`default_engine` (``"torch"`` unless a
+            strategy routed checkpointing to DeepSpeed), or ``"torch"`` when torch-only
+            keyword arguments are given.
         use_reentrant: torch engine only: the reentrant (True) or non-reentrant variant.
         **kwargs: passed to the engine (torch: ``preserve_rng_state``, ``context_fn``,
             ``determinism_check``, ``debug``, ``early_stop``; region keyword inputs are
@@ -104,6 +126,8 @@ def checkpoint(fn: Callable, *args: Any, engine: str = "torch", use_reentrant: b
     Returns:
         Whatever ``fn`` returns.
     """
+    if engine is None:  # torch-only keywords keep the torch engine
+        engine = "torch" if kwargs else _default_engine
     if engine not in ENGINES:
         raise ConfigError(f"engine={engine!r} is not allowed: expected one of {list(ENGINES)}")
     key = _new_region_key()

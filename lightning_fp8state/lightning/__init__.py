@@ -1,5 +1,25 @@
-"""PyTorch Lightning integration (the only layer, with the CLI, that imports Lightning)."""
+"""Lightning integration: Fp8StateCallback, TelemetryCallback and the fp8state_ddp /
+fp8state_deepspeed strategies (the only layer, with the CLI, that imports Lightning).
 
+Importing this module (``import lightning_fp8state.lightning``, or touching
+``lightning_fp8state.lightning.Fp8StateCallback``) registers the strategies with Lightning's
+registry, so ``Trainer(strategy="fp8state_ddp" | "fp8state_deepspeed")`` finds them.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from .callback import Fp8StateCallback
+from .strategies import Fp8StateDDPStrategy, Fp8StateDeepSpeedStrategy, register_strategies
 from .telemetry_callback import LightningLoggerSink, TelemetryCallback, wandb_logger
 
-__all__ = ["LightningLoggerSink", "TelemetryCallback", "wandb_logger"]
+register_strategies(StrategyRegistry)
+
+__all__ = [
+    "Fp8StateCallback",
+    "Fp8StateDDPStrategy",
+    "Fp8StateDeepSpeedStrategy",
+    "LightningLoggerSink",
+    "TelemetryCallback",
+    "register_strategies",
+    "wandb_logger",
+]

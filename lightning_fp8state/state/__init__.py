@@ -5,11 +5,14 @@ from .clock import Event, LogicalClock
 from .guard import ConcurrencyGuard, current_stream_ident
 from .ledger import EventRecord, Ledger, Violation
 from .owner import BACKWARD_ROLES, FORWARD_ROLES, OwnerKey, register_role, role_phase, scoped_owner
+from .reduction import AmaxReducer
 from .snapshot import QuantSnapshot
+from .streams import StreamOrder
 
 __all__ = [
     "BACKWARD_ROLES",
     "FORWARD_ROLES",
+    "AmaxReducer",
     "ConcurrencyGuard",
     "Event",
     "EventRecord",
@@ -19,6 +22,7 @@ __all__ = [
     "OwnerKey",
     "QuantSnapshot",
     "StateBank",
+    "StreamOrder",
     "Violation",
     "current_stream_ident",
     "register_role",

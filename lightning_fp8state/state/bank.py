@@ -113,6 +113,8 @@ class StateBank:
             self._alloc(self.device, n + 1)
             for name, t in old.items():
                 getattr(self, name)[..., :n].copy_(t)
+                if t.is_cuda:  # the copy may run on another stream than t's allocation
+                    t.record_stream(torch.cuda.current_stream(t.device))
             self.index[owner] = n
             self._masks.clear()
             self.version += 1

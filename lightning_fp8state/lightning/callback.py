@@ -1,0 +1,349 @@
+"""Fp8StateCallback: drives the quantizer protocol from Lightning's training hooks.
+
+One logical event per training batch (microbatch), opened in ``on_train_batch_start`` at
+``(step, microbatch)`` = (optimizer steps so far, index in the accumulation window); forward
+roles commit in ``on_before_backward``, the event closes in ``on_after_backward`` (backward
+roles commit, the ledger is checked, the snapshot stash is released). A batch whose
+backward never ran (skipped) or that raised is aborted: its amaxes are discarded.
+Every rank's state is gathered into the checkpoint and each rank restores its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from ..audit import AuditReport, RecomputeAuditor
+from ..config import QuantConfig
+from ..errors import StateLoadError, StateTransitionError
+from ..fp8state import Fp8State
+from ..nn import ConversionReport
+
+__all__ = ["CHECKPOINT_FORMAT_VERSION", "CHECKPOINT_KEY", "Fp8StateCallback"]
+
+log = logging.getLogger(__name__)
+
+# checkpoint[CHECKPOINT_KEY] = {"format_version", "world_size", "ranks": {rank: Fp8State
+# state dict}, "accumulated_grads": {rank: {param name: grad}} | None, "callback": {...}}
+CHECKPOINT_KEY = "fp8state"
+CHECKPOINT_FORMAT_VERSION = 1
+
+
+def _gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (a collective: every rank must call it), or ``[obj]`` alone."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+class Fp8StateCallback(Callback):
+    """Stateful FP8 quantization that stays correct under activation checkpointing.
+
+    Example::
+
+        import lightning_fp8state as f8s
+        cfg = f8s.QuantConfig(history_len=16, amax_algo="max")
+        trainer = Trainer(strategy="fp8state_ddp", callbacks=[f8s.lightning.Fp8StateCallback(config=cfg)])
+
+    Args:
+        config: the quantizer configuration (a :class:`QuantConfig` or a mapping of its
+            fields); default ``QuantConfig()``.
+        audit: attach a :class:`RecomputeAuditor` (diagnostic: copies every converted
+            layer's output to the host); read it with :meth:`audit_report`.
+        save_accumulated_grads: when a checkpoint is written inside a gradient-accumulation
+            window, store every rank's accumulated gradients in it and restore them on
+            resume, so the window continues bit-identically (Lightning itself does not).
+        log_metrics: log ``fp8state/violations`` (ledger violations so far) every
+            optimizer step.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: QuantConfig | Mapping[str, Any] | None = None,
+        audit: bool = False,
+        save_accumulated_grads: bool = True,
+        log_metrics: bool = True,
+    ) -> None:
+        super().__init__()
+        if config is None:
+            config = QuantConfig()
+        elif isinstance(config, Mapping):
+            config = QuantConfig.from_dict(dict(config))
+        elif not isinstance(config, QuantConfig):
+            raise TypeError(f"config: expected a QuantConfig or a mapping of its fields, got {type(config).__name__}")
+        for name, value in (("audit", audit), ("save_accumulated_grads", save_accumulated_grads)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}: expected True or False, got {value!r}")
+        if not isinstance(log_metrics, bool):
+            raise TypeError(f"log_metrics: expected True or False, got {log_metrics!r}")
+        self.config = config
+        self.audit = audit
+        self.save_accumulated_grads = save_accumulated_grads
+        self.log_metrics = log_metrics
+        self.state: Fp8State | None = None
+        self.conversion = ConversionReport()
+        self.auditor: RecomputeAuditor | None = None
+        self.violations_seen = 0
+        self._module_id: int | None = None
+        self._step_offset = 0
+        self._restored = False
+        self._grads_pending = False  # gradients accumulated since the last optimizer step
+        self._grads_to_restore: dict[str, torch.Tensor] | None = None
+        self._close_after_backward = True
+
+    # -- setup ---------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._module_id is not None and self._module_id != id(pl_module):
+            raise MisconfigurationException(
+                "this Fp8StateCallback already serves another LightningModule: its quantizer state "
+                "belongs to that model's layers. Create a new Fp8StateCallback for each model"
+            )
+        if self.state is None:
+            self.state = Fp8State(self.config, rank=trainer.global_rank)
+        elif self.state.rank != trainer.global_rank:
+            raise MisconfigurationException(
+                f"this Fp8StateCallback's state belongs to rank {self.state.rank}, but it runs on rank "
+                f"{trainer.global_rank}: create a new callback for a run with another process layout"
+            )
+        self._module_id = id(pl_module)
+        self._convert(pl_module)
+        if self.audit and self.auditor is None:
+            self.auditor = RecomputeAuditor(self.state).__enter__()
+
+    def _convert(self, pl_module: pl.LightningModule) -> ConversionReport:
+        self.state.convert(pl_module)
+        report = self.state.last_conversion
+        new_skips = {k: v for k, v in report.skipped.items() if k not in self.conversion.skipped}
+        if report.converted or new_skips:
+            rank_zero_info(f"lightning_fp8state: {ConversionReport(report.converted, new_skips)}")
+        self.conversion.converted += report.converted
+        self.conversion.skipped.update(new_skips)
+        return report
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Layers created in LightningModule.configure_model (after setup) are converted now.
+        late = self._convert(pl_module)
+        if late.converted and getattr(trainer.strategy, "zero_stage_3", False):
+            raise MisconfigurationException(
+                f"layers {late.converted} were created in configure_model, after Fp8StateCallback.setup: "
+                "under ZeRO stage 3 they must be converted before DeepSpeed wraps the model. Call "
+                "`callback.state.convert(self)` at the end of configure_model"
+            )
+        self._close_after_backward = pl_module.automatic_optimization
+        if self.state.amax_reducer is None and trainer.world_size > 1:
+            group = getattr(trainer.strategy, "fp8state_process_group", None)
+            self.state.enable_amax_reduction(group=group, device=trainer.strategy.root_device)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        last = self.state.clock.last
+        if not self._restored and last is not None and last[0] >= trainer.global_step + self._step_offset:
+            # This callback trained before, in another fit: keep its logical clock moving forward.
+            self._step_offset = last[0] + 1 - trainer.global_step
+        self._restored = False
+
+    # -- events --------------------------------------------------------------------
+    def _abort(self, why: str) -> None:
+        if self.state is not None and self.state.event is not None:
+            log.debug("lightning_fp8state: aborting event %s (%s)", self.state.event, why)
+            self.state.abort_event()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._abort("the previous batch was skipped before its end")
+        if self._grads_to_restore is not None:
+            self._restore_grads(pl_module)
+        step = trainer.global_step + self._step_offset
+        last = self.state.clock.last
+        microbatch = last[1] + 1 if last is not None and last[0] == step else 0
+        self.state.begin_event(step, microbatch)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self.state.event is not None:
+            self.state.commit_forward()
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._grads_pending = True
+        if self._close_after_backward and self.state.event is not None:
+            self.state.end_event()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.state.event is None:
+            return
+        if self._close_after_backward:
+            self._abort("training_step returned None: the batch was skipped")
+        else:  # manual optimization: the batch may run several backward passes
+            self.state.end_event()
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._abort("the rest of the epoch was skipped")
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._abort(f"{type(exception).__name__} was raised")
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._abort("teardown")
+
+    # -- ledger --------------------------------------------------------------------
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._grads_pending = False
+        violations = self.state.ledger.violations
+        new = violations[self.violations_seen :]
+        self.violations_seen = len(violations)
+        if new and self.state.config.strict:
+            detail = "; ".join(v.message for v in new[:3])
+            raise StateTransitionError(
+                f"{len(new)} quantizer protocol violation(s) before this optimizer step: {detail}"
+            )
+        if self.log_metrics:
+            pl_module.log("fp8state/violations", float(len(violations)), on_step=True, on_epoch=False)
+
+    # -- audit ---------------------------------------------------------------------
+    def audit_report(self) -> AuditReport:
+        """The recompute audit of this rank (requires ``audit=True``)."""
+        if self.auditor is None:
+            raise MisconfigurationException("audit_report() needs Fp8StateCallback(audit=True)")
+        return self.auditor.report()
+
+    # -- checkpoints ---------------------------------------------------------------
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if self.state is None:
+            return
+        grads = None
+        mid_window = self._grads_pending
+        if mid_window and self.save_accumulated_grads:
+            if trainer.strategy.handles_gradient_accumulation:
+                rank_zero_warn(
+                    f"lightning_fp8state: a checkpoint is saved inside a gradient-accumulation window, but "
+                    f"{type(trainer.strategy).__name__} keeps the accumulated gradients inside its engine, where "
+                    "they cannot be saved: resuming from it loses this window's earlier microbatches. Save at an "
+                    "optimizer-step boundary (ModelCheckpoint(every_n_train_steps=...)) for an exact resume"
+                )
+            else:
+                grads = {
+                    name: p.grad.detach().cpu().clone()
+                    for name, p in pl_module.named_parameters()
+                    if p.grad is not None
+                }
+        try:
+            state_dict = self.state.state_dict()
+        except StateTransitionError as exc:
+            raise StateTransitionError(
+                f"{exc}. A Lightning checkpoint can hold the quantizer state between batches only: save from "
+                "on_train_batch_end or later (ModelCheckpoint does), not from inside training_step or backward; "
+                "SLURM's auto-requeue signal handler saves wherever training is, so pair it with "
+                "ModelCheckpoint(every_n_train_steps=...) and resume from that"
+            ) from exc
+        local = {"state": state_dict, "grads": grads}
+        gathered = _gather(local)  # every rank reaches on_save_checkpoint: Lightning dumps on all ranks
+        checkpoint[CHECKPOINT_KEY] = {
+            "format_version": CHECKPOINT_FORMAT_VERSION,
+            "world_size": len(gathered),
+            "ranks": {r: g["state"] for r, g in enumerate(gathered)},
+            "accumulated_grads": {r: g["grads"] for r, g in enumerate(gathered)} if grads is not None else None,
+            "callback": {"step_offset": self._step_offset, "violations_seen": self.violations_seen},
+            # saved inside an accumulation window whose gradients could not be kept
+            "accumulation_lost": bool(mid_window and grads is None),
+        }
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if self.state is None:
+            raise StateTransitionError("Fp8StateCallback.on_load_checkpoint before setup: nothing to load into")
+        entry = checkpoint.get(CHECKPOINT_KEY)
+        if entry is None:
+            rank_zero_warn(
+                "lightning_fp8state: the checkpoint holds no quantizer state (it was written without "
+                "Fp8StateCallback): delayed scaling starts from fresh histories"
+            )
+            return
+        if not isinstance(entry, Mapping) or entry.get("format_version") != CHECKPOINT_FORMAT_VERSION:
+            version = entry.get("format_version") if isinstance(entry, Mapping) else None
+            raise StateLoadError(
+                f"checkpoint['{CHECKPOINT_KEY}'] format_version {version!r} is not supported: "
+                f"expected {CHECKPOINT_FORMAT_VERSION}"
+            )
+        saved_world, world, rank = entry["world_size"], trainer.world_size, trainer.global_rank
+        ranks = entry["ranks"]
+        if saved_world != world:
+            if trainer.state.fn == TrainerFn.FITTING:
+                raise StateLoadError(
+                    f"the checkpoint holds the quantizer state of {saved_world} rank(s), this run has {world}: "
+                    "each rank's delayed-scaling history belongs to its own data, so training cannot resume "
+                    f"exactly with another world size. Resume with devices x num_nodes = {saved_world}, or "
+                    "load only the weights (e.g. LightningModule.load_from_checkpoint) and train on from fresh "
+                    "quantizer state"
+                )
+            # Read-only stages (validate/test/predict) may run on another world size: each rank
+            # reads the state of saved rank (rank mod saved world size).
+            source = rank % saved_world
+            rank_zero_info(
+                f"lightning_fp8state: evaluating a checkpoint of {saved_world} rank(s) on {world}; "
+                f"rank r uses the quantizer state of saved rank r mod {saved_world}"
+            )
+            sd = Fp8State.remap_rank(ranks[source], rank)
+        else:
+            sd = ranks[rank]
+        self._check_same_model(sd)
+        self.state.load_state_dict(sd)
+        if entry.get("accumulation_lost"):
+            rank_zero_warn(
+                "lightning_fp8state: this checkpoint was saved inside a gradient-accumulation window without "
+                "its accumulated gradients: the resumed run is not an exact continuation"
+            )
+        grads = entry.get("accumulated_grads")
+        self._grads_to_restore = grads[rank] if grads is not None and saved_world == world else None
+        callback_state = entry.get("callback", {})
+        self._step_offset = int(callback_state.get("step_offset", 0))
+        self.violations_seen = min(int(callback_state.get("violations_seen", 0)), len(self.state.ledger.violations))
+        self._restored = True
+
+    def _check_same_model(self, sd: dict) -> None:
+        saved_layers = {o[0] for o in sd["bank"]["owners"]} - {"*"}
+        unknown = sorted(saved_layers - set(self.conversion.converted))
+        if unknown:
+            raise StateLoadError(
+                "the checkpoint's quantizer state belongs to a different model: it holds state for "
+                f"layers {unknown[:5]}{' ...' if len(unknown) > 5 else ''} that this model does not have "
+                f"(converted here: {sorted(self.conversion.converted)[:5]}{' ...' if len(self.conversion.converted) > 5 else ''})"
+            )
+
+    def _restore_grads(self, pl_module: pl.LightningModule) -> None:
+        grads, self._grads_to_restore = self._grads_to_restore, None
+        params = dict(pl_module.named_parameters())
+        missing = sorted(set(grads) - set(params))
+        if missing:
+            raise StateLoadError(
+                f"the checkpoint's accumulated gradients name parameters this model lacks: {missing[:5]}"
+            )
+        for name, grad in grads.items():
+            p = params[name]
+            p.grad = grad.to(device=p.device, dtype=grad.dtype)
+        self._grads_pending = True

@@ -1,0 +1,201 @@
+"""fp8state_ddp and fp8state_deepspeed: thin Lightning strategies around Fp8StateCallback.
+
+The callback does the protocol's work; the strategies check that it is there, name the
+data-parallel group the amax reduction uses, and (DeepSpeed) pass the activation
+checkpointing settings through to ``deepspeed.checkpointing.configure`` and route
+``lightning_fp8state.checkpoint`` to DeepSpeed's engine when those settings need it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from ..recompute import set_default_engine
+from .callback import Fp8StateCallback
+
+__all__ = ["CHECKPOINT_ENGINES", "Fp8StateDDPStrategy", "Fp8StateDeepSpeedStrategy", "register_strategies"]
+
+# Which engine lightning_fp8state.checkpoint(fn, *args) uses under fp8state_deepspeed:
+# auto = DeepSpeed's when partitioned activations, CPU checkpointing or contiguous memory
+# are on (only its engine implements them), else torch's non-reentrant one.
+CHECKPOINT_ENGINES = ("auto", "torch", "deepspeed")
+
+
+def _require_callback(trainer: pl.Trainer, name: str) -> None:
+    if not any(isinstance(cb, Fp8StateCallback) for cb in trainer.callbacks):
+        raise MisconfigurationException(
+            f"strategy '{name}' needs an Fp8StateCallback, which converts the model and drives the "
+            f"quantizer state: Trainer(strategy='{name}', callbacks=[lightning_fp8state.lightning."
+            "Fp8StateCallback(config=...)])"
+        )
+
+
+class Fp8StateDDPStrategy(DDPStrategy):
+    """``DDPStrategy`` for stateful FP8 training (CPU with gloo, or CUDA with NCCL).
+
+    Registered as ``fp8state_ddp`` (subprocess launch, like ``ddp``) and
+    ``fp8state_ddp_spawn`` (``start_method="spawn"``). Takes every ``DDPStrategy`` argument.
+    """
+
+    strategy_name = "fp8state_ddp"
+
+    @property
+    def fp8state_process_group(self) -> Any:
+        """The group pending amaxes are reduced over: DDP's data-parallel group, the default one."""
+        return None
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        _require_callback(trainer, self.strategy_name)
+        super().setup(trainer)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, start_method in (("fp8state_ddp", "popen"), ("fp8state_ddp_spawn", "spawn")):
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name,
+                    cls,
+                    description=f"DDP with lightning_fp8state (start_method '{start_method}')",
+                    start_method=start_method,
+                )
+
+
+class Fp8StateDeepSpeedStrategy(DeepSpeedStrategy):
+    """``DeepSpeedStrategy`` (ZeRO stages 1-3, CUDA only) for stateful FP8 training.
+
+    Registered as ``fp8state_deepspeed`` (ZeRO-2) and ``fp8state_deepspeed_stage_{1,2,3}``.
+    Takes every ``DeepSpeedStrategy`` argument; the activation checkpointing ones
+    (``partition_activations``, ``cpu_checkpointing``, ``contiguous_memory_optimization``,
+    ``synchronize_checkpoint_boundary``, or the ``activation_checkpointing`` section of a
+    DeepSpeed ``config``) reach ``deepspeed.checkpointing.configure`` in full.
+
+    Args:
+        checkpoint_engine: the engine of ``lightning_fp8state.checkpoint`` calls that name
+            none: ``auto`` (DeepSpeed's when one of its activation checkpointing features is
+            on, else torch's), ``torch`` or ``deepspeed``.
+        num_checkpoints: checkpointed regions per forward; DeepSpeed needs it for
+            ``contiguous_memory_optimization`` (its ``number_checkpoints``).
+    """
+
+    strategy_name = "fp8state_deepspeed"
+
+    def __init__(self, *args: Any, checkpoint_engine: str = "auto", num_checkpoints: int | None = None, **kwargs: Any):
+        if checkpoint_engine not in CHECKPOINT_ENGINES:
+            raise MisconfigurationException(
+                f"checkpoint_engine={checkpoint_engine!r} is not allowed: expected one of {list(CHECKPOINT_ENGINES)}"
+            )
+        if num_checkpoints is not None and (
+            isinstance(num_checkpoints, bool) or not isinstance(num_checkpoints, int) or num_checkpoints < 1
+        ):
+            raise MisconfigurationException(
+                f"num_checkpoints={num_checkpoints!r} is not allowed: expected a positive integer"
+            )
+        super().__init__(*args, **kwargs)
+        self.checkpoint_engine = checkpoint_engine
+        ac = self.activation_checkpointing_config
+        if num_checkpoints is not None:
+            ac["number_checkpoints"] = num_checkpoints
+        if ac.get("contiguous_memory_optimization"):
+            if not ac.get("partition_activations"):
+                raise MisconfigurationException(
+                    "contiguous_memory_optimization=True needs partition_activations=True: DeepSpeed copies "
+                    "the partitioned activation checkpoints into one contiguous buffer"
+                )
+            if ac.get("number_checkpoints") is None:
+                raise MisconfigurationException(
+                    "contiguous_memory_optimization=True needs num_checkpoints=<checkpointed regions per "
+                    "forward>: DeepSpeed sizes the contiguous buffer from it"
+                )
+        self._previous_engine: str | None = None
+
+    @property
+    def activation_checkpointing_config(self) -> dict:
+        """The ``activation_checkpointing`` section of the DeepSpeed config (created if absent)."""
+        return self.config.setdefault("activation_checkpointing", {})
+
+    @property
+    def routed_engine(self) -> str | None:
+        """The engine ``lightning_fp8state.checkpoint`` is routed to (``None``: left as it is)."""
+        if self.checkpoint_engine != "auto":
+            return self.checkpoint_engine
+        ac = self.activation_checkpointing_config
+        features = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
+        return "deepspeed" if any(ac.get(k) for k in features) else None
+
+    @property
+    def fp8state_process_group(self) -> Any:
+        """The group pending amaxes are reduced over. Lightning's DeepSpeed strategy runs
+        data parallel only (no model parallelism), so that is the default group."""
+        return None
+
+    @override
+    def setup_environment(self) -> None:
+        if not isinstance(self.accelerator, CUDAAccelerator):
+            raise MisconfigurationException(
+                f"strategy '{self.strategy_name}' needs CUDA GPUs: Lightning's DeepSpeedStrategy refuses "
+                f"{type(self.accelerator).__name__}. On the CPU use strategy='fp8state_ddp' (gloo); "
+                "lightning_fp8state.checkpoint(..., engine='deepspeed') and deepspeed.checkpointing.checkpoint "
+                "work inside it"
+            )
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        _require_callback(trainer, self.strategy_name)
+        engine = self.routed_engine
+        if engine is not None and self._previous_engine is None:
+            self._previous_engine = set_default_engine(engine)
+        super().setup(trainer)
+
+    @override
+    def _set_deepspeed_activation_checkpointing(self) -> None:
+        # Lightning's version drops synchronize_checkpoint_boundary and number_checkpoints.
+        import deepspeed  # noqa: PLC0415  (as Lightning does: only once DeepSpeed runs)
+
+        ac = self.config.get("activation_checkpointing")
+        if not ac:
+            return
+        deepspeed.checkpointing.configure(
+            mpu_=None,
+            partition_activations=ac.get("partition_activations"),
+            contiguous_checkpointing=ac.get("contiguous_memory_optimization"),
+            num_checkpoints=ac.get("number_checkpoints"),
+            checkpoint_in_cpu=ac.get("cpu_checkpointing"),
+            synchronize=ac.get("synchronize_checkpoint_boundary"),
+            profile=ac.get("profile"),
+        )
+
+    @override
+    def teardown(self) -> None:
+        if self._previous_engine is not None:
+            set_default_engine(self._previous_engine)
+            self._previous_engine = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        entries = (
+            ("fp8state_deepspeed", 2, "DeepSpeed ZeRO-2 with lightning_fp8state"),
+            ("fp8state_deepspeed_stage_1", 1, "DeepSpeed ZeRO-1 with lightning_fp8state"),
+            ("fp8state_deepspeed_stage_2", 2, "DeepSpeed ZeRO-2 with lightning_fp8state"),
+            ("fp8state_deepspeed_stage_3", 3, "DeepSpeed ZeRO-3 with lightning_fp8state"),
+        )
+        for name, stage, description in entries:
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, stage=stage)
+
+
+def register_strategies(strategy_registry: _StrategyRegistry) -> None:
+    """Register ``fp8state_ddp*`` and ``fp8state_deepspeed*`` (idempotent)."""
+    Fp8StateDDPStrategy.register_strategies(strategy_registry)
+    Fp8StateDeepSpeedStrategy.register_strategies(strategy_registry)

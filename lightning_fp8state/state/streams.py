@@ -1,0 +1,72 @@
+"""StreamOrder: device-side ordering of state-bank accesses across CUDA streams.
+
+With one stream (the usual case) CUDA orders everything by itself and this does nothing.
+Once a second stream enters (stream ownership: sub-batches on several streams), bank
+accesses from different streams would race: a scale update on one stream and the next
+event's frozen copy on another, a reallocation at registration and an amax record still
+queued on another stream. The rule, with no host synchronization:
+
+- a structural change (register an owner, freeze the scales, commit, discard) first waits
+  for all work queued so far on every other stream that touched the bank;
+- a use (quantize, record an amax, read a snapshot) waits for the stream of the last
+  structural change, and marks the shared tensors as used by its stream for the allocator.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+__all__ = ["StreamOrder"]
+
+
+class StreamOrder:
+    """Orders bank accesses across the CUDA streams that entered (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+        self._struct: torch.cuda.Stream | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        """Whether more than one CUDA stream has touched the bank."""
+        return len(self._streams) > 1
+
+    def _current(self, device: torch.device | None) -> torch.cuda.Stream | None:
+        if device is None or device.type != "cuda":
+            return None
+        stream = torch.cuda.current_stream(device)
+        key = (stream.device_index, stream.cuda_stream)
+        if key not in self._streams:
+            with self._lock:
+                self._streams.setdefault(key, stream)
+        return stream
+
+    def enter(self, device: torch.device | None) -> None:
+        """Note the stream a call enters on (a new stream makes the ordering active)."""
+        self._current(device)
+
+    def structural(self, device: torch.device | None) -> None:
+        """Call right before a structural change of the bank on the current stream."""
+        cur = self._current(device)
+        if cur is None:
+            return
+        if self.active:
+            for key, stream in list(self._streams.items()):
+                if key != (cur.device_index, cur.cuda_stream):
+                    cur.wait_stream(stream)
+        self._struct = cur
+
+    def use(self, device: torch.device | None, *shared: torch.Tensor) -> None:
+        """Call right before reading or writing bank (or frozen) tensors on the current stream."""
+        if not self.active or device is None or device.type != "cuda":
+            return
+        cur = torch.cuda.current_stream(device)
+        struct = self._struct
+        if struct is not None and struct.cuda_stream != cur.cuda_stream:
+            cur.wait_stream(struct)
+            for t in shared:
+                if t.is_cuda:
+                    t.record_stream(cur)

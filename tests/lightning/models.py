@@ -1,0 +1,117 @@
+"""BoringModel with checkpointed blocks, deterministic data and a resumable loader.
+
+Shared by the in-process Lightning tests, the two-rank scenario script and the GPU tests.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_fp8state as f8s
+from tests.conftest import Block
+
+# How each block is checkpointed: the wrapper (torch non-reentrant / DeepSpeed engine),
+# the wrapper with no engine named (routed by the strategy), DeepSpeed's or torch's own call.
+CKPT_MODES = ("f8s_torch", "f8s_deepspeed", "f8s_default", "plain_deepspeed", "plain_torch", "none")
+
+
+class CheckpointedBoring(BoringModel):
+    """BoringModel whose single Linear becomes inp -> checkpointed blocks -> head.
+
+    The input projection is not checkpointed, so the first block's input requires grad:
+    reentrant checkpointing (DeepSpeed's) gives a region's parameters no gradient otherwise.
+    """
+
+    def __init__(self, ckpt: str = "f8s_torch", d: int = 16, n_blocks: int = 2, lr: float = 0.01, frozen: bool = False):
+        super().__init__()
+        del self.layer
+        assert ckpt in CKPT_MODES, ckpt
+        self.ckpt = ckpt
+        self.lr = lr
+        self.inp = nn.Linear(32, d)
+        self.blocks = nn.ModuleList(Block(d, gain=1.0) for _ in range(n_blocks))
+        self.head = nn.Linear(d, 2)
+        # A frozen layer: its weight is never updated by the optimizer, so a rank-dependent
+        # perturbation (see perturb_frozen) keeps replicas' weights apart for the whole run.
+        self.frozen = nn.Linear(d, d) if frozen else None
+        if self.frozen is not None:
+            self.frozen.requires_grad_(False)
+
+    def run_block(self, block, x):
+        if self.ckpt == "f8s_torch":
+            return f8s.checkpoint(block, x, engine="torch")
+        if self.ckpt == "f8s_deepspeed":
+            return f8s.checkpoint(block, x, engine="deepspeed")
+        if self.ckpt == "f8s_default":
+            return f8s.checkpoint(block, x)
+        if self.ckpt == "plain_deepspeed":
+            import deepspeed
+
+            return deepspeed.checkpointing.checkpoint(block, x)
+        if self.ckpt == "plain_torch":
+            return torch_checkpoint(block, x, use_reentrant=False)
+        return block(x)
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.frozen is not None:
+            h = h + self.frozen(h)
+        for block in self.blocks:
+            h = self.run_block(block, h)
+        return self.head(h)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD((p for p in self.parameters() if p.requires_grad), lr=self.lr, momentum=0.9)
+
+    def perturb_frozen(self, rank: int) -> None:
+        """Make this replica's frozen weight differ from the other ranks' (after DDP's broadcast)."""
+        with torch.no_grad():
+            self.frozen.weight.mul_(1.0 + rank)
+
+
+class ScaledDataset(Dataset):
+    """Sample i: a fixed random vector (seeded by i), times 8 for odd i: with a DistributedSampler
+    over two ranks without shuffling, rank 0 gets the even samples and rank 1 the louder odd ones."""
+
+    def __init__(self, length: int = 32, size: int = 32, loud: float = 8.0) -> None:
+        self.length, self.size, self.loud = length, size, loud
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 + i)
+        return torch.randn(self.size, generator=g) * (self.loud if i % 2 else 1.0)
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader that remembers how many batches of the epoch were consumed and skips them
+    after ``load_state_dict``: Lightning saves and restores it (it is ``_Stateful``), which is
+    what a mid-epoch resume needs. Lightning does not prefetch from sized loaders, so the count
+    is exact when a checkpoint is written."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._consumed = 0
+        self._skip = 0
+
+    def __iter__(self):
+        skip, self._skip = self._skip, 0
+        self._consumed = 0
+        it = super().__iter__()
+        for _ in range(skip):
+            next(it)
+            self._consumed += 1
+        for batch in it:
+            self._consumed += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {"consumed": self._consumed}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._skip = int(state_dict["consumed"])

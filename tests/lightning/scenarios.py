@@ -1,0 +1,182 @@
+"""Multi-process Lightning runs for the tests: ``python -m tests.lightning.scenarios PLAN.json OUT``.
+
+PLAN.json is a list of run specs (see ``DEFAULTS``). The script is started once, as rank 0;
+Lightning launches the other ranks by re-running it (``strategy="fp8state_ddp"``), and every
+rank then runs the same fits in order, in the same process group. After each fit every rank
+writes what it observed to ``OUT/<name>/rank<r>.pt`` (plain tensors and values) for the test
+to compare across ranks and runs. The GPU tests use it with ``fp8state_deepspeed``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DistributedSampler
+
+import lightning_fp8state as f8s
+from tests.lightning.models import CheckpointedBoring, ResumableLoader, ScaledDataset
+
+DEFAULTS = {
+    "name": "run",
+    "config": {},  # QuantConfig fields
+    "ckpt": "f8s_torch",  # see models.CKPT_MODES
+    "accelerator": "cpu",
+    "devices": 2,
+    "strategy": "fp8state_ddp",
+    "strategy_kwargs": {},  # when set, the strategy is built from its class with these
+    "precision": "32-true",
+    "accumulate": 3,
+    "max_epochs": 2,
+    "samples": 32,
+    "batch_size": 2,
+    "frozen": False,  # a frozen layer whose weight differs per rank (perturbed after DDP's broadcast)
+    "audit": True,
+    "save_at": [],  # [[epoch, batch_idx, file name(, save_grads)], ...]: trainer.save_checkpoint there
+    "stop_after_save": False,  # stop the fit right after the last save_at (an interruption)
+    "resume_from": None,  # file name of a checkpoint written by an earlier run
+}
+
+
+class SaveAt(Callback):
+    """Writes a checkpoint at chosen (epoch, batch) ends; optionally stops the fit there."""
+
+    def __init__(self, points, out, stop, fp8cb):
+        self.points = [(e, b, name, *rest) for e, b, name, *rest in points]
+        self.last = max(((e, b) for e, b, *_ in self.points), default=None)
+        self.out, self.stop, self.fp8cb = out, stop, fp8cb
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        for epoch, index, name, *rest in self.points:
+            if (epoch, index) != (trainer.current_epoch, batch_idx):
+                continue
+            self.fp8cb.save_accumulated_grads = rest[0] if rest else True
+            trainer.save_checkpoint(os.path.join(self.out, name))
+            self.fp8cb.save_accumulated_grads = True
+        if self.stop and (trainer.current_epoch, batch_idx) == self.last:
+            trainer.should_stop = True
+
+
+class Perturb(Callback):
+    def on_fit_start(self, trainer, pl_module):
+        if pl_module.frozen is not None:
+            pl_module.perturb_frozen(trainer.global_rank)
+
+
+def _key(owner) -> str:
+    return f"{owner.layer}#{owner.site}.{owner.role}"
+
+
+def momentum_buffers(trainer) -> list:
+    """SGD momentum buffers of a torch optimizer (DeepSpeed's ZeRO optimizer keeps its own: [])."""
+    optimizer = trainer.optimizers[0] if trainer.optimizers else None
+    if not isinstance(optimizer, torch.optim.SGD):
+        return []
+    return [
+        s["momentum_buffer"].detach().float().cpu().clone()
+        for s in optimizer.state_dict()["state"].values()
+        if s.get("momentum_buffer") is not None
+    ]
+
+
+def observe(trainer, model, cb) -> dict:
+    state = cb.state
+    events = state.ledger.events()
+    per_event = {
+        e: {_key(o): (r.commits, r.observations, r.recompute_records) for o, r in state.ledger.event(e).items()}
+        for e in events
+    }
+    report = cb.audit_report() if cb.audit else None
+    reducer = state.amax_reducer
+    return {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+        "events": events,
+        "per_event": per_event,
+        "owners": [o.as_list() for o in state.bank.owners],
+        "owner_ranks": sorted({o.rank for o in state.bank.owners}),
+        "total_commits": {_key(o): state.ledger.commits(o) for o in state.bank.owners},
+        "scales": {_key(o): state.bank.scale[i].item() for i, o in enumerate(state.bank.owners)},
+        "bank": state.state_dict()["bank"],
+        "clock_last": state.clock.last,
+        "violations": len(state.ledger.violations),
+        "collectives": None if reducer is None else reducer.collectives,
+        "audit_ok": None if report is None else report.ok,
+        "audit_recomputed": None if report is None else report.recomputed,
+        "audit_mismatches": None if report is None else len(report.mismatches),
+        "audit_table": None if report is None else report.format_table(),
+        "params": {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()},
+        "momentum": momentum_buffers(trainer),
+        "device": str(next(model.parameters()).device),
+        "strategy": type(trainer.strategy).__name__,
+        "default_engine": f8s.recompute.default_engine(),
+    }
+
+
+def _strategy(spec):
+    if not spec["strategy_kwargs"]:
+        return spec["strategy"]
+    classes = {
+        "fp8state_ddp": f8s.lightning.Fp8StateDDPStrategy,
+        "fp8state_deepspeed": f8s.lightning.Fp8StateDeepSpeedStrategy,
+    }
+    return classes[spec["strategy"]](**spec["strategy_kwargs"])
+
+
+def run(spec: dict, out: str) -> None:
+    spec = {**DEFAULTS, **spec}
+    pl.seed_everything(0, workers=True, verbose=False)
+    model = CheckpointedBoring(ckpt=spec["ckpt"], frozen=spec["frozen"])
+    data = ScaledDataset(spec["samples"])
+
+    def train_dataloader():
+        # Our own sampler without shuffling (Lightning's shuffles training data): rank 0 gets
+        # the even samples, rank 1 the 8x louder odd ones.
+        trainer = model.trainer
+        sampler = DistributedSampler(data, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
+        return ResumableLoader(data, batch_size=spec["batch_size"], sampler=sampler)
+
+    model.train_dataloader = train_dataloader
+    cb = f8s.lightning.Fp8StateCallback(config=f8s.QuantConfig(**spec["config"]), audit=spec["audit"])
+    callbacks = [cb, Perturb(), SaveAt(spec["save_at"], out, spec["stop_after_save"], cb)]
+    trainer = pl.Trainer(
+        accelerator=spec["accelerator"],
+        devices=spec["devices"],
+        strategy=_strategy(spec),
+        precision=spec["precision"],
+        max_epochs=spec["max_epochs"],
+        accumulate_grad_batches=spec["accumulate"],
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        deterministic=True,
+        use_distributed_sampler=False,
+    )
+    ckpt = None if spec["resume_from"] is None else os.path.join(out, spec["resume_from"])
+    trainer.fit(model, ckpt_path=ckpt)
+    result = observe(trainer, model, cb)
+    folder = os.path.join(out, spec["name"])
+    os.makedirs(folder, exist_ok=True)
+    torch.save(result, os.path.join(folder, f"rank{trainer.global_rank}.pt"))
+    trainer.strategy.barrier("scenario done")
+
+
+def main(argv: list[str]) -> None:
+    plan_path, out = argv
+    with open(plan_path) as f:
+        plan = json.load(f)
+    for spec in plan:
+        run(spec, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,145 @@
+"""The strategies on the CPU: registration by name, the callback requirement, DeepSpeed's
+refusal of the CPU, activation checkpointing settings passed through to DeepSpeed, and the
+routing of lightning_fp8state.checkpoint to DeepSpeed's engine."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import deepspeed
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+import lightning_fp8state as f8s
+from lightning_fp8state.lightning import Fp8StateCallback, Fp8StateDeepSpeedStrategy
+from tests.conftest import Block, bitwise_equal
+from tests.lightning.test_callback import make_model, make_trainer
+
+
+def test_strategies_are_registered_and_found_by_name():
+    assert f8s.lightning.Fp8StateCallback is Fp8StateCallback
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="fp8state_ddp", logger=False)
+    assert isinstance(trainer.strategy, f8s.lightning.Fp8StateDDPStrategy)
+    assert trainer.strategy._start_method == "popen"
+    spawn = pl.Trainer(accelerator="cpu", devices=2, strategy="fp8state_ddp_spawn", logger=False)
+    assert spawn.strategy._start_method == "spawn"
+    for name, stage in (
+        ("fp8state_deepspeed", 2),
+        ("fp8state_deepspeed_stage_1", 1),
+        ("fp8state_deepspeed_stage_3", 3),
+    ):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=name, logger=False)
+        assert isinstance(trainer.strategy, f8s.lightning.Fp8StateDeepSpeedStrategy)
+        assert trainer.strategy.config["zero_optimization"]["stage"] == stage
+
+
+def test_strategies_require_the_callback():
+
+    no_callback = SimpleNamespace(callbacks=[])
+    with pytest.raises(pl.utilities.exceptions.MisconfigurationException, match="needs an Fp8StateCallback"):
+        f8s.lightning.Fp8StateDDPStrategy().setup(no_callback)
+    with pytest.raises(pl.utilities.exceptions.MisconfigurationException, match="needs an Fp8StateCallback"):
+        f8s.lightning.Fp8StateDeepSpeedStrategy().setup(no_callback)
+
+
+def test_deepspeed_strategy_refuses_the_cpu_with_a_clear_message():
+    trainer = make_trainer(Fp8StateCallback(), strategy="fp8state_deepspeed")
+    with pytest.raises(pl.utilities.exceptions.MisconfigurationException, match="needs CUDA GPUs.*fp8state_ddp"):
+        trainer.fit(make_model())
+
+
+def test_deepspeed_activation_checkpointing_settings_reach_deepspeed(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(deepspeed.checkpointing, "configure", lambda mpu_, **kw: seen.update(kw, mpu_=mpu_))
+    strategy = Fp8StateDeepSpeedStrategy(
+        stage=2,
+        partition_activations=True,
+        cpu_checkpointing=True,
+        contiguous_memory_optimization=True,
+        synchronize_checkpoint_boundary=True,
+        num_checkpoints=4,
+    )
+    strategy._set_deepspeed_activation_checkpointing()
+    assert seen == {
+        "mpu_": None,
+        "partition_activations": True,
+        "contiguous_checkpointing": True,
+        "num_checkpoints": 4,
+        "checkpoint_in_cpu": True,
+        "synchronize": True,
+        "profile": None,
+    }
+    assert strategy.config["activation_checkpointing"]["number_checkpoints"] == 4
+    assert strategy.routed_engine == "deepspeed"
+
+
+def test_a_deepspeed_config_file_section_is_passed_through_too(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(deepspeed.checkpointing, "configure", lambda mpu_, **kw: seen.update(kw))
+    config = {
+        "zero_optimization": {"stage": 2},
+        "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": True, "profile": True},
+    }
+    strategy = Fp8StateDeepSpeedStrategy(config=config)
+    strategy._set_deepspeed_activation_checkpointing()
+    assert seen["checkpoint_in_cpu"] is True and seen["partition_activations"] is False and seen["profile"] is True
+    assert strategy.routed_engine == "deepspeed"
+
+
+def test_checkpoint_engine_routing_choices():
+    assert Fp8StateDeepSpeedStrategy().routed_engine is None  # no DeepSpeed-only feature: torch's stays
+    assert Fp8StateDeepSpeedStrategy(checkpoint_engine="deepspeed").routed_engine == "deepspeed"
+    assert Fp8StateDeepSpeedStrategy(checkpoint_engine="torch", cpu_checkpointing=True).routed_engine == "torch"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"checkpoint_engine": "fast"}, r"checkpoint_engine='fast' is not allowed"),
+        ({"num_checkpoints": 0}, r"num_checkpoints=0 is not allowed"),
+        ({"contiguous_memory_optimization": True, "num_checkpoints": 2}, "needs partition_activations=True"),
+        ({"contiguous_memory_optimization": True, "partition_activations": True}, "needs num_checkpoints"),
+    ],
+)
+def test_deepspeed_strategy_arguments_are_validated(kwargs, match):
+    with pytest.raises(MisconfigurationException, match=match):
+        Fp8StateDeepSpeedStrategy(**kwargs)
+
+
+def test_routing_sends_the_wrapper_through_deepspeeds_engine_and_stays_exact(monkeypatch):
+    """With the default engine set to DeepSpeed (what the strategy does in setup),
+    lightning_fp8state.checkpoint(fn, x) runs deepspeed.checkpointing.checkpoint, and the
+    result equals the torch engine's bitwise; torch-only keywords keep the torch engine."""
+    calls = []
+    real = deepspeed.checkpointing.checkpoint
+    monkeypatch.setattr(deepspeed.checkpointing, "checkpoint", lambda fn, *a: calls.append(fn) or real(fn, *a))
+    results = {}
+    for engine in ("torch", "deepspeed"):
+        previous = f8s.recompute.set_default_engine(engine)
+        try:
+            state = f8s.Fp8State(f8s.QuantConfig())
+            torch.manual_seed(0)
+            block = state.convert(torch.nn.Sequential(Block(16)))
+            x = torch.randn(4, 16, requires_grad=True)
+            with f8s.RecomputeAuditor(state) as auditor, state.step(0):
+                y = f8s.checkpoint(block, x)
+                state.commit_forward()
+                y.float().pow(2).mean().backward()
+            assert auditor.report().ok and auditor.report().recomputed >= 1
+            results[engine] = (y.detach(), x.grad)
+        finally:
+            f8s.recompute.set_default_engine(previous)
+    assert len(calls) == 1  # only the deepspeed-routed run went through DeepSpeed
+    assert all(bitwise_equal(a, b) for a, b in zip(results["torch"], results["deepspeed"], strict=True))
+    assert f8s.recompute.default_engine() == "torch"
+    previous = f8s.recompute.set_default_engine("deepspeed")
+    try:
+        with torch.no_grad():
+            f8s.checkpoint(torch.nn.Identity(), torch.ones(2), preserve_rng_state=False)
+    finally:
+        f8s.recompute.set_default_engine(previous)
+    assert len(calls) == 1
+    with pytest.raises(f8s.ConfigError, match="engine='jax' is not allowed"):
+        f8s.recompute.set_default_engine("jax")

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..formats import FP4_LAYOUTS
 from ..protocol import QuantProtocol
 from ..recompute import Phase
 
@@ -168,6 +169,15 @@ class Fp4AttentionQuantizer(nn.Module):
         if config.quantized:
             roles = ("attn_q", "attn_k") + (("attn_v",) if config.attn_quantize_v and v is not None else ())
         tensors = dict(zip(_OPERANDS, (q, k, v), strict=True))
+        if roles:
+            block = FP4_LAYOUTS[config.attn_format].block_size
+            for role in roles:
+                width = tensors[role].shape[-1] if tensors[role].dim() else 0
+                if width == 0 or width % block:
+                    raise ValueError(
+                        f"layer {self.layer_name!r}: {role} has {width} channels (last dimension): "
+                        f"expected a multiple of {block}, the {config.attn_format} block size"
+                    )
         channels = {role: tensors[role].shape[-1] for role in roles}
         phase, record = protocol.enter_call(self.layer_name, roles, q.device, channels=channels)
         return protocol, phase, record, roles

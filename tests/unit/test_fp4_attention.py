@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -551,3 +552,27 @@ def test_fp4_state_of_another_layout_or_centering_is_refused():
     del corrupt["bank"]["center_width"]
     with pytest.raises(f8s.StateLoadError, match="format 2 bank without 'center_width'"):
         f8s.Fp8State(f8s.QuantConfig(attn_centered=True)).load_state_dict(corrupt)
+
+
+def test_golden_state_v2_loads_with_the_values_its_maker_fed_it():
+    """tests/golden/state_v2.pt was written by tests/golden/make_state_v2.py from constant
+    operands q = 1, 3, 2 and k = 4, 8, 2. By the definitions (not this code's output): the
+    recorded amax is |x - c| with the event's frozen center c; c <- c + 0.5 * (x - c) (the
+    midrange of a constant is itself); scale = 2688 / max(history)."""
+    saved = torch.load(Path(__file__).parent.parent / "golden" / "state_v2.pt", weights_only=True)
+    assert saved["format_version"] == 2
+    state = f8s.Fp8State(f8s.QuantConfig(history_len=4, attn_centered=True, attn_center_momentum=0.5))
+    state.load_state_dict(saved)
+    expect = {  # role: (history newest first, center after 3 events)
+        "attn_q": ([0.25, 2.5, 1.0, 0.0], 1.875),  # centers 0 -> 0.5 -> 1.75 -> 1.875
+        "attn_k": ([3.0, 6.0, 4.0, 0.0], 3.5),  # centers 0 -> 2 -> 5 -> 3.5
+    }
+    for role, (history, center) in expect.items():
+        owner = f8s.OwnerKey("attn", role)
+        i = state.bank.index[owner]
+        assert state.bank.formats[i] == "nvfp4" and state.bank.center_width[i] == 32
+        assert state.bank.amax_history[:, i].tolist() == history
+        assert state.scale_of(owner).item() == torch.tensor(2688.0 / max(history)).item()
+        assert state.bank.center[i].tolist() == [center] * 32
+        assert state.ledger.commits(owner) == 3
+    assert state.clock.last == (2, 0)

@@ -137,7 +137,7 @@ def _digest(output, snaps: dict) -> _Digest:
     centers = {
         role: hashlib.sha256(_bytes(s.center.detach().cpu().contiguous())).hexdigest()
         for role, s in snaps.items()
-        if getattr(s, "center", None) is not None
+        if s.center is not None
     }
     stamps = {role: (str(s.owner), s.event, s.region, s.ordinal) for role, s in snaps.items()}
     return _Digest(sha.hexdigest(), hosts, descales, centers, stamps)

@@ -240,7 +240,7 @@ class QuantProtocol:
             indices[role] = self.bank.register(owner, self.role_format(role), device, width)
         return owners, indices
 
-    def _snapshot(self, owner, role, index, scale, descale, center, event, region, ordinal) -> QuantSnapshot:
+    def _snapshot(self, owner, role, scale, descale, center, event, region, ordinal) -> QuantSnapshot:
         step, mb = (None, None) if event is None else event
         fmt = self.role_format(role)
         layout = fmt if fmt in FP4_LAYOUTS else None
@@ -270,7 +270,7 @@ class QuantProtocol:
             i = indices[role]
             center = frozen.center(i, widths[role]) if widths[role] else None
             snapshots[role] = self._snapshot(
-                owner, role, i, frozen.scale(i), frozen.descale(i), center, ev.event, region, ordinal
+                owner, role, frozen.scale(i), frozen.descale(i), center, ev.event, region, ordinal
             )
         record = CallRecord(ev.event, layer, site, region, ordinal, stream, ident, owners, indices, snapshots)
         self.stash.put(record)
@@ -294,7 +294,7 @@ class QuantProtocol:
         if copy:
             scale, descale = scale.clone(), descale.clone()
             center = None if center is None else center.clone()
-        return self._snapshot(owner, role, index, scale, descale, center, event, region, ordinal)
+        return self._snapshot(owner, role, scale, descale, center, event, region, ordinal)
 
     # -- quantize ------------------------------------------------------------------
     def quantize(self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase) -> tuple[object, QuantSnapshot]:

@@ -34,6 +34,7 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+    run_stack.cache_clear()  # the cached runs hold every event's gradients
 
 
 class AttnBlock(nn.Module):
@@ -141,6 +142,9 @@ def test_per_layer_recompute_is_bit_identical_and_checkpointed_grads_equal_unche
     assert {r.event for r in report.rows if r.recomputed} == {(i, 0) for i in range(N_EVENTS)}
     assert report.ok, report.format_table()
     assert state.ledger.ok
+    summary = report.per_layer()  # the audit covers every attention owner's layer
+    assert set(summary) == {f"blocks.{i}.quant" for i in range(N_LAYERS)}
+    assert all(v["calls"] == v["recomputed"] == N_EVENTS and v["mismatches"] == 0 for v in summary.values())
     _, _, outs_ref, grads_ref, _ = run_stack(layout=layout, centered=centered, ckpt=None)
     assert all(bitwise_equal(a, b) for a, b in zip(outs, outs_ref, strict=True))
     assert grads_equal(grads, grads_ref)
@@ -148,6 +152,8 @@ def test_per_layer_recompute_is_bit_identical_and_checkpointed_grads_equal_unche
     _, naive, _, naive_grads, _ = run_stack("naive", layout=layout, centered=centered)
     _, _, _, naive_ref, _ = run_stack("naive", layout=layout, centered=centered, ckpt=None)
     assert not naive.ok and len(naive.mismatches) >= N_EVENTS
+    assert sum(v["mismatches"] for v in naive.per_layer().values()) == len(naive.mismatches)
+    assert {v.owner.role for v in naive.violations} == {"attn_q", "attn_k"}
     assert not grads_equal(naive_grads, naive_ref)
 
 

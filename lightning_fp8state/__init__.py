@@ -24,9 +24,9 @@ from .errors import (
     StateLoadError,
     StateTransitionError,
 )
-from .formats import E4M3, E5M2, Fp8Format
+from .formats import E4M3, E5M2, MXFP4, NVFP4, Fp4Layout, Fp8Format
 from .fp8state import STATE_FORMAT_VERSION, Fp8State
-from .nn import Fp8Linear, convert_model
+from .nn import Fp4AttentionQuantizer, Fp8Linear, convert_model
 from .recompute import Phase, checkpoint
 from .state import OwnerKey, QuantSnapshot
 
@@ -44,12 +44,16 @@ def __getattr__(name: str):
 __all__ = [
     "E4M3",
     "E5M2",
+    "MXFP4",
+    "NVFP4",
     "STATE_FORMAT_VERSION",
     "AmbiguousRecomputeError",
     "AuditReport",
     "AuditRow",
     "ConcurrentEntryError",
     "ConfigError",
+    "Fp4AttentionQuantizer",
+    "Fp4Layout",
     "Fp8Format",
     "Fp8Linear",
     "Fp8State",

@@ -1,8 +1,9 @@
 """RecomputeAuditor: proves (or disproves) that recompute reproduces the true forward.
 
-Attach it to an ``Fp8State``; every converted module's output is digested in the true
-forward and again in its recompute (bytes hash, max abs/rel difference, finite-mask
-equality, the descales consumed), and the report pairs them per layer, call site and event,
+Attach it to an ``Fp8State``; every converted module's output (an ``Fp8Linear``'s output,
+an ``Fp4AttentionQuantizer``'s dequantized operands) is digested in the true forward and
+again in its recompute (bytes hash, max abs/rel difference, finite-mask equality, the
+descales and centers consumed), and the report pairs them per layer, call site and event,
 together with the ledger's violations. Diagnostic only: it copies outputs to the host.
 """
 
@@ -22,8 +23,9 @@ __all__ = ["AuditReport", "AuditRow", "RecomputeAuditor"]
 @dataclass
 class _Digest:
     sha256: str
-    output: torch.Tensor | None  # host copy, dropped once its event is over
+    outputs: list[torch.Tensor]  # host copies, dropped once their event is over
     descales: dict[str, float]
+    centers: dict[str, str]  # role -> sha256 of the consumed center (centered FP4 only)
     stamps: dict[str, tuple]
 
 
@@ -40,6 +42,7 @@ class AuditRow:
     max_rel_diff: float = 0.0
     finite_mask_equal: bool = True
     descales_equal: bool = True
+    centers_equal: bool = True
     stamps_equal: bool = True
     recomputes: int = 0
 
@@ -53,7 +56,13 @@ class AuditRow:
 
     @property
     def ok(self) -> bool:
-        return self.bit_identical and self.finite_mask_equal and self.descales_equal and self.stamps_equal
+        return (
+            self.bit_identical
+            and self.finite_mask_equal
+            and self.descales_equal
+            and self.centers_equal
+            and self.stamps_equal
+        )
 
 
 @dataclass
@@ -112,28 +121,48 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def _digest(output: torch.Tensor, snaps: dict) -> _Digest:
-    host = output.detach().to("cpu", copy=True).contiguous()
-    raw = host.view(torch.uint8) if host.element_size() > 0 and host.numel() else host
-    sha = hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+def _bytes(t: torch.Tensor) -> bytes:
+    raw = t.view(torch.uint8) if t.element_size() > 0 and t.numel() else t
+    return raw.numpy().tobytes()
+
+
+def _digest(output, snaps: dict) -> _Digest:
+    tensors = [output] if isinstance(output, torch.Tensor) else list(output)
+    hosts = [t.detach().to("cpu", copy=True).contiguous() for t in tensors]
+    sha = hashlib.sha256()
+    for host in hosts:
+        sha.update(f"{host.dtype}{tuple(host.shape)}".encode())
+        sha.update(_bytes(host))
     descales = {role: float(s.descale) for role, s in snaps.items()}
+    centers = {
+        role: hashlib.sha256(_bytes(s.center.detach().cpu().contiguous())).hexdigest()
+        for role, s in snaps.items()
+        if s.center is not None
+    }
     stamps = {role: (str(s.owner), s.event, s.region, s.ordinal) for role, s in snaps.items()}
-    return _Digest(sha, host, descales, stamps)
+    return _Digest(sha.hexdigest(), hosts, descales, centers, stamps)
 
 
 def _compare(row: AuditRow, fwd: _Digest, rec: _Digest) -> None:
     row.recomputes += 1
     row.recompute_sha256 = rec.sha256
-    a, b = fwd.output.to(torch.float64), rec.output.to(torch.float64)
-    fa, fb = torch.isfinite(a), torch.isfinite(b)
-    row.finite_mask_equal = bool(torch.equal(fa, fb))
-    both = fa & fb
-    if both.any():
-        diff = (a - b).abs()[both]
-        row.max_abs_diff = max(row.max_abs_diff, float(diff.max()))
-        rel = diff / a.abs()[both].clamp_min(torch.finfo(torch.float32).tiny)
-        row.max_rel_diff = max(row.max_rel_diff, float(rel.max()))
+    if len(fwd.outputs) != len(rec.outputs):
+        row.finite_mask_equal = False
+    for out_f, out_r in zip(fwd.outputs, rec.outputs, strict=False):
+        if out_f.shape != out_r.shape:
+            row.finite_mask_equal = False
+            continue
+        a, b = out_f.to(torch.float64), out_r.to(torch.float64)
+        fa, fb = torch.isfinite(a), torch.isfinite(b)
+        row.finite_mask_equal = row.finite_mask_equal and bool(torch.equal(fa, fb))
+        both = fa & fb
+        if both.any():
+            diff = (a - b).abs()[both]
+            row.max_abs_diff = max(row.max_abs_diff, float(diff.max()))
+            rel = diff / a.abs()[both].clamp_min(torch.finfo(torch.float32).tiny)
+            row.max_rel_diff = max(row.max_rel_diff, float(rel.max()))
     row.descales_equal = row.descales_equal and fwd.descales == rec.descales
+    row.centers_equal = row.centers_equal and fwd.centers == rec.centers
     row.stamps_equal = row.stamps_equal and fwd.stamps == rec.stamps
 
 
@@ -164,8 +193,13 @@ class RecomputeAuditor:
     def __exit__(self, *exc) -> None:
         self.protocol.auditors.remove(self)
 
-    def observe(self, record: CallRecord, phase: Phase, output: torch.Tensor, snaps: dict) -> None:
-        if phase is Phase.INFERENCE or not isinstance(output, torch.Tensor):
+    def observe(self, record: CallRecord, phase: Phase, output, snaps: dict) -> None:
+        """Digest one call's output: a tensor, or a tuple of tensors (attention operands)."""
+        if phase is Phase.INFERENCE:
+            return
+        if not isinstance(output, torch.Tensor) and not (
+            isinstance(output, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in output)
+        ):
             return
         key = (record.event, record.layer, record.site)
         digest = _digest(output, snaps)

@@ -6,10 +6,11 @@ from dataclasses import dataclass, field, fields
 
 from .errors import ConfigError
 
-__all__ = ["AMAX_ALGOS", "AMAX_REDUCTIONS", "MODES", "OWNERSHIP_SCOPES", "RECIPES", "QuantConfig"]
+__all__ = ["AMAX_ALGOS", "AMAX_REDUCTIONS", "FP4_LAYOUT_NAMES", "MODES", "OWNERSHIP_SCOPES", "RECIPES", "QuantConfig"]
 
 RECIPES = ("fp8_delayed", "bf16")
-MODES = ("safe", "naive")
+# safe: the protocol. naive and naive_snapshot reproduce the seed's defects on purpose.
+MODES = ("safe", "naive", "naive_snapshot")
 AMAX_ALGOS = ("max", "most_recent")
 # Which OwnerKey fields tell owners apart. per_model exists only to reproduce the defect.
 OWNERSHIP_SCOPES = ("per_model", "per_layer", "per_layer_rank", "per_layer_rank_stream")
@@ -23,6 +24,7 @@ AMAX_REDUCTIONS = ("none", "data_parallel")
 # per commit. Inputs and gradients depend on each rank's data; a per-rank scale fits that
 # rank's data best, so reducing them is opt-in.
 DEFAULT_AMAX_REDUCTION = (("weight", "data_parallel"),)
+FP4_LAYOUT_NAMES = ("nvfp4", "mxfp4")
 
 
 def _choice(key: str, value: object, allowed: tuple) -> None:
@@ -69,9 +71,14 @@ class QuantConfig:
     # max: the history's maximum; most_recent: the newest entry.
     amax_algo: str = "max"
     # safe: the protocol. naive: reproduces the seed's defects on purpose (advance before
-    # consume, record in recompute) so the audit can prove it catches them.
+    # consume, record in recompute) so the audit can prove it catches them. naive_snapshot:
+    # the seed's first attempted fix, also on purpose: advance after every call, but keep one
+    # snapshot per owner, taken before the advance, and replay it in recompute (right when
+    # each owner is entered once per event, wrong when the owner is shared: per_model).
     mode: str = "safe"
-    # Which entrants get independent state; see OWNERSHIP_SCOPES.
+    # Which entrants get independent state; see OWNERSHIP_SCOPES. Applies to FP8 linears and
+    # FP4 attention operands alike: per_layer* is the fix, per_model the defect (one state for
+    # the whole model, kept only to demonstrate it).
     ownership: str = "per_layer_rank"
     # Raise StateTransitionError on a protocol violation (else count it in the ledger).
     strict: bool = True
@@ -90,6 +97,16 @@ class QuantConfig:
     # commit (see AMAX_REDUCTIONS): a mapping role -> mode ("*" = every other role) or one
     # mode for all roles. Roles not named are "none". Stored as sorted (role, mode) pairs.
     amax_reduction: tuple[tuple[str, str], ...] = DEFAULT_AMAX_REDUCTION
+    # Packed-FP4 attention operands (Fp4AttentionQuantizer): block layout of q, k (and v).
+    # nvfp4: 16-element blocks, E4M3 block scales; mxfp4: 32-element blocks, E8M0 block scales.
+    attn_format: str = "nvfp4"
+    # Centered variant: quantize x - c, c a running per-channel center (owned, delayed state
+    # advanced only at commit, snapshotted like the scale); for operands with large offsets.
+    attn_centered: bool = False
+    # At each commit: c += attn_center_momentum * (midrange of the event's x - c); in (0, 1].
+    attn_center_momentum: float = 0.5
+    # Also quantize v (role attn_v); q and k (attn_q, attn_k) always are.
+    attn_quantize_v: bool = False
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -100,12 +117,18 @@ class QuantConfig:
         _choice("forward_format", self.forward_format, FP8_NAMES)
         _choice("backward_format", self.backward_format, FP8_NAMES)
         _choice("gemm", self.gemm, GEMM_BACKENDS)
+        _choice("attn_format", self.attn_format, FP4_LAYOUT_NAMES)
         for key, low in (("history_len", 1), ("margin", 0), ("ledger_window", 1)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{key}={value!r} is not allowed: expected an integer >= {low}")
-        if not isinstance(self.strict, bool):
-            raise ConfigError(f"strict={self.strict!r} is not allowed: expected true or false")
+        for key in ("strict", "attn_centered", "attn_quantize_v"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key}={getattr(self, key)!r} is not allowed: expected true or false")
+        m = self.attn_center_momentum
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 < m <= 1.0:
+            raise ConfigError(f"attn_center_momentum={m!r} is not allowed: expected a number in (0, 1]")
+        object.__setattr__(self, "attn_center_momentum", float(m))
         for key in ("include", "exclude"):
             value = getattr(self, key)
             if isinstance(value, str):

@@ -14,7 +14,59 @@ FP8 invariants (both formats, reference and CUDA alike):
 * Decoding computes ``float32(q) * descale`` in float32 and rounds once to the output dtype.
 * ``descale == 1 / scale`` (IEEE division in float32), frozen together in one snapshot.
 
-FP4 formats (E2M1 with block scales) are added on the same protocol in a later module.
+FP4 invariants (packed E2M1 with block scales; reference and CUDA alike):
+
+* **E2M1 codes.** 4 bits: sign (bit 3), exponent (bits 2-1, bias 1), mantissa (bit 0). The
+  16 codes decode to ``±{0, 0.5, 1, 1.5, 2, 3, 4, 6}`` (code ``c`` and ``c | 8`` differ only
+  in sign; ``0x8`` is ``-0``). No infinity, no NaN.
+* **E2M1 rounding** of a float32 ``y``: round to the nearest value, ties to the even code
+  (so ``0.25 -> 0``, ``0.75 -> 1``, ``1.25 -> 1``, ``1.75 -> 2``, ``2.5 -> 2``,
+  ``3.5 -> 4``, ``5 -> 4``); ``|y| > 5`` (including infinity) saturates to ``±6``; the sign
+  bit is ``y``'s sign bit (``-0.1 -> -0``); NaN encodes as code ``0`` (its block scale is NaN,
+  see below, so the block still decodes to NaN).
+* **Packing.** Codes are stored two per byte along the last dimension: element ``2i`` in the
+  low nibble, element ``2i + 1`` in the high nibble; ``uint8`` storage of shape
+  ``[..., K / 2]``. ``K`` (the last dimension) must be a multiple of the layout's block size,
+  hence even.
+* **Blocks.** Blocks are ``block_size`` consecutive elements of the last dimension (a row
+  ``[..., K]`` has ``K / block_size`` blocks). Block scales are stored row-major, shape
+  ``[..., K / block_size]`` (no swizzle: a GEMM kernel that wants cuBLAS's tiled scale layout
+  rearranges them itself).
+* **Tensor scale.** Both layouts also take one FP32 tensor-level scale ``S`` (encode) and its
+  paired descale ``D = 1 / S`` (decode). ``S`` is the *delayed, owned* state: it comes from the
+  owner's amax history like an FP8 scale, ``S = fmax / amax / 2**margin``, with
+  ``fmax = 6 * 448 = 2688`` for NVFP4 (the historical amax lands on the largest E4M3 block
+  scale times the largest E2M1 value) and ``fmax = 6`` for MXFP4 (the historical amax lands
+  on E2M1's 6 with block exponent 0). Block scales are *not* state: each call derives them
+  from its own data.
+* **NVFP4** (16-element blocks, E4M3 block scale ``sb``). For a block with
+  ``a = max|x|`` (float32, NaN-propagating): ``v = float32(float32(a / 6) * S)``;
+  ``sb = E4M3(clamp(v, 0, 448))`` (round to nearest even, as the FP8 cast; NaN stays NaN);
+  ``enc = float32(S / float32(sb))``, or ``0`` when ``sb == 0``; every element encodes as
+  ``E2M1(float32(float32(x) * enc))``. Decoding is ``float32(float32(e * sb) * D)`` (``e * sb``
+  is exact) rounded once to the output dtype.
+* **MXFP4** (32-element blocks, E8M0 block scale ``2**X``; OCP MX v1.0 with a tensor scale in
+  front). ``u = float32(float32(x) * S)``; ``A = max|u|`` over the block (equal to
+  ``float32(a * S)``: rounding is monotonic); ``X = floor(log2(A)) - 2`` (2 = E2M1's largest
+  exponent, as the OCP spec), clamped to ``[-127, 127]``; ``A == 0`` gives ``X = -127``,
+  ``A == inf`` gives ``X = 127``, ``A`` NaN gives the E8M0 NaN code ``0xFF``. The E8M0 code is
+  ``X + 127``. Elements encode as ``E2M1(u * 2**-X)`` (the power-of-two multiply is exact
+  wherever the result can round to a nonzero code). Like the OCP spec, values in
+  ``(6, 8) * 2**X`` saturate to 6. Decoding is ``float32(float32(e * 2**X) * D)``, one
+  rounding to the output dtype.
+* **NaN.** A NaN anywhere in a block makes its amax NaN, hence its block scale NaN (E4M3
+  ``0x7F`` / E8M0 ``0xFF``), and the whole block decodes to NaN; the recorded tensor amax is
+  NaN too (the owner's next commit skips it and counts it, as for FP8). Kernels must use a
+  NaN-propagating max (not ``fmaxf``).
+* **Centered variant.** With a center ``c`` (float32, one value per element of the last
+  dimension), encoding quantizes ``xc = float32(float32(x) - c)`` exactly as above (and the
+  recorded amax is ``max|xc|``); decoding adds it back: ``float32(decoded + c)`` before the
+  rounding to the output dtype. The center is *owned, delayed state* like the scale: a call
+  records per-channel ``max`` and ``min`` of ``x`` (over all leading dimensions); at the
+  owner's commit, ``mu = float32(0.5 * max + 0.5 * min)`` (the midrange: it minimises
+  ``max|x - c|``, and unlike a mean it does not depend on reduction order, so every kernel
+  agrees bit for bit) and ``c <- float32(c + float32(m * float32(mu - c)))`` with the momentum
+  ``m``; a channel whose max or min is not finite (unobserved, NaN, inf) keeps its center.
 """
 
 from __future__ import annotations
@@ -25,7 +77,23 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["E4M3", "E5M2", "FP8_FORMATS", "Fp8Format", "fp8_format"]
+__all__ = [
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "E4M3",
+    "E5M2",
+    "FP4_LAYOUTS",
+    "FP8_FORMATS",
+    "MXFP4",
+    "NVFP4",
+    "STATE_FORMATS",
+    "Fp4Layout",
+    "Fp8Format",
+    "fp4_layout",
+    "fp8_format",
+    "state_format_fmax",
+    "state_format_name",
+]
 
 
 @dataclass(frozen=True)
@@ -86,3 +154,58 @@ def fp8_format(spec: str | torch.dtype | Fp8Format) -> Fp8Format:
     raise ConfigError(
         f"unknown FP8 format {spec!r}: expected one of {sorted(FP8_FORMATS)} or {[str(d) for d in _BY_DTYPE]}"
     )
+
+
+# -- FP4 ----------------------------------------------------------------------------------
+
+# Non-negative E2M1 values by code 0..7; code c | 8 is the negative of code c.
+E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+
+
+@dataclass(frozen=True)
+class Fp4Layout:
+    """A packed-FP4 block layout: E2M1 elements, one block scale per ``block_size`` elements
+    of the last dimension, and one FP32 tensor scale (the delayed state)."""
+
+    name: str
+    block_size: int
+    block_scale: str  # "e4m3" | "e8m0"
+    block_scale_dtype: torch.dtype
+    tensor_fmax: float  # fmax of the tensor-level delayed scale: S = tensor_fmax / amax
+
+
+NVFP4 = Fp4Layout("nvfp4", 16, "e4m3", torch.float8_e4m3fn, E2M1_MAX * E4M3.max)
+MXFP4 = Fp4Layout("mxfp4", 32, "e8m0", torch.float8_e8m0fnu, E2M1_MAX)
+FP4_LAYOUTS: dict[str, Fp4Layout] = {f.name: f for f in (NVFP4, MXFP4)}
+
+# Every format a state-bank owner can have, by name (saved in checkpoints).
+STATE_FORMATS = (*FP8_FORMATS, *FP4_LAYOUTS)
+
+
+def fp4_layout(spec: str | Fp4Layout) -> Fp4Layout:
+    """Return the FP4 layout named by ``spec`` (``"nvfp4"`` or ``"mxfp4"``).
+
+    Raises:
+        ConfigError: ``spec`` names no FP4 layout.
+    """
+    if isinstance(spec, Fp4Layout):
+        return spec
+    if spec in FP4_LAYOUTS:
+        return FP4_LAYOUTS[spec]
+    raise ConfigError(f"unknown FP4 layout {spec!r}: expected one of {sorted(FP4_LAYOUTS)}")
+
+
+def state_format_name(spec: str | torch.dtype | Fp8Format | Fp4Layout) -> str:
+    """The name of an owner's format: an FP8 format (or float8 dtype) or an FP4 layout."""
+    if isinstance(spec, Fp4Layout) or (isinstance(spec, str) and spec in FP4_LAYOUTS):
+        return fp4_layout(spec).name
+    return fp8_format(spec).name
+
+
+def state_format_fmax(spec: str | torch.dtype | Fp8Format | Fp4Layout) -> float:
+    """The ``fmax`` of an owner's delayed scale (``scale = fmax / amax / 2**margin``)."""
+    name = state_format_name(spec)
+    if name in FP4_LAYOUTS:
+        return FP4_LAYOUTS[name].tensor_fmax
+    return FP8_FORMATS[name].max

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 from torch import nn
 
@@ -12,9 +14,26 @@ from .protocol import QuantProtocol
 
 __all__ = ["STATE_FORMAT_VERSION", "Fp8State"]
 
-STATE_FORMAT_VERSION = 1
+# 2 added FP4 owners (format names nvfp4/mxfp4), the running centers and the attn_* config
+# fields; format 1 (FP8 only) still loads.
+STATE_FORMAT_VERSION = 2
+_LOADABLE_VERSIONS = (1, 2)
 # Config fields that change the meaning of saved state: a checkpoint must agree on them.
-_STATE_DEFINING = ("recipe", "history_len", "amax_algo", "margin", "ownership", "forward_format", "backward_format")
+_STATE_DEFINING = (
+    "recipe",
+    "history_len",
+    "amax_algo",
+    "margin",
+    "ownership",
+    "forward_format",
+    "backward_format",
+    "attn_format",
+    "attn_centered",
+    "attn_center_momentum",
+)
+# Fields a format-1 checkpoint could not record: it was made with their defaults.
+_ADDED_IN_V2 = ("attn_format", "attn_centered", "attn_center_momentum")
+_DEFAULTS = {f.name: f.default for f in fields(QuantConfig)}
 
 
 class Fp8State(QuantProtocol):
@@ -41,7 +60,8 @@ class Fp8State(QuantProtocol):
         return self
 
     def convert(self, model: nn.Module) -> nn.Module:
-        """Swap matching ``nn.Linear`` layers of ``model`` (in place) and return it.
+        """Swap matching ``nn.Linear`` layers of ``model`` (in place), bind its unbound
+        ``Fp4AttentionQuantizer`` modules, and return it.
 
         The report of converted and skipped layers is kept in :attr:`last_conversion`.
         """
@@ -112,14 +132,20 @@ class Fp8State(QuantProtocol):
         sd = state_dict
         if not isinstance(sd, dict) or "format_version" not in sd:
             raise StateLoadError("not an Fp8State state dict: 'format_version' is missing")
-        if sd["format_version"] != STATE_FORMAT_VERSION:
+        version = sd["format_version"]
+        if version not in _LOADABLE_VERSIONS:
             raise StateLoadError(
-                f"state format_version {sd['format_version']!r} is not supported: expected {STATE_FORMAT_VERSION}"
+                f"state format_version {version!r} is not supported: expected one of {list(_LOADABLE_VERSIONS)}"
             )
         for key in ("config", "rank", "bank", "clock", "ledger"):
             if key not in sd:
                 raise StateLoadError(f"saved quantizer state is corrupt: '{key}' is missing")
-        saved_cfg = sd["config"]
+        if version >= 2 and isinstance(sd["bank"], dict) and "center_width" not in sd["bank"]:
+            raise StateLoadError("saved quantizer state is corrupt: format 2 bank without 'center_width'")
+        saved_cfg = dict(sd["config"])
+        if version == 1:
+            for key in _ADDED_IN_V2:
+                saved_cfg.setdefault(key, _DEFAULTS[key])
         diff = {
             k: (saved_cfg.get(k), getattr(self.config, k))
             for k in _STATE_DEFINING

@@ -11,7 +11,14 @@ it runs, then quantizes through :meth:`QuantProtocol.quantize`. In ``safe`` mode
 5. Recompute is read-only: it looks up the true forward's call record and records nothing.
 6. Stamps: snapshots carry (event, owner, region, ordinal); consumers check them.
 
-``naive`` mode breaks rules 2–5 on purpose (the seed's defect) so the audit can catch it.
+``naive`` mode breaks rules 2–5 on purpose (the seed's defect) so the audit can catch it;
+``naive_snapshot`` adds the seed's first attempted fix on top (one snapshot per owner, taken
+before a per-call advance, replayed in recompute), which is right only when ownership is.
+
+Each role has a codec: FP8 (``input``, ``weight``: ``forward_format``; ``grad_output``:
+``backward_format``) or packed FP4 (the attention roles: ``attn_format``, optionally
+centered). :meth:`QuantProtocol.quantize` dispatches to the codec's op; the FP4 tensor scale
+and running center live in the same :class:`StateBank` and follow the same rules.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -27,9 +35,10 @@ import torch.distributed as dist
 from . import ops
 from .config import QuantConfig
 from .errors import ConfigError, StateTransitionError
-from .formats import fp8_format
+from .formats import FP4_LAYOUTS, fp8_format
 from .recompute import CallRecord, Phase, SnapshotStash, current_frame, in_backward
 from .state import (
+    ATTENTION_ROLES,
     BACKWARD_ROLES,
     FORWARD_ROLES,
     AmaxReducer,
@@ -58,6 +67,7 @@ class _OpenEvent:
     observed: dict = field(default_factory=dict)  # OwnerKey -> bank index, in order
     committed: set = field(default_factory=set)
     forward_committed: bool = False  # commit_forward() ran in this event
+    owner_snapshots: dict = field(default_factory=dict)  # naive_snapshot: OwnerKey -> last snapshot
 
 
 class QuantProtocol:
@@ -157,7 +167,7 @@ class QuantProtocol:
                 self.amax_reducer.reduce(self.bank, indices)
             if not owners:
                 return
-            self.bank.commit(indices, self.config.amax_algo, self.config.margin)
+            self.bank.commit(indices, self.config.amax_algo, self.config.margin, self.config.attn_center_momentum)
             ev.committed.update(owners)
             self.guard.release(owners)
             self.ledger.commit(ev.event, owners)
@@ -203,16 +213,42 @@ class QuantProtocol:
                 n = self._streams.setdefault(ident, len(self._streams))
         return n
 
-    def role_dtype(self, role: str) -> torch.dtype:
-        name = self.config.backward_format if role_phase(role) == "backward" else self.config.forward_format
-        return fp8_format(name).dtype
+    def role_format(self, role: str) -> str:
+        """The codec of ``role``: an FP8 format name, or an FP4 layout for attention roles."""
+        if role in ATTENTION_ROLES:
+            return self.config.attn_format
+        return self.config.backward_format if role_phase(role) == "backward" else self.config.forward_format
 
-    def enter_call(self, layer: str, roles: tuple[str, ...], device: torch.device) -> tuple[Phase, CallRecord]:
+    def role_dtype(self, role: str) -> torch.dtype:
+        """Storage dtype of ``role``'s quantized data (``torch.uint8`` for packed FP4)."""
+        name = self.role_format(role)
+        return torch.uint8 if name in FP4_LAYOUTS else fp8_format(name).dtype
+
+    def role_centered(self, role: str) -> bool:
+        """Whether ``role`` uses the centered FP4 variant (a running center as owned state)."""
+        return role in ATTENTION_ROLES and self.config.attn_centered
+
+    def enter_call(
+        self,
+        layer: str,
+        roles: tuple[str, ...],
+        device: torch.device,
+        *,
+        channels: Mapping[str, int] | None = None,
+    ) -> tuple[Phase, CallRecord]:
         """Identify one call of ``layer``: its phase and its call record.
 
         A true-forward call gets a new record (owners registered, snapshots taken from
         the event's frozen scales) that is stashed; a recompute gets the stashed record
         of the true-forward call it replays.
+
+        Args:
+            layer: the module's name (one per layer).
+            roles: the roles it quantizes in this call.
+            device: where its tensors live.
+            channels: per role, the size of the last dimension of the tensor it will
+                quantize; needed for centered FP4 roles (their running center has one value
+                per channel).
 
         Raises:
             StateTransitionError: a training forward (grad enabled) outside any event.
@@ -229,22 +265,36 @@ class QuantProtocol:
                     "microbatch)` (the Lightning callback does this), or run under torch.no_grad() "
                     "for evaluation"
                 )
-            return Phase.INFERENCE, self._live_record(layer, roles, device, frame)
+            return Phase.INFERENCE, self._live_record(layer, roles, device, frame, channels)
         if (frame is not None and frame.phase is Phase.RECOMPUTE) or backward:
             return Phase.RECOMPUTE, self.stash.find(ev.event, frame, layer)
-        return Phase.FORWARD, self._new_record(ev, layer, roles, device, frame)
+        return Phase.FORWARD, self._new_record(ev, layer, roles, device, frame, channels)
 
-    def _owners(self, layer, roles, device, stream, site) -> tuple[dict, dict]:
+    def _owners(self, layer, roles, device, stream, site, channels) -> tuple[dict, dict]:
         owners, indices = {}, {}
         for role in roles:
             owner = scoped_owner(self.config.ownership, layer, role, self.rank, stream, site)
+            width = 0
+            if self.role_centered(role):
+                if channels is None or role not in channels:
+                    raise ValueError(
+                        f"layer {layer!r}: role {role!r} is centered, so enter_call needs its channel "
+                        "count: pass channels={role: x.shape[-1]}"
+                    )
+                width = int(channels[role])
             owners[role] = owner
             if self.bank.device is None or owner not in self.bank.index:
                 self.stream_order.structural(device)  # registration reallocates the bank
-            indices[role] = self.bank.register(owner, self.role_dtype(role), device)
+            indices[role] = self.bank.register(owner, self.role_format(role), device, width)
         return owners, indices
 
-    def _new_record(self, ev: _OpenEvent, layer, roles, device, frame) -> CallRecord:
+    def _snapshot(self, owner, role, scale, descale, center, event, region, ordinal) -> QuantSnapshot:
+        step, mb = (None, None) if event is None else event
+        fmt = self.role_format(role)
+        layout = fmt if fmt in FP4_LAYOUTS else None
+        return QuantSnapshot(owner, step, mb, region, ordinal, self.role_dtype(role), scale, descale, layout, center)
+
+    def _new_record(self, ev: _OpenEvent, layer, roles, device, frame, channels) -> CallRecord:
         ident = current_stream_ident(device)
         stream = self._stream_ordinal(ident)
         self.stream_order.enter(device)
@@ -256,53 +306,54 @@ class QuantProtocol:
             else:
                 ordinal = ev.top_ordinals[layer]
                 ev.top_ordinals[layer] = ordinal + 1
-            owners, indices = self._owners(layer, roles, device, stream, site) if self.config.quantized else ({}, {})
+            owners, indices = (
+                self._owners(layer, roles, device, stream, site, channels) if self.config.quantized else ({}, {})
+            )
             if ev.frozen is None or ev.frozen.version != self.bank.version:
                 self.stream_order.structural(device)
                 ev.frozen = self.bank.freeze()
             frozen = ev.frozen
+            widths = {role: self.bank.center_width[i] for role, i in indices.items()}
         self.stream_order.use(device, frozen.scales)
         region = frame.key if frame is not None else None
-        snapshots = {
-            role: QuantSnapshot(
-                owner,
-                ev.event[0],
-                ev.event[1],
-                region,
-                ordinal,
-                self.role_dtype(role),
-                frozen.scale(indices[role]),
-                frozen.descale(indices[role]),
+        snapshots = {}
+        for role, owner in owners.items():
+            i = indices[role]
+            center = frozen.center(i, widths[role]) if widths[role] else None
+            snapshots[role] = self._snapshot(
+                owner, role, frozen.scale(i), frozen.descale(i), center, ev.event, region, ordinal
             )
-            for role, owner in owners.items()
-        }
         record = CallRecord(ev.event, layer, site, region, ordinal, stream, ident, owners, indices, snapshots)
         self.stash.put(record)
         return record
 
-    def _live_record(self, layer, roles, device, frame) -> CallRecord:
+    def _live_record(self, layer, roles, device, frame, channels) -> CallRecord:
         ident = current_stream_ident(device)
         stream = self._stream_ordinal(ident)
         self.stream_order.enter(device)
-        owners, indices = self._owners(layer, roles, device, stream, 0) if self.config.quantized else ({}, {})
+        owners, indices = self._owners(layer, roles, device, stream, 0, channels) if self.config.quantized else ({}, {})
         region = frame.key if frame is not None else None
         snapshots = {
             role: self._live_snapshot(owner, indices[role], None, region, 0, role) for role, owner in owners.items()
         }
         return CallRecord(None, layer, 0, region, 0, stream, ident, owners, indices, snapshots)
 
-    def _live_snapshot(self, owner, index, event, region, ordinal, role) -> QuantSnapshot:
-        """A snapshot of the live values *now* (copies: GEMMs want aligned scale pointers)."""
-        scale, descale = self.bank.scale[index].clone(), self.bank.descale[index].clone()
-        step, mb = (None, None) if event is None else event
-        return QuantSnapshot(owner, step, mb, region, ordinal, self.role_dtype(role), scale, descale)
+    def _live_snapshot(self, owner, index, event, region, ordinal, role, *, copy: bool = True) -> QuantSnapshot:
+        bank = self.bank
+        width = bank.center_width[index]
+        scale, descale = bank.scale[index], bank.descale[index]
+        center = bank.center[index, :width] if width else None
+        if copy:
+            scale, descale = scale.clone(), descale.clone()
+            center = None if center is None else center.clone()
+        return self._snapshot(owner, role, scale, descale, center, event, region, ordinal)
 
     # -- quantize ------------------------------------------------------------------
-    def quantize(
-        self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase
-    ) -> tuple[torch.Tensor, QuantSnapshot]:
+    def quantize(self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase) -> tuple[object, QuantSnapshot]:
         """Quantize ``x`` for ``role`` of ``record``; returns the data and its paired snapshot.
 
+        The data is an FP8 tensor, or for FP4 roles the pair ``(packed uint8, block_scales)``
+        (decode it with ``ops.dequantize_fp4(..., snap.descale, snap.layout, dtype, snap.center)``).
         ``phase`` is the call's phase for forward roles and FORWARD for backward roles
         (a backward pass runs once per event; checkpointing re-runs only forwards).
         """
@@ -310,28 +361,47 @@ class QuantProtocol:
         record.used[role] = snap
         return q, snap
 
+    def _encode(self, x: torch.Tensor, snap: QuantSnapshot):
+        """Quantize with ``snap``, recording nothing."""
+        self.stream_order.use(x.device, snap.scale)
+        if snap.layout is None:
+            return ops.quantize_fp8(x, snap.scale, snap.dtype)
+        return ops.quantize_fp4(x, snap.scale, snap.layout, snap.center)
+
+    def _encode_record(self, index: int, x: torch.Tensor, snap: QuantSnapshot):
+        """Quantize with ``snap`` and record into owner ``index``'s pending statistics.
+
+        Under the lock: a registration on another thread must not swap the pending buffers
+        between reading them here and the record landing in them.
+        """
+        with self._lock:
+            bank = self.bank
+            self.stream_order.use(x.device, bank.amax_pending, snap.scale)
+            if snap.layout is None:
+                return ops.quantize_fp8_record_amax(x, snap.scale, bank.amax_pending, index, snap.dtype)
+            if snap.center is None:
+                return ops.quantize_fp4_record_amax(x, snap.scale, bank.amax_pending, index, snap.layout)
+            return ops.quantize_fp4_centered_record(
+                x, snap.scale, snap.center, bank.amax_pending, bank.center_max, bank.center_min, index, snap.layout
+            )
+
     def _quantize(self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase):
         owner = record.owners[role]
         index = record.indices[role]
-        dtype = self.role_dtype(role)
         if phase is Phase.INFERENCE:
             snap = record.snapshots[role]
-            self.stream_order.use(x.device, snap.scale)
-            return ops.quantize_fp8(x, snap.scale, dtype), snap
+            return self._encode(x, snap), snap
         event = self._require_open(f"quantizing {owner}").event
         if self.config.mode == "naive":
             return self._quantize_naive(record, role, x, phase, event)
+        if self.config.mode == "naive_snapshot":
+            return self._quantize_owner_snapshot(record, role, x, phase, event)
         snap = record.snapshots[role]
         if phase is Phase.RECOMPUTE:
             self.ledger.recompute_read(event, owner)
-            self.stream_order.use(x.device, snap.scale)
-            return ops.quantize_fp8(x, snap.scale, dtype), snap
+            return self._encode(x, snap), snap
         self._observe(record, role, event, recompute=False)
-        # Under the lock: a registration on another thread must not swap the pending buffer
-        # between reading it here and the record landing in it.
-        with self._lock:
-            self.stream_order.use(x.device, self.bank.amax_pending, snap.scale)
-            return ops.quantize_fp8_record_amax(x, snap.scale, self.bank.amax_pending, index, dtype), snap
+        return self._encode_record(index, x, snap), snap
 
     def _observe(self, record: CallRecord, role: str, event: Event, *, recompute: bool) -> None:
         owner = record.owners[role]
@@ -345,25 +415,52 @@ class QuantProtocol:
         with self._lock:
             self._open.observed.setdefault(owner, record.indices[role])
 
-    def _quantize_naive(self, record, role, x, phase, event):
-        """The seed's defect, reproduced on purpose: quantize with live state, record even
-        in recompute, advance at once, and hand the consumer the *live* descale (which now
-        belongs to the next call)."""
-        owner, index, dtype = record.owners[role], record.indices[role], self.role_dtype(role)
-        recompute = phase is Phase.RECOMPUTE
-        self._observe(record, role, event, recompute=recompute)
+    def _advance_now(self, owner, index: int, event: Event) -> None:
+        """Naive timing: commit one owner right after its call."""
         with self._lock:
-            self.stream_order.use(x.device, self.bank.amax_pending)
-            q = ops.quantize_fp8_record_amax(x, self.bank.scale[index].clone(), self.bank.amax_pending, index, dtype)
             self.stream_order.structural(self.bank.device)
-            self.bank.commit((index,), self.config.amax_algo, self.config.margin)
+            self.bank.commit((index,), self.config.amax_algo, self.config.margin, self.config.attn_center_momentum)
             self._open.committed.add(owner)
         self.ledger.commit(event, [owner])
-        # the consumer gets the live descale, already advanced for the next call (the defect)
-        return q, self._live_snapshot(owner, index, event, record.region, record.ordinal, role)
+
+    def _quantize_naive(self, record, role, x, phase, event):
+        """The seed's defect, reproduced on purpose: quantize with live state, record even
+        in recompute, advance at once, and hand the consumer the *live* descale (and center),
+        which now belong to the next call."""
+        owner, index = record.owners[role], record.indices[role]
+        recompute = phase is Phase.RECOMPUTE
+        self._observe(record, role, event, recompute=recompute)
+        live = self._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=True)
+        q = self._encode_record(index, x, live)
+        self._advance_now(owner, index, event)
+        # the consumer gets the live descale (and center), already advanced for the next call
+        # (copies only so that GEMMs get aligned scale pointers; the values are the defect's)
+        return q, self._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=True)
+
+    def _quantize_owner_snapshot(self, record, role, x, phase, event):
+        """The seed's first attempted fix, reproduced on purpose: the true forward snapshots
+        the owner's live state before advancing it after the call, and pairs its data with
+        that snapshot; recompute replays *the owner's* latest snapshot, read-only. Correct
+        when every owner is entered once per event; with a shared owner (per_model) the
+        snapshot recompute finds is the last layer's, faithfully preserving the wrong value."""
+        owner, index = record.owners[role], record.indices[role]
+        ev = self._open
+        if phase is Phase.RECOMPUTE:
+            snap = ev.owner_snapshots.get(owner)
+            if snap is None:
+                raise StateTransitionError(f"{owner} is being recomputed in event {event} but ran no true forward")
+            self.ledger.recompute_read(event, owner)
+            return self._encode(x, snap), snap
+        self._observe(record, role, event, recompute=False)
+        snap = self._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=True)
+        ev.owner_snapshots[owner] = snap
+        q = self._encode_record(index, x, snap)
+        self._advance_now(owner, index, event)
+        return q, snap
 
     # -- audit ---------------------------------------------------------------------
-    def observe_output(self, record: CallRecord, phase: Phase, output: torch.Tensor, snaps: dict) -> None:
-        """Hand one module output to the attached auditors (no-op without any)."""
+    def observe_output(self, record: CallRecord, phase: Phase, output, snaps: dict) -> None:
+        """Hand one module output (a tensor, or a tuple of tensors) to the attached auditors
+        (no-op without any)."""
         for auditor in self.auditors:
             auditor.observe(record, phase, output, snaps)

@@ -45,18 +45,7 @@ class AuditOutcome:
 
 
 def model_config(cfg: DictConfig) -> GPTConfig:
-    m = cfg.model
-    return GPTConfig(
-        m.vocab_size,
-        m.seq_len,
-        m.d_model,
-        m.n_layers,
-        m.n_heads,
-        m.mlp_ratio,
-        m.checkpoint,
-        m.checkpoint_engine,
-        m.use_reentrant,
-    )
+    return GPTConfig(**OmegaConf.to_container(cfg.model, resolve=True))
 
 
 def run_audit(cfg: DictConfig, steps: int) -> AuditOutcome:

@@ -28,14 +28,20 @@ class QuantCfg:
     history_len: int = 16
     margin: int = 0
     amax_algo: str = "max"  # max | most_recent
-    mode: str = "safe"  # safe | naive
+    mode: str = "safe"  # safe | naive | naive_snapshot
     ownership: str = "per_layer_rank"  # per_model | per_layer | per_layer_rank | per_layer_rank_stream
     strict: bool = False  # raise at the first protocol violation (else count it)
     include: list[str] = field(default_factory=lambda: ["*"])
-    exclude: list[str] = field(default_factory=lambda: ["head"])
+    exclude: list[str] = field(default_factory=lambda: ["*head"])  # keep the output head in high precision
     forward_format: str = "e4m3"
     backward_format: str = "e5m2"
     gemm: str = "auto"  # auto | emulated | scaled_mm
+    # role -> none | data_parallel: MAX of pending amaxes across data-parallel ranks
+    amax_reduction: dict[str, str] = field(default_factory=lambda: {"weight": "data_parallel"})
+    attn_format: str = "nvfp4"  # packed-FP4 attention operands (model.fp4_attention): nvfp4 | mxfp4
+    attn_centered: bool = False  # centered variant: quantize x - running per-channel center
+    attn_center_momentum: float = 0.5
+    attn_quantize_v: bool = False
 
 
 @dataclass

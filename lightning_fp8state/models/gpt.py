@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..nn import Fp4AttentionQuantizer
 from ..recompute import checkpoint
 
 __all__ = ["GPT", "GPTConfig"]
@@ -25,6 +26,9 @@ class GPTConfig:
     checkpoint: bool = True
     checkpoint_engine: str = "torch"  # torch | deepspeed
     use_reentrant: bool = False
+    # q and k (and v, if the QuantConfig says so) through a packed-FP4 operand quantizer;
+    # head_dim = d_model / n_heads must be a multiple of the FP4 block (16 NVFP4, 32 MXFP4)
+    fp4_attention: bool = False
 
 
 class Block(nn.Module):
@@ -37,16 +41,17 @@ class Block(nn.Module):
         self.proj = nn.Linear(d, d)
         self.fc = nn.Linear(d, cfg.mlp_ratio * d)
         self.out = nn.Linear(cfg.mlp_ratio * d, d)
-        # optional hook for quantized attention operands: (q, k, v) -> (q, k, v)
-        self.attn_operands: nn.Module | None = None
+        # packed-FP4 attention operands; bound (and named) by Fp8State.convert
+        self.attn_quant = Fp4AttentionQuantizer() if cfg.fp4_attention else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
         q, k, v = (z.reshape(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        if self.attn_operands is not None:
-            q, k, v = self.attn_operands(q, k, v)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.attn_quant is not None:  # only the packed codes are saved for backward
+            att = self.attn_quant.attention(q, k, v, is_causal=True)
+        else:
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 

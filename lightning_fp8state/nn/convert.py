@@ -1,4 +1,5 @@
-"""convert_model: swap matching nn.Linear modules for protocol-driven Fp8Linear ones."""
+"""convert_model: swap matching nn.Linear modules for protocol-driven Fp8Linear ones and bind
+the model's FP4 attention quantizers."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..protocol import QuantProtocol
+from .attention import Fp4AttentionQuantizer
 from .linear import Fp8Linear
 
 __all__ = ["ConversionReport", "convert_model"]
@@ -15,13 +17,17 @@ __all__ = ["ConversionReport", "convert_model"]
 
 @dataclass
 class ConversionReport:
-    """Which layers were converted and which were skipped, with the reason."""
+    """Which layers were converted (or, for attention quantizers, bound) and which were
+    skipped, with the reason."""
 
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    attention: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"converted {len(self.converted)} layer(s): {', '.join(self.converted) or '-'}"]
+        if self.attention:
+            lines.append(f"bound {len(self.attention)} FP4 attention quantizer(s): {', '.join(self.attention)}")
         lines += [f"skipped {name}: {why}" for name, why in self.skipped.items()]
         return "\n".join(lines)
 
@@ -36,11 +42,23 @@ def convert_model(model: nn.Module, protocol: QuantProtocol) -> ConversionReport
 
     Parameters are shared, not copied: an optimizer built before conversion keeps working.
     Already-converted layers are left alone (converting twice is a no-op).
+
+    Every :class:`Fp4AttentionQuantizer` of ``model`` that is not bound yet is bound to
+    ``protocol`` under its module path (the include/exclude patterns apply to Linears only:
+    an attention quantizer is opted into by placing it in the model). One bound to another
+    state is left alone and reported as skipped.
     """
     config = protocol.config
     report = ConversionReport()
     targets = []
     for name, module in model.named_modules():
+        if isinstance(module, Fp4AttentionQuantizer):
+            if module.protocol is None:
+                module.bind(protocol, name or type(model).__name__)
+                report.attention.append(module.layer_name)
+            elif module.protocol is not protocol:
+                report.skipped[name] = "an FP4 attention quantizer already bound to another state"
+            continue
         if isinstance(module, Fp8Linear) or not isinstance(module, nn.Linear) or not name:
             continue
         if not _matches(name, config.include):

@@ -10,21 +10,47 @@ import torch
 
 from . import cuda
 from . import library as _library  # noqa: F401  (defines the schemas and kernels)
+from . import library_fp4 as _library_fp4  # noqa: F401  (the FP4 schemas and kernels)
 from .reference import (
     amax_reference,
     dequantize_fp8_reference,
     quantize_fp8_reference,
     update_scales_reference,
 )
+from .reference_fp4 import (
+    center_stats_reference,
+    dequantize_fp4_reference,
+    e2m1_decode_reference,
+    e2m1_encode_reference,
+    fp4_amax_reference,
+    pack_fp4_reference,
+    quantize_fp4_reference,
+    unpack_fp4_reference,
+    update_centers_reference,
+)
 
 __all__ = [
     "amax_reference",
     "cuda",
+    "center_stats_reference",
+    "dequantize_fp4",
+    "dequantize_fp4_reference",
     "dequantize_fp8",
     "dequantize_fp8_reference",
+    "e2m1_decode_reference",
+    "e2m1_encode_reference",
+    "fp4_amax_reference",
+    "pack_fp4_reference",
+    "quantize_fp4",
+    "quantize_fp4_centered_record",
+    "quantize_fp4_record_amax",
+    "quantize_fp4_reference",
     "quantize_fp8",
     "quantize_fp8_record_amax",
     "quantize_fp8_reference",
+    "unpack_fp4_reference",
+    "update_centers",
+    "update_centers_reference",
     "update_scales",
     "update_scales_reference",
 ]
@@ -74,3 +100,61 @@ def update_scales(
     _ops.update_scales(
         amax_history, scale, descale, amax_pending, nonfinite_count, commit_mask, fmax, amax_algo, margin
     )
+
+
+# -- packed FP4 (layouts and rounding: lightning_fp8state.formats) -------------------------
+
+
+def quantize_fp4(
+    x: torch.Tensor, scale: torch.Tensor, layout: str, center: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode ``x [..., K]`` as packed E2M1 ``[..., K/2]`` plus block scales; records nothing.
+
+    With ``center`` ([K], float32) the centered variant encodes ``x - center``.
+    """
+    return _ops.quantize_fp4(x, scale, center, layout)
+
+
+def quantize_fp4_record_amax(
+    x: torch.Tensor, scale: torch.Tensor, amax_pending: torch.Tensor, slot: int, layout: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_fp4` that also folds ``max|x|`` into ``amax_pending[slot]`` (NaN sticks)."""
+    return _ops.quantize_fp4_record_amax(x, scale, amax_pending, slot, layout)
+
+
+def quantize_fp4_centered_record(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    center: torch.Tensor,
+    amax_pending: torch.Tensor,
+    center_max: torch.Tensor,
+    center_min: torch.Tensor,
+    slot: int,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Centered :func:`quantize_fp4` that records ``max|x - center|`` into ``amax_pending[slot]``
+    and folds ``x``'s per-channel max/min into row ``slot`` of ``center_max``/``center_min``."""
+    return _ops.quantize_fp4_centered_record(x, scale, center, amax_pending, center_max, center_min, slot, layout)
+
+
+def dequantize_fp4(
+    packed: torch.Tensor,
+    block_scales: torch.Tensor,
+    descale: torch.Tensor,
+    layout: str,
+    dtype: torch.dtype,
+    center: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode packed E2M1 with its block scales and the paired ``descale`` (+ ``center``)."""
+    return _ops.dequantize_fp4(packed, block_scales, descale, center, layout, dtype)
+
+
+def update_centers(
+    center: torch.Tensor,
+    center_max: torch.Tensor,
+    center_min: torch.Tensor,
+    commit_mask: torch.Tensor,
+    momentum: float,
+) -> None:
+    """Advance the running centers of all owners selected by ``commit_mask`` (in place)."""
+    _ops.update_centers(center, center_max, center_min, commit_mask, float(momentum))

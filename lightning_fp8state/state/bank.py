@@ -8,23 +8,25 @@ import torch
 
 from .. import ops
 from ..errors import StateLoadError
-from ..formats import fp8_format
+from ..formats import state_format_fmax, state_format_name
 from .owner import OwnerKey
 
 __all__ = ["FrozenScales", "StateBank"]
 
 
 class FrozenScales:
-    """A copy of every owner's scale and descale, taken once per event before any commit.
+    """A copy of every owner's scale and descale (and running center, where any owner is
+    centered), taken once per event before any commit.
 
     Snapshots are views into it; nothing ever writes to it. Each value sits at the start
     of its own 16-byte cell (layout ``[2, n, 4]``) because cuBLASLt's FP8 GEMM wants
     16-byte-aligned scale pointers.
     """
 
-    def __init__(self, scales: torch.Tensor, version: int) -> None:
+    def __init__(self, scales: torch.Tensor, version: int, center: torch.Tensor | None = None) -> None:
         self.scales = scales  # [2, n, 4]: [0, i, 0] scale, [1, i, 0] descale
         self.version = version
+        self.centers = center  # [n, C] or None
 
     def scale(self, index: int) -> torch.Tensor:
         return self.scales[0, index, 0]
@@ -32,21 +34,33 @@ class FrozenScales:
     def descale(self, index: int) -> torch.Tensor:
         return self.scales[1, index, 0]
 
+    def center(self, index: int, width: int) -> torch.Tensor:
+        """The frozen center of owner ``index`` ([width], a contiguous view)."""
+        return self.centers[index, :width]
+
 
 class StateBank:
     """Contiguous per-owner state: ``amax_history [H, n]``, ``scale``/``descale [n]``
     (rows of one ``[2, n]`` buffer), ``amax_pending [n]``, ``nonfinite_count [n]``,
-    ``fmax [n]``, and the registry owner -> index.
+    ``fmax [n]``, and the registry owner -> index, with each owner's format name
+    (``e4m3``, ``e5m2``, ``nvfp4``, ``mxfp4``).
 
-    All owners advance in one batched :func:`ops.update_scales` call. Owners register on
-    first use; the tensors are reallocated then (at the first step), never on a steady step.
+    Centered FP4 owners also keep a running center: ``center [n, C]`` (C = the widest
+    centered owner; row ``i`` uses its first ``center_width[i]`` columns, other owners have
+    width 0) and its pending statistics ``center_max``/``center_min [n, C]`` (``-inf``/``+inf``
+    when nothing was recorded).
+
+    All owners advance in one batched :func:`ops.update_scales` call (plus one
+    :func:`ops.update_centers` call when any owner is centered). Owners register on first
+    use; the tensors are reallocated then (at the first step), never on a steady step.
     """
 
     def __init__(self, history_len: int) -> None:
         self.history_len = history_len
         self.device: torch.device | None = None
         self.owners: list[OwnerKey] = []
-        self.dtypes: list[torch.dtype] = []
+        self.formats: list[str] = []
+        self.center_width: list[int] = []
         self.index: dict[OwnerKey, int] = {}
         self.version = 0
         self._lock = threading.RLock()
@@ -55,11 +69,20 @@ class StateBank:
 
     def _alloc(self, device: torch.device, n: int) -> None:
         f32 = {"dtype": torch.float32, "device": device}
+        c = max(self.center_width, default=0)
         self.amax_history = torch.zeros(self.history_len, n, **f32)
         self.scales = torch.ones(2, n, **f32)
         self.amax_pending = torch.zeros(n, **f32)
         self.nonfinite_count = torch.zeros(n, dtype=torch.int32, device=device)
-        self.fmax = torch.tensor([fp8_format(d).max for d in self.dtypes], **f32).reshape(n)
+        self.center = torch.zeros(n, c, **f32)
+        self.center_max = torch.full((n, c), float("-inf"), **f32)
+        self.center_min = torch.full((n, c), float("inf"), **f32)
+        self.fmax = torch.tensor([state_format_fmax(f) for f in self.formats], **f32).reshape(n)
+
+    @property
+    def centered(self) -> bool:
+        """Whether any owner keeps a running center."""
+        return self.center.shape[1] > 0
 
     @property
     def scale(self) -> torch.Tensor:
@@ -78,6 +101,9 @@ class StateBank:
             "scales": self.scales,
             "amax_pending": self.amax_pending,
             "nonfinite_count": self.nonfinite_count,
+            "center": self.center,
+            "center_max": self.center_max,
+            "center_min": self.center_min,
         }
 
     def to(self, device: torch.device) -> None:
@@ -90,16 +116,32 @@ class StateBank:
             self._masks.clear()
             self.version += 1
 
-    def register(self, owner: OwnerKey, dtype: torch.dtype, device: torch.device) -> int:
-        """Index of ``owner``, adding it (scale 1, empty history) if new."""
+    def register(self, owner: OwnerKey, fmt, device: torch.device, center_width: int = 0) -> int:
+        """Index of ``owner``, adding it (scale 1, empty history, center 0) if new.
+
+        Args:
+            owner: the owner key.
+            fmt: its format: an FP8 format name or float8 dtype, or an FP4 layout name.
+            device: where its data lives (one bank serves one device).
+            center_width: channels of its running center (centered FP4 owners; 0 = none).
+                An owner registered with a center keeps that width for good.
+
+        Raises:
+            ValueError: another device, or a centered owner entered with another width.
+        """
         idx = self.index.get(owner)
-        if idx is not None and self.device is not None:
+        if idx is not None and self.device is not None and self.center_width[idx] == center_width:
             return idx
         with self._lock:
             if self.device is None:  # first use, possibly right after loading a checkpoint
                 self.to(device)
             idx = self.index.get(owner)
             if idx is not None:
+                if self.center_width[idx] != center_width:
+                    raise ValueError(
+                        f"{owner} keeps a running center of {self.center_width[idx]} channels but was "
+                        f"entered with {center_width}: one owner quantizes one operand shape"
+                    )
                 return idx
             if self.device != device:
                 raise ValueError(
@@ -109,10 +151,14 @@ class StateBank:
             old = self._tensors()
             n = len(self.owners)
             self.owners.append(owner)
-            self.dtypes.append(dtype)
+            self.formats.append(state_format_name(fmt))
+            self.center_width.append(int(center_width))
             self._alloc(self.device, n + 1)
             for name, t in old.items():
-                getattr(self, name)[..., :n].copy_(t)
+                if t.dim() == 2 and name.startswith("center"):
+                    getattr(self, name)[:n, : t.shape[1]].copy_(t)
+                else:
+                    getattr(self, name)[..., :n].copy_(t)
                 if t.is_cuda:  # the copy may run on another stream than t's allocation
                     t.record_stream(torch.cuda.current_stream(t.device))
             self.index[owner] = n
@@ -121,8 +167,13 @@ class StateBank:
             return n
 
     def freeze(self) -> FrozenScales:
-        """One copy of all scales and descales (one device op), for this event's snapshots."""
-        return FrozenScales(torch.nn.functional.pad(self.scales.unsqueeze(-1), (0, 3)), self.version)
+        """One copy of all scales and descales (one device op; one more for the centers if
+        any owner is centered), for this event's snapshots."""
+        return FrozenScales(
+            torch.nn.functional.pad(self.scales.unsqueeze(-1), (0, 3)),
+            self.version,
+            self.center.clone() if self.centered else None,
+        )
 
     def mask(self, indices: tuple[int, ...]) -> torch.Tensor:
         """A device bool mask selecting ``indices`` (cached: the same set recurs every step)."""
@@ -133,50 +184,76 @@ class StateBank:
             m = self._masks[indices] = m.to(self.device)
         return m
 
-    def commit(self, indices: tuple[int, ...], amax_algo: str, margin: int) -> None:
-        """Advance the owners at ``indices`` by one event, all in one batched update."""
+    def commit(self, indices: tuple[int, ...], amax_algo: str, margin: int, center_momentum: float = 1.0) -> None:
+        """Advance the owners at ``indices`` by one event, all in one batched update (and
+        their running centers in one more, if any owner is centered)."""
         if not indices:
             return
+        mask = self.mask(indices)
         ops.update_scales(
             self.amax_history,
             self.scale,
             self.descale,
             self.amax_pending,
             self.nonfinite_count,
-            self.mask(indices),
+            mask,
             self.fmax,
             amax_algo,
             margin,
         )
+        if self.centered:
+            ops.update_centers(self.center, self.center_max, self.center_min, mask, center_momentum)
 
     def discard_pending(self, indices: tuple[int, ...]) -> None:
-        """Forget the pending amax of ``indices`` (an aborted event commits nothing)."""
+        """Forget the pending amax (and center statistics) of ``indices`` (an aborted event
+        commits nothing)."""
         if indices:
-            self.amax_pending.masked_fill_(self.mask(indices), 0.0)
+            mask = self.mask(indices)
+            self.amax_pending.masked_fill_(mask, 0.0)
+            if self.centered:
+                self.center_max.masked_fill_(mask.unsqueeze(1), float("-inf"))
+                self.center_min.masked_fill_(mask.unsqueeze(1), float("inf"))
 
     # -- checkpoint ----------------------------------------------------------------
     def state_dict(self) -> dict:
+        """Owners, their format names, and every state tensor (host copies).
+
+        ``center_width`` and the ``center*`` tensors were added with state format 2; a
+        format-1 bank (no centered owners, FP8 formats only) omits them.
+        """
         return {
             "owners": [o.as_list() for o in self.owners],
-            "dtypes": [fp8_format(d).name for d in self.dtypes],
+            "dtypes": list(self.formats),
+            "center_width": list(self.center_width),
             "amax_history": self.amax_history.detach().cpu().clone(),
             "scale": self.scale.detach().cpu().clone(),
             "descale": self.descale.detach().cpu().clone(),
             "amax_pending": self.amax_pending.detach().cpu().clone(),
             "nonfinite_count": self.nonfinite_count.detach().cpu().clone(),
+            "center": self.center.detach().cpu().clone(),
+            "center_max": self.center_max.detach().cpu().clone(),
+            "center_min": self.center_min.detach().cpu().clone(),
         }
 
     @staticmethod
-    def validate_state_dict(sd: dict, history_len: int) -> tuple[list[OwnerKey], list[torch.dtype]]:
-        """Check a saved bank without touching any live state; returns its owners and dtypes."""
+    def validate_state_dict(sd: dict, history_len: int) -> tuple[list[OwnerKey], list[str], list[int]]:
+        """Check a saved bank without touching any live state; returns its owners, their
+        format names and center widths (all 0 for a format-1 bank)."""
         try:
             owners = [OwnerKey.from_list(o) for o in sd["owners"]]
-            dtypes = [fp8_format(name).dtype for name in sd["dtypes"]]
+            formats = [state_format_name(name) for name in sd["dtypes"]]
+            widths = [int(w) for w in sd.get("center_width", [0] * len(owners))]
         except (KeyError, TypeError, ValueError) as exc:
-            raise StateLoadError(f"saved state bank is corrupt: bad owners or dtypes ({exc})") from exc
+            raise StateLoadError(f"saved state bank is corrupt: bad owners, dtypes or center widths ({exc})") from exc
         n = len(owners)
-        if len(dtypes) != n or len(set(owners)) != n:
-            raise StateLoadError(f"saved state bank is corrupt: {n} owners, {len(dtypes)} dtypes, duplicates")
+        if len(formats) != n or len(widths) != n or len(set(owners)) != n:
+            raise StateLoadError(
+                f"saved state bank is corrupt: {n} owners, {len(formats)} dtypes, {len(widths)} center widths, "
+                "or duplicate owners"
+            )
+        if any(w < 0 for w in widths):
+            raise StateLoadError("saved state bank is corrupt: a negative center width")
+        c = max(widths, default=0)
         expect = {
             "amax_history": ((history_len, n), torch.float32),
             "scale": ((n,), torch.float32),
@@ -184,6 +261,8 @@ class StateBank:
             "amax_pending": ((n,), torch.float32),
             "nonfinite_count": ((n,), torch.int32),
         }
+        if "center_width" in sd:
+            expect |= {name: ((n, c), torch.float32) for name in ("center", "center_max", "center_min")}
         for name, (shape, dtype) in expect.items():
             t = sd.get(name)
             if not isinstance(t, torch.Tensor):
@@ -199,11 +278,14 @@ class StateBank:
                 raise StateLoadError(f"saved state bank is corrupt: '{name}' holds negative or non-finite values")
         if bool((sd["scale"] <= 0).any()):
             raise StateLoadError("saved state bank is corrupt: 'scale' holds a zero")
-        return owners, dtypes
+        if "center" in expect and not bool(torch.isfinite(sd["center"]).all()):
+            raise StateLoadError("saved state bank is corrupt: 'center' holds non-finite values")
+        return owners, formats, widths
 
     def load_state_dict(self, sd: dict) -> None:
-        """Replace the bank by a saved one; the live owners, if any, must be the same set."""
-        owners, dtypes = self.validate_state_dict(sd, self.history_len)
+        """Replace the bank by a saved one; the live owners, if any, must be the same set
+        (with the same formats and center widths)."""
+        owners, formats, widths = self.validate_state_dict(sd, self.history_len)
         if self.owners and set(self.owners) != set(owners):
             missing = sorted(map(str, set(self.owners) - set(owners)))[:5]
             extra = sorted(map(str, set(owners) - set(self.owners)))[:5]
@@ -211,9 +293,17 @@ class StateBank:
                 "saved quantizer state belongs to a different model or world size: "
                 f"owners only live here {missing}, owners only in the checkpoint {extra}"
             )
+        if self.owners:
+            live = {o: (f, w) for o, f, w in zip(self.owners, self.formats, self.center_width, strict=True)}
+            saved = {o: (f, w) for o, f, w in zip(owners, formats, widths, strict=True)}
+            differ = sorted(str(o) for o in owners if live[o] != saved[o])[:5]
+            if differ:
+                raise StateLoadError(
+                    f"saved quantizer state quantizes {differ} with another format or center width than this model does"
+                )
         with self._lock:
             device = self.device or torch.device("cpu")
-            self.owners, self.dtypes = list(owners), list(dtypes)
+            self.owners, self.formats, self.center_width = list(owners), list(formats), list(widths)
             self.index = {o: i for i, o in enumerate(owners)}
             self._alloc(device, len(owners))
             self.amax_history.copy_(sd["amax_history"])
@@ -221,5 +311,9 @@ class StateBank:
             self.descale.copy_(sd["descale"])
             self.amax_pending.copy_(sd["amax_pending"])
             self.nonfinite_count.copy_(sd["nonfinite_count"])
+            if "center_width" in sd:
+                self.center.copy_(sd["center"])
+                self.center_max.copy_(sd["center_max"])
+                self.center_min.copy_(sd["center_min"])
             self._masks.clear()
             self.version += 1

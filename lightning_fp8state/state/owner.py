@@ -6,12 +6,22 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-__all__ = ["BACKWARD_ROLES", "FORWARD_ROLES", "OwnerKey", "register_role", "role_phase", "scoped_owner"]
+__all__ = [
+    "ATTENTION_ROLES",
+    "BACKWARD_ROLES",
+    "FORWARD_ROLES",
+    "OwnerKey",
+    "register_role",
+    "role_phase",
+    "scoped_owner",
+]
 
 # Roles whose amax is observed in the forward pass (committed by commit_forward) and in
 # the backward pass (committed at the event's end).
 FORWARD_ROLES: set[str] = {"input", "weight", "attn_q", "attn_k", "attn_v"}
 BACKWARD_ROLES: set[str] = {"grad_output"}
+# Attention operands, quantized as packed FP4 (QuantConfig.attn_format) rather than FP8.
+ATTENTION_ROLES: tuple[str, ...] = ("attn_q", "attn_k", "attn_v")
 
 
 def register_role(name: str, phase: str) -> None:

@@ -1,4 +1,4 @@
-"""QuantSnapshot: the frozen scale/descale one call used, stamped with whose it is."""
+"""QuantSnapshot: the frozen scale/descale (and center) one call used, stamped with whose it is."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ __all__ = ["QuantSnapshot"]
 class QuantSnapshot:
     """Metadata paired with one quantized tensor.
 
-    ``scale`` and ``descale`` are views of a copy taken before any state advanced in the
-    event; nothing writes to that copy, so a snapshot never changes after it is taken.
-    Consumers call :meth:`expect` before reading it.
+    ``scale`` and ``descale`` (and ``center``, for the centered FP4 variant) are views of a
+    copy taken before any state advanced in the event; nothing writes to that copy, so a
+    snapshot never changes after it is taken. Consumers call :meth:`expect` before reading it.
     """
 
     owner: OwnerKey
@@ -26,9 +26,11 @@ class QuantSnapshot:
     microbatch: int | None
     region: tuple | None  # checkpoint region key, None outside regions
     ordinal: int  # call ordinal of the layer inside the region (or event)
-    dtype: torch.dtype
+    dtype: torch.dtype  # storage dtype of the quantized data (torch.uint8 for packed FP4)
     scale: torch.Tensor
     descale: torch.Tensor
+    layout: str | None = None  # FP4 block layout ("nvfp4" | "mxfp4"); None for FP8
+    center: torch.Tensor | None = None  # centered FP4: the running center [channels]
 
     @property
     def event(self) -> tuple[int, int] | None:

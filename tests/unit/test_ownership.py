@@ -80,6 +80,18 @@ def test_per_model_scope_is_wrong_even_with_snapshots():
     assert err["shared"] > 10 * err["own"]
 
 
+def test_an_owner_snapshot_repairs_timing_only_when_ownership_is_right():
+    """naive_snapshot: the seed's first fix (snapshot per owner before a per-call advance,
+    replayed in recompute). With per-layer owners it makes recompute exact; with one owner
+    for the model, every recompute replays the snapshot of the model's last call."""
+    _, own, _ = run_deep("naive_snapshot", "per_layer")
+    assert own.ok, own.format_table()
+    _, shared, _ = run_deep("naive_snapshot", "per_model")
+    assert not shared.ok
+    broken = {int(r.layer.split(".")[1]) for r in shared.mismatches}
+    assert broken == set(range(8))  # every fc1 recomputes with the last call's (blocks.7.fc2) snapshot
+
+
 class Tied(nn.Module):
     """One Linear called twice per forward, each call in its own checkpoint region."""
 

@@ -1,0 +1,178 @@
+"""The packed-FP4 ops of the ``fp8state`` library: schemas, input checks, reference and fake kernels.
+
+Same conventions as the FP8 ops in :mod:`.library`: schemas in Python, "expected X, got Y"
+``ValueError``s, the pure-torch reference registered as ``CompositeExplicitAutograd``
+(contiguous outputs), fake kernels for ``torch.compile``. ``layout`` is ``"nvfp4"`` or
+``"mxfp4"``; the bit-level rules are in :mod:`lightning_fp8state.formats`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import FP4_LAYOUTS
+from . import reference_fp4 as ref
+from .library import LIB, _check_pending, _check_scalar, _expect
+
+__all__ = ["check_fp4_quantize_args", "check_update_centers_args"]
+
+LIB.define("quantize_fp4(Tensor x, Tensor scale, Tensor? center, str layout) -> (Tensor, Tensor)")
+LIB.define(
+    "quantize_fp4_record_amax(Tensor x, Tensor scale, Tensor(a!) amax_pending, int slot, str layout) "
+    "-> (Tensor, Tensor)"
+)
+LIB.define(
+    "quantize_fp4_centered_record(Tensor x, Tensor scale, Tensor center, Tensor(a!) amax_pending, "
+    "Tensor(b!) center_max, Tensor(c!) center_min, int slot, str layout) -> (Tensor, Tensor)"
+)
+LIB.define(
+    "dequantize_fp4(Tensor packed, Tensor block_scales, Tensor descale, Tensor? center, str layout, "
+    "ScalarType dtype) -> Tensor"
+)
+LIB.define(
+    "update_centers(Tensor(a!) center, Tensor(b!) center_max, Tensor(c!) center_min, Tensor commit_mask, "
+    "float momentum) -> ()"
+)
+
+_IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_layout(layout: str) -> int:
+    _expect(layout in FP4_LAYOUTS, "layout", f"one of {sorted(FP4_LAYOUTS)}", repr(layout))
+    return FP4_LAYOUTS[layout].block_size
+
+
+def _check_center(center: torch.Tensor | None, k: int, device: torch.device) -> None:
+    if center is None:
+        return
+    _expect(center.dtype == torch.float32, "center.dtype", "torch.float32", center.dtype)
+    _expect(tuple(center.shape) == (k,), "center.shape", f"({k},) (one value per channel of x)", tuple(center.shape))
+    _expect(center.device == device, "center.device", str(device), center.device)
+
+
+def check_fp4_quantize_args(x: torch.Tensor, scale: torch.Tensor, center: torch.Tensor | None, layout: str) -> None:
+    """Validate the arguments shared by the FP4 quantize ops."""
+    block = _check_layout(layout)
+    _expect(x.dtype in _IN_DTYPES, "x.dtype", f"one of {list(_IN_DTYPES)}", x.dtype)
+    _expect(x.dim() >= 1, "x.dim()", ">= 1", x.dim())
+    k = x.shape[-1]
+    _expect(k % block == 0, "x.shape[-1]", f"a multiple of {block} (the {layout} block size)", k)
+    _check_scalar("scale", scale, x.device)
+    _check_center(center, k, x.device)
+
+
+def _check_center_stats(center_max, center_min, slot: int, k: int, device: torch.device) -> None:
+    for name, t in (("center_max", center_max), ("center_min", center_min)):
+        _expect(t.dtype == torch.float32, f"{name}.dtype", "torch.float32", t.dtype)
+        _expect(t.dim() == 2, f"{name}.dim()", "2 ([owners, channels])", t.dim())
+        _expect(t.device == device, f"{name}.device", str(device), t.device)
+    _expect(center_min.shape == center_max.shape, "center_min.shape", tuple(center_max.shape), tuple(center_min.shape))
+    _expect(0 <= slot < center_max.shape[0], "slot", f"0 <= slot < {center_max.shape[0]}", slot)
+    _expect(center_max.shape[1] >= k, "center_max.shape[1]", f">= {k} (x's channels)", center_max.shape[1])
+
+
+def check_update_centers_args(center, center_max, center_min, commit_mask, momentum) -> None:
+    """Validate the batched center update's arguments."""
+    _expect(center.dim() == 2, "center.dim()", "2 ([owners, channels])", center.dim())
+    n, device = center.shape[0], center.device
+    for name, t in (("center", center), ("center_max", center_max), ("center_min", center_min)):
+        _expect(t.dtype == torch.float32, f"{name}.dtype", "torch.float32", t.dtype)
+        _expect(t.device == device, f"{name}.device", str(device), t.device)
+        _expect(t.shape == center.shape, f"{name}.shape", tuple(center.shape), tuple(t.shape))
+    _expect(commit_mask.dtype == torch.bool, "commit_mask.dtype", "torch.bool", commit_mask.dtype)
+    _expect(tuple(commit_mask.shape) == (n,), "commit_mask.shape", f"({n},)", tuple(commit_mask.shape))
+    _expect(commit_mask.device == device, "commit_mask.device", str(device), commit_mask.device)
+    _expect(0.0 < momentum <= 1.0, "momentum", "0 < momentum <= 1", momentum)
+
+
+def _record_stats(x, center, amax_pending, slot, center_max=None, center_min=None) -> None:
+    cell = amax_pending.narrow(0, slot, 1)
+    cell.copy_(torch.maximum(cell, ref.fp4_amax_reference(x, center).reshape(1)))
+    if center_max is None or x.numel() == 0:
+        return
+    hi, lo = ref.center_stats_reference(x)
+    k = x.shape[-1]
+    row_max = center_max[slot, :k]
+    row_min = center_min[slot, :k]
+    row_max.copy_(torch.maximum(row_max, hi))
+    row_min.copy_(torch.minimum(row_min, lo))
+
+
+@torch.library.impl(LIB, "quantize_fp4", "CompositeExplicitAutograd")
+def _quantize_fp4(x, scale, center, layout):
+    check_fp4_quantize_args(x, scale, center, layout)
+    return ref.quantize_fp4_reference(x, scale, center, layout)
+
+
+@torch.library.impl(LIB, "quantize_fp4_record_amax", "CompositeExplicitAutograd")
+def _quantize_fp4_record_amax(x, scale, amax_pending, slot, layout):
+    check_fp4_quantize_args(x, scale, None, layout)
+    _check_pending(amax_pending, slot, x.device)
+    _record_stats(x, None, amax_pending, slot)
+    return ref.quantize_fp4_reference(x, scale, None, layout)
+
+
+@torch.library.impl(LIB, "quantize_fp4_centered_record", "CompositeExplicitAutograd")
+def _quantize_fp4_centered_record(x, scale, center, amax_pending, center_max, center_min, slot, layout):
+    check_fp4_quantize_args(x, scale, center, layout)
+    _check_pending(amax_pending, slot, x.device)
+    _check_center_stats(center_max, center_min, slot, x.shape[-1], x.device)
+    _record_stats(x, center, amax_pending, slot, center_max, center_min)
+    return ref.quantize_fp4_reference(x, scale, center, layout)
+
+
+@torch.library.impl(LIB, "dequantize_fp4", "CompositeExplicitAutograd")
+def _dequantize_fp4(packed, block_scales, descale, center, layout, dtype):
+    block = _check_layout(layout)
+    _expect(packed.dtype == torch.uint8, "packed.dtype", "torch.uint8", packed.dtype)
+    _expect(packed.dim() >= 1, "packed.dim()", ">= 1", packed.dim())
+    k = 2 * packed.shape[-1]
+    _expect(k % block == 0, "2 * packed.shape[-1]", f"a multiple of {block} (the {layout} block size)", k)
+    want_dtype = FP4_LAYOUTS[layout].block_scale_dtype
+    _expect(block_scales.dtype == want_dtype, "block_scales.dtype", str(want_dtype), block_scales.dtype)
+    want_shape = (*packed.shape[:-1], k // block)
+    _expect(tuple(block_scales.shape) == want_shape, "block_scales.shape", want_shape, tuple(block_scales.shape))
+    _expect(block_scales.device == packed.device, "block_scales.device", str(packed.device), block_scales.device)
+    _expect(dtype in _IN_DTYPES, "dtype", f"one of {list(_IN_DTYPES)}", dtype)
+    _check_scalar("descale", descale, packed.device)
+    _check_center(center, k, packed.device)
+    return ref.dequantize_fp4_reference(packed, block_scales, descale, center, layout, dtype).contiguous()
+
+
+@torch.library.impl(LIB, "update_centers", "CompositeExplicitAutograd")
+def _update_centers(center, center_max, center_min, commit_mask, momentum) -> None:
+    check_update_centers_args(center, center_max, center_min, commit_mask, momentum)
+    ref.update_centers_reference(center, center_max, center_min, commit_mask, momentum)
+
+
+def _fake_fp4_outputs(x, layout):
+    lay = FP4_LAYOUTS[layout]
+    k = x.shape[-1]
+    packed = x.new_empty((*x.shape[:-1], k // 2), dtype=torch.uint8)
+    scales = x.new_empty((*x.shape[:-1], k // lay.block_size), dtype=lay.block_scale_dtype)
+    return packed, scales
+
+
+@torch.library.register_fake("fp8state::quantize_fp4")
+def _quantize_fp4_fake(x, scale, center, layout):
+    return _fake_fp4_outputs(x, layout)
+
+
+@torch.library.register_fake("fp8state::quantize_fp4_record_amax")
+def _quantize_fp4_record_amax_fake(x, scale, amax_pending, slot, layout):
+    return _fake_fp4_outputs(x, layout)
+
+
+@torch.library.register_fake("fp8state::quantize_fp4_centered_record")
+def _quantize_fp4_centered_record_fake(x, scale, center, amax_pending, center_max, center_min, slot, layout):
+    return _fake_fp4_outputs(x, layout)
+
+
+@torch.library.register_fake("fp8state::dequantize_fp4")
+def _dequantize_fp4_fake(packed, block_scales, descale, center, layout, dtype):
+    return packed.new_empty((*packed.shape[:-1], 2 * packed.shape[-1]), dtype=dtype)
+
+
+@torch.library.register_fake("fp8state::update_centers")
+def _update_centers_fake(center, center_max, center_min, commit_mask, momentum):
+    return None

@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from ..errors import OwnerAlignmentError
-from ..formats import fp8_format
 from .bank import StateBank
 
 __all__ = ["AmaxReducer"]
@@ -33,7 +32,7 @@ def registry_fingerprint(bank: StateBank) -> list[int]:
     """``[n, h0, h1, h2]``: the owner count and a hash of (layer, role, stream, site, format)
     in index order. The rank is left out: it differs between ranks by design."""
     desc = repr(
-        [(o.layer, o.role, o.stream, o.site, fp8_format(d).name) for o, d in zip(bank.owners, bank.dtypes, strict=True)]
+        [(o.layer, o.role, o.stream, o.site, f) for o, f in zip(bank.owners, bank.formats, strict=True)]
     )
     h = int.from_bytes(hashlib.sha256(desc.encode()).digest()[:8], "little")
     return [len(bank.owners), h & 0xFFFFF, (h >> 20) & 0xFFFFF, (h >> 40) & 0xFFFFF]

@@ -1,0 +1,95 @@
+"""``fp8state train`` end to end on the CPU: run directory, resume, report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_fp8state.cli.main import main
+from lightning_fp8state.telemetry.sinks import read_jsonl
+
+SMALL = ["model.d_model=32", "model.n_layers=2", "model.seq_len=16", "data.batch_size=4", "data.num_samples=400"]
+
+
+@pytest.fixture
+def run_root(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    return tmp_path
+
+
+def test_train_writes_a_traceable_run_directory_and_the_loss_falls(run_root, capsys):
+    code = main(
+        [
+            "train",
+            *SMALL,
+            "trainer.max_steps=40",
+            "trainer.checkpoint_every_n_steps=20",
+            "telemetry.log_every_n_steps=5",
+            f"out_dir={run_root / 'runs'}",
+        ]
+    )
+    assert code == 0
+    run = run_root / "runs" / "tiny_gpt_cpu"
+    assert (run / "config.yaml").is_file()
+    prov = json.loads((run / "provenance.json").read_text())
+    assert prov["package"] == "lightning_fp8state" and prov["torch"] == torch.__version__
+    assert "git_commit" in prov and "cuda_extension" in prov
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert list((run / "wandb").glob("offline-run-*/run-*.wandb")), "W&B offline files"
+    rows = read_jsonl(run / "telemetry.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 41)) or len(rows) == 40
+    losses = [r["train/loss"] for r in rows]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5  # it learns
+    assert rows[-1]["train/steps_applied"] == 40 and rows[-1]["train/steps_skipped"] == 0
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    assert ckpt["fp8state"]["ranks"][0]["clock"]["last"][0] == 39  # the quantizer state is saved
+
+
+def test_train_resume_continues_the_run(run_root):
+    common = [*SMALL, "telemetry.wandb=disabled", f"out_dir={run_root / 'runs'}"]
+    assert main(["train", *common, "trainer.max_steps=20", "trainer.checkpoint_every_n_steps=10"]) == 0
+    run = run_root / "runs" / "tiny_gpt_cpu"
+    assert main(["train", "--resume", str(run), "trainer.max_steps=30"]) == 0
+    rows = read_jsonl(run / "telemetry.jsonl")
+    assert rows[-1]["step"] == 30 and rows[-1]["train/steps_attempted"] == 30
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    assert ckpt["global_step"] == 30
+    assert ckpt["fp8state"]["ranks"][0]["clock"]["last"][0] == 29
+
+
+def test_resume_of_a_non_run_directory_exits_2(run_root, capsys):
+    assert main(["train", "--resume", str(run_root)]) == 2
+    assert "config.yaml" in capsys.readouterr().err
+
+
+def test_report_writes_pngs_and_a_summary(run_root, capsys):
+    assert (
+        main(
+            [
+                "train",
+                *SMALL,
+                "trainer.max_steps=12",
+                "telemetry.wandb=disabled",
+                "telemetry.log_every_n_steps=4",
+                f"out_dir={run_root / 'runs'}",
+            ]
+        )
+        == 0
+    )
+    run = run_root / "runs" / "tiny_gpt_cpu"
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "steps" in out
+    pngs = sorted((run / "report").glob("*.png"))
+    assert {p.stem for p in pngs} >= {"loss", "grad_norm", "throughput", "scales"}
+    assert all(p.stat().st_size > 1000 for p in pngs)
+
+
+def test_report_of_a_missing_run_exits_2(run_root, capsys):
+    assert main(["report", str(run_root / "nothing")]) == 2
+    assert "nothing" in capsys.readouterr().err

@@ -112,7 +112,7 @@ def observe(trainer, model, cb) -> dict:
         "audit_table": None if report is None else report.format_table(),
         "params": {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()},
         "momentum": momentum_buffers(trainer),
-        "device": str(next(model.parameters()).device),
+        "device": str(state.bank.device),  # where the quantizers ran (Lightning may move the model back)
         "strategy": type(trainer.strategy).__name__,
         "default_engine": f8s.recompute.default_engine(),
     }

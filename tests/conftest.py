@@ -91,7 +91,7 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.dtype == b.dtype
         and a.shape == b.shape
-        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
     )
 
 

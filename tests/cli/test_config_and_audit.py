@@ -115,3 +115,19 @@ def test_config_error_is_a_value_error():
         load_config(None, ["quant.amax_algo=mean"])
     assert issubclass(ConfigError, ValueError)
     assert Path(RECIPES_DIR).is_dir()
+
+
+def test_audit_runs_on_a_users_text_file_and_token_bin(tmp_path, capsys):
+    import numpy as np
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    common = [*FAST, "model.vocab_size=256", "--steps", "2", "--mode", "safe"]
+    assert main(["audit", "data.source=text", f"data.path={text}", *common]) == 0
+    tokens = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 256, size=5000, dtype=np.uint16).tofile(tokens)
+    assert main(["audit", "data.source=bin", f"data.path={tokens}", *common]) == 0
+    # a token id beyond the vocabulary is refused naming the key
+    np.full(100, 300, dtype=np.uint16).tofile(tokens)
+    assert main(["audit", "data.source=bin", f"data.path={tokens}", *common]) == 2
+    assert "vocab_size" in capsys.readouterr().err

@@ -197,7 +197,12 @@ def run_training(recipe: str | None, overrides: list[str], *, resume: str | None
         ],
     )
     (run_dir / "provenance.json").write_text(json.dumps(provenance(), indent=1, default=str))
-    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    finally:
+        if trainer.is_global_zero:
+            for logger in loggers:  # close the W&B run: a later run in this process gets its own
+                logger.experiment.finish()
     if trainer.is_global_zero:  # again: the CUDA extension (and its hash) is known only now
         (run_dir / "provenance.json").write_text(json.dumps(provenance(), indent=1, default=str))
         loss = trainer.callback_metrics.get("train/loss")

@@ -11,9 +11,9 @@ scaling (eager: the protocol's bookkeeping runs in Python around the fused kerne
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from timing import median_ms
 from torch import nn
 
 import lightning_fp8state as f8s
@@ -22,21 +22,6 @@ import lightning_fp8state as f8s
 def stack(d: int) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(8)]).cuda().bfloat16()
-
-
-def time_steps(step, reps: int = 20, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -61,14 +46,14 @@ def main() -> None:
         g = torch.randn(args.tokens, d, device="cuda", dtype=torch.bfloat16)
 
         bf16 = torch.compile(stack(d))
-        t_bf16 = time_steps(lambda m=bf16: m(x).backward(g))
+        t_bf16 = median_ms(lambda m=bf16: m(x).backward(g))
 
         t_ao = float("nan")
         if torchao is not None:
             ao = stack(d)
             convert_to_float8_training(ao)
             ao = torch.compile(ao)
-            t_ao = time_steps(lambda m=ao: m(x).backward(g))
+            t_ao = median_ms(lambda m=ao: m(x).backward(g))
 
         state = f8s.Fp8State(f8s.QuantConfig())
         ours = state.convert(stack(d))
@@ -79,7 +64,7 @@ def main() -> None:
                 m(x).backward(g)
             step_no["n"] += 1
 
-        t_ours = time_steps(ours_step)
+        t_ours = median_ms(ours_step)
         print(
             f"{d:>6} {t_bf16:>9.2f} {t_ao:>11.2f} {t_ours:>9.2f} {t_bf16 / t_ao:>13.2f}x {t_bf16 / t_ours:>9.2f}x "
             f"{t_ao / t_ours:>12.2f}x"

@@ -13,27 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from timing import median_ms as bench
 
 from lightning_fp8state import ops
-
-
-def bench(fn, reps: int = 50, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` runs, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def eager_quantize_amax(x, scale, pending):

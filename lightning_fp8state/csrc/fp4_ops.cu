@@ -85,31 +85,40 @@ FP4_HD float div(float a, float b) {
 
 FP4_HD bool is_nan(float v) { return (f2u(v) & 0x7fffffffu) > 0x7f800000u; }
 
-// -1 if a <= b, else 0 (one FSET on the device).
-FP4_HD int le_mask(float a, float b) {
+FP4_HD float fma_rn(float a, float b, float c) {
 #ifdef __CUDA_ARCH__
-  int r;
-  asm("set.le.s32.f32 %0, %1, %2;" : "=r"(r) : "f"(a), "f"(b));
-  return r;
+  return __fmaf_rn(a, b, c);
 #else
-  return a <= b ? -1 : 0;
+  return std::fma(a, b, c);
 #endif
 }
 
-// E2M1 magnitude code (0..7) of |y|, y not NaN: round to nearest, ties to the even code,
-// saturating at 6. The two multiplies by 2^-148 and 2^-149 land in float32's subnormal range,
-// where the IEEE multiply itself rounds to nearest even on a fixed grid:
-//   c0 = round(2|y|)   (the code itself while |y| <= 2: steps of 0.5),
-//   c1 = round(|y|)    (code - 2 on [2, 4]: steps of 1),
-//   t  = 6, or 7 when |y| > 5 (steps of 2 on [4, 6]);
-// min(c0, c1 + 2, t) picks the right one (each overestimates the code outside its range).
-FP4_HD uint32_t e2m1_mag(float y) {
+// E2M1 magnitude code (0..7) of |y| plus kMagicBits, y not NaN: round to nearest, ties to
+// the even code, saturating at 6. E2M1's grid has steps of 0.5 on [0, 2], 1 on [2, 4] and 2
+// on [4, 6]; each candidate rounds |y| once (one FMA into [2^23, 2^24), where float32's ulp
+// is 1, so the FMA itself rounds to nearest even on the integers) on one of those grids:
+//   c0 = RN(2|y|)      (the code itself on [0, 2]),
+//   c1 = RN(|y|) + 2   (the code on [2, 4]),
+//   c2 = RN(|y|/2) + 4 (the code on [4, 6]; 7 caps larger values),
+// each as the bit pattern of M + c with M = 1.5 * 2^23, and min(c0, c1, c2, 7) is the code
+// (each candidate overestimates it outside its range; the bit patterns of floats of one
+// binade order like the integers, and larger |y| only give larger patterns).
+constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+constexpr uint32_t kMagicBits = 0x4b400000u;
+FP4_HD uint32_t e2m1_mag_biased(float y) {
   const float a = fabsf(y);
-  const int c0 = static_cast<int>(f2u(mul(a, 0x1p-148f)));
-  const int c1 = static_cast<int>(f2u(mul(a, 0x1p-149f)));
-  const int m = min(c1 + 2, c0);
-  return static_cast<uint32_t>(min(le_mask(a, 5.0f) + 7, m));
+  const int c0 = static_cast<int>(f2u(fma_rn(a, 2.0f, kMagic)));
+  const int c1 = static_cast<int>(f2u(fma_rn(a, 1.0f, kMagic + 2.0f)));
+  const int c2 = static_cast<int>(f2u(fma_rn(a, 0.5f, kMagic + 4.0f)));
+  return static_cast<uint32_t>(__vimin3_s32(c0, c1, min(c2, static_cast<int>(kMagicBits) + 7)));
 }
+
+FP4_HD uint32_t e2m1_mag(float y) { return e2m1_mag_biased(y) - kMagicBits; }
+
+// Eight biased magnitudes packed by plain addition, (m_j + kMagicBits) << 4j summed over j,
+// carry the constant sum of kMagicBits << 4j (mod 2^32), taken off once per word.
+constexpr uint32_t kPackBias = kMagicBits + (kMagicBits << 4) + (kMagicBits << 8) + (kMagicBits << 12) +
+                               (kMagicBits << 16) + (kMagicBits << 20) + (kMagicBits << 24) + (kMagicBits << 28);
 
 // The full 4-bit code (sign in bit 3), NaN -> 0.
 FP4_HD uint32_t e2m1_code(float y) {
@@ -123,13 +132,36 @@ FP4_HD float e2m1_value(uint32_t nib) {
   return mul(u2f(((nib & 7u) << 22) | ((nib & 8u) << 28)), 0x1p126f);
 }
 
-// NVFP4 block scale code from the block amax a and the tensor scale s.
+// The IEEE quotient a / 6 for a >= 0 (or NaN). In the normal range, Markstein's correction of
+// q0 = a * RN(1/6) with the exact remainder a - 6 q0 (one FMA) is the correctly rounded
+// quotient (checked on the host for every mantissa, which suffices: scaling by a power of two
+// commutes with every step there); elsewhere (0, subnormal, huge, inf, NaN) a true division.
+FP4_HD float div6(float a) {
+  if (f2u(a) - 0x03800000u < 0x7c000000u - 0x03800000u) {  // 2^-120 <= a < 2^121
+    const float r = 0x1.555556p-3f;                          // RN(1/6)
+    const float q0 = mul(a, r);
+    return fma_rn(fma_rn(-6.0f, q0, a), r, q0);
+  }
+  return div(a, 6.0f);
+}
+
+FP4_HD float max_nan(float a, float b) {
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return (a != a || b != b) ? u2f(0x7fffffffu) : (a > b ? a : b);
+#endif
+}
+
+// NVFP4 block scale code from the block amax a (>= 0 or NaN) and the tensor scale s:
+// E4M3(v) for v > 0 (nearest even; the satfinite conversion saturates v > 448, +inf
+// included, to 448), 0 for v <= 0, 0x7F for NaN. max(v, 0) keeps NaN and turns every v <= 0
+// into a zero, whose code (0x00 or, for -0, 0x80) the mask clears like a NaN's sign.
 FP4_HD uint32_t nvfp4_scale_code(float a, float s) {
-  const float v = mul(div(a, 6.0f), s);
-  if (is_nan(v)) return 0x7fu;
-  if (!(v > 0.0f)) return 0u;
-  // Round to nearest even; the satfinite conversion saturates v > 448 (and +inf) to 448.
-  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+  const float v = max_nan(mul(div6(a), s), 0.0f);
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3)) & 0x7fu;
 }
 
 // Exact float32 value of an E4M3 code (0x7F / 0xFF -> NaN).
@@ -312,11 +344,7 @@ void check_center_stats(const at::Tensor& cmax, const at::Tensor& cmin, int64_t 
 // device helpers
 // ---------------------------------------------------------------------------------------
 // NaN-propagating max (PTX max.NaN, sm_80+).
-__device__ __forceinline__ float fmax_nan(float a, float b) {
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
+__device__ __forceinline__ float fmax_nan(float a, float b) { return max_nan(a, b); }
 
 __device__ __forceinline__ float warp_max_nan(float m) {
 #pragma unroll
@@ -369,9 +397,9 @@ __device__ __forceinline__ void fold_stat(float* ptr, int32_t key, bool nan, boo
 // place; the 8 sign bits are gathered with byte permutes from the floats' top bytes:
 // even elements' signs go to bit 3 of each byte, odd elements' to bit 7.
 __device__ __forceinline__ uint32_t pack8_fast(const float* y) {
-  uint32_t w = 0;
+  uint32_t w = 0u - kPackBias;  // magnitudes <= 7 never carry into the next nibble
 #pragma unroll
-  for (int j = 0; j < 8; ++j) w += e2m1_mag(y[j]) << (4 * j);
+  for (int j = 0; j < 8; ++j) w += e2m1_mag_biased(y[j]) << (4 * j);
   const uint32_t u0 = __float_as_uint(y[0]), u1 = __float_as_uint(y[1]), u2 = __float_as_uint(y[2]),
                  u3 = __float_as_uint(y[3]), u4 = __float_as_uint(y[4]), u5 = __float_as_uint(y[5]),
                  u6 = __float_as_uint(y[6]), u7 = __float_as_uint(y[7]);
@@ -408,17 +436,18 @@ struct In<__nv_bfloat16> {
       }
     }
   }
-  // max|x| over the 16 elements with packed NaN-propagating maxima (exact: the max of bf16
-  // magnitudes is one of them).
+  // max|x| over the 16 elements with packed NaN-propagating max/min (exact: the result is
+  // one of the inputs' magnitudes).
   static __device__ __forceinline__ float absmax(const uint4* r) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(r);
-    __nv_bfloat162 m0 = __hmax2_nan(__habs2(h[0]), __habs2(h[1]));
-    __nv_bfloat162 m1 = __hmax2_nan(__habs2(h[2]), __habs2(h[3]));
-    __nv_bfloat162 m2 = __hmax2_nan(__habs2(h[4]), __habs2(h[5]));
-    __nv_bfloat162 m3 = __hmax2_nan(__habs2(h[6]), __habs2(h[7]));
-    const __nv_bfloat162 m = __hmax2_nan(__hmax2_nan(m0, m1), __hmax2_nan(m2, m3));
-    return fmax_nan(__low2float(m), __high2float(m));
+    const __nv_bfloat162 hi = __hmax2_nan(__hmax2_nan(__hmax2_nan(h[0], h[1]), __hmax2_nan(h[2], h[3])),
+                               __hmax2_nan(__hmax2_nan(h[4], h[5]), __hmax2_nan(h[6], h[7])));
+    const __nv_bfloat162 lo = __hmin2_nan(__hmin2_nan(__hmin2_nan(h[0], h[1]), __hmin2_nan(h[2], h[3])),
+                               __hmin2_nan(__hmin2_nan(h[4], h[5]), __hmin2_nan(h[6], h[7])));
+    const __nv_bfloat162 m = __hmax2_nan(hi, __hneg2(lo));  // max|x| = max(max x, -min x), NaN sticks
+    return fabsf(fmax_nan(__low2float(m), __high2float(m)));  // fabsf: never -0
   }
+
 };
 
 template <>
@@ -435,13 +464,14 @@ struct In<__half> {
   }
   static __device__ __forceinline__ float absmax(const uint4* r) {
     const __half2* h = reinterpret_cast<const __half2*>(r);
-    __half2 m0 = __hmax2_nan(__habs2(h[0]), __habs2(h[1]));
-    __half2 m1 = __hmax2_nan(__habs2(h[2]), __habs2(h[3]));
-    __half2 m2 = __hmax2_nan(__habs2(h[4]), __habs2(h[5]));
-    __half2 m3 = __hmax2_nan(__habs2(h[6]), __habs2(h[7]));
-    const __half2 m = __hmax2_nan(__hmax2_nan(m0, m1), __hmax2_nan(m2, m3));
-    return fmax_nan(__low2float(m), __high2float(m));
+    const __half2 hi = __hmax2_nan(__hmax2_nan(__hmax2_nan(h[0], h[1]), __hmax2_nan(h[2], h[3])),
+                               __hmax2_nan(__hmax2_nan(h[4], h[5]), __hmax2_nan(h[6], h[7])));
+    const __half2 lo = __hmin2_nan(__hmin2_nan(__hmin2_nan(h[0], h[1]), __hmin2_nan(h[2], h[3])),
+                               __hmin2_nan(__hmin2_nan(h[4], h[5]), __hmin2_nan(h[6], h[7])));
+    const __half2 m = __hmax2_nan(hi, __hneg2(lo));  // max|x| = max(max x, -min x), NaN sticks
+    return fabsf(fmax_nan(__low2float(m), __high2float(m)));  // fabsf: never -0
   }
+
 };
 
 template <>
@@ -508,6 +538,7 @@ __global__ void __launch_bounds__(kThreads) quantize_fp4_kernel(const QuantizePa
     __syncthreads();
   }
 
+  const uint32_t enc_base = static_cast<uint32_t>(__cvta_generic_to_shared(s_enc));
   const int tc = threadIdx.x % p.tc, tr = threadIdx.x / p.tc;
   const int64_t cc = int64_t(blockIdx.x) * p.tc + tc;
   const bool active = tr < p.tr && cc < p.nc;
@@ -540,24 +571,31 @@ __global__ void __launch_bounds__(kThreads) quantize_fp4_kernel(const QuantizePa
   const unsigned int pair_mask = 3u << ((threadIdx.x & 31) & ~1u);
 
   if (active) {
-    const uint4* xv = reinterpret_cast<const uint4*>(p.x);
-    uint2* out = reinterpret_cast<uint2*>(p.packed);
+    // Pointers to this thread's first row, advanced by whole row strides (no per-row
+    // 64-bit index arithmetic): 16 elements of x (W 16-byte words), 8 packed bytes, and
+    // the block's scale byte.
+    const int64_t r_first = int64_t(blockIdx.y) * p.tr + tr;
+    const int64_t e_first = r_first * p.k + col0;
     const int64_t row_blocks = p.k / (MX ? 32 : 16);
-    for (int64_t r0 = int64_t(blockIdx.y) * p.tr + tr; r0 < p.rows; r0 += p.rstride * U) {
+    const uint4* xp = reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + e_first);
+    uint2* op = reinterpret_cast<uint2*>(p.packed) + e_first / 16;
+    uint8_t* sp = p.scales + r_first * row_blocks + col0 / (MX ? 32 : 16);
+    const int64_t x_step = p.rstride * p.k / (16 / int64_t(sizeof(T)));  // in uint4
+    const int64_t o_step = p.rstride * p.k / 16;                          // in uint2
+    const int64_t s_step = p.rstride * row_blocks;                        // in bytes
+    for (int64_t r0 = r_first; r0 < p.rows;
+         r0 += p.rstride * U, xp += x_step * U, op += o_step * U, sp += s_step * U) {
       uint4 raw[U][W];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const int64_t r = r0 + u * p.rstride;
-        if (r < p.rows) {
-          const int64_t base = (r * p.k + col0) / (16 / sizeof(T));
+        if (r0 + u * p.rstride < p.rows) {
 #pragma unroll
-          for (int i = 0; i < W; ++i) raw[u][i] = __ldcs(xv + base + i);
+          for (int i = 0; i < W; ++i) raw[u][i] = __ldcs(xp + u * x_step + i);
         }
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const int64_t r = r0 + u * p.rstride;
-        if (r >= p.rows) break;
+        if (r0 + u * p.rstride >= p.rows) break;
         float f[kQChunk];
         In<T>::to_float(raw[u], f);
         if constexpr (STATS) {
@@ -579,12 +617,12 @@ __global__ void __launch_bounds__(kThreads) quantize_fp4_kernel(const QuantizePa
         } else {
           a = In<T>::absmax(raw[u]);
         }
-        const int64_t e0 = r * p.k + col0;  // first element
         uint2 words;
         uint32_t code;
         if constexpr (!MX) {
           code = nvfp4_scale_code(a, S);
-          const float enc = s_enc[code];
+          float enc;  // s_enc[code]
+          asm("ld.shared.f32 %0, [%1];" : "=f"(enc) : "r"(enc_base + (code << 2)));
           // A NaN y (x NaN, x = inf with enc = 0, x = 0 with enc = inf) only in these blocks.
           const bool slow = !(enc < INFINITY) || (enc == 0.0f && a == INFINITY);
 #pragma unroll
@@ -617,8 +655,8 @@ __global__ void __launch_bounds__(kThreads) quantize_fp4_kernel(const QuantizePa
             words = make_uint2(pack8_fast(f), pack8_fast(f + 8));
           }
         }
-        __stcs(out + e0 / 16, words);
-        if (!MX || (tc & 1) == 0) p.scales[r * row_blocks + col0 / (MX ? 32 : 16)] = static_cast<uint8_t>(code);
+        __stcs(op + u * o_step, words);
+        if (!MX || (tc & 1) == 0) sp[u * s_step] = static_cast<uint8_t>(code);
         if constexpr (RECORD) amax = fmax_nan(amax, a);
       }
     }

@@ -2,6 +2,10 @@
 // compiled with -DFP8STATE_FP4_MATH_ONLY), against direct definitions written here:
 //   * e2m1_mag / e2m1_code: every float32 in [0, 16] and a spread of others, against
 //     "count the decision thresholds 0.25 0.75 1.25 1.75 2.5 3.5 5 (ties to the even code)";
+//   * the packing of biased magnitudes (kPackBias);
+//   * div6: the IEEE quotient a / 6 for every mantissa at the ends and the middle of the
+//     exponent range it shortcuts (scaling by 2 commutes with each of its steps in between),
+//     and for random floats of every exponent; nvfp4_scale_code against its definition;
 //   * e2m1_value: the 16-code table; mx_exponent / pow2_neg / e8m0_value: every exponent;
 //   * order_key: orders like the values with -0 < +0 and is its own inverse.
 // Built (nvcc -std=c++17 -O2 -DFP8STATE_FP4_MATH_ONLY -Xcompiler -ffp-contract=off) and run by
@@ -61,6 +65,43 @@ int main() {
   EXPECT(e2m1_code(INFINITY) == 7 && e2m1_code(-INFINITY) == 15, "inf");
   EXPECT(e2m1_code(u2f(0x7fc00000u)) == 0 && e2m1_code(u2f(0xffc00001u)) == 0, "nan");
   EXPECT(e2m1_code(-0.0f) == 8 && e2m1_code(0.0f) == 0, "zero");
+
+  for (int i = 0; i < 100000; ++i) {  // packing biased magnitudes by addition
+    uint32_t w = 0u - kPackBias, want = 0;
+    for (int j = 0; j < 8; ++j) {
+      const float y = u2f(rng() & 0x7fffffffu) ;
+      const uint32_t m = std::isnan(y) ? 0u : e2m1_mag(y);
+      w += (m + kMagicBits) << (4 * j);
+      want |= m << (4 * j);
+    }
+    EXPECT(w == want, "pack %08x != %08x", w, want);
+  }
+
+  // div6: every mantissa of exponents at both ends and in the middle of its shortcut range
+  for (int e : {-121, -120, -119, -60, -2, -1, 0, 1, 2, 60, 119, 120, 121}) {
+    for (uint32_t m = 0; m < (1u << 23); ++m) {
+      const float a = std::ldexp(1.0f + std::ldexp(float(m), -23), e);
+      const float want = a / 6.0f;
+      if (f2u(div6(a)) != f2u(want)) EXPECT(false, "div6(%a) = %a want %a", a, div6(a), want);
+    }
+  }
+  for (int i = 0; i < 4000000; ++i) {
+    const float a = u2f(rng() & 0x7fffffffu);
+    const float want = a / 6.0f;
+    if (f2u(div6(a)) != f2u(want) && !(std::isnan(want) && std::isnan(div6(a))))
+      EXPECT(false, "div6(%a) = %a want %a", a, div6(a), want);
+  }
+  for (int i = 0; i < 2000000; ++i) {  // the NVFP4 block-scale rule
+    const float a = i % 7 == 0 ? u2f(0x7fc00000u) : u2f(rng() & 0x7fffffffu) * (i % 3 ? 1e-30f : 1.0f);
+    const float s = i % 11 == 0 ? -1.5f : i % 13 == 0 ? 0.0f : i % 17 == 0 ? INFINITY : u2f(rng() & 0x7fffffffu);
+    const float v = (a / 6.0f) * s;
+    unsigned want = std::isnan(v) ? 0x7fu : !(v > 0) ? 0u : __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+    EXPECT(nvfp4_scale_code(a, s) == want, "scale code a=%a s=%a: %u want %u", a, s, nvfp4_scale_code(a, s), want);
+  }
+  EXPECT(nvfp4_scale_code(6.0f, 1.0f) == 0x38 && nvfp4_scale_code(6.0f * 448 * 4, 1.0f) == 0x7e &&
+             nvfp4_scale_code(0.0f, 1.0f) == 0 && nvfp4_scale_code(1.0f, -0.0f) == 0 &&
+             nvfp4_scale_code(INFINITY, 0.0f) == 0x7f,
+         "scale code specials");
 
   const float table[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
   for (unsigned c = 0; c < 16; ++c) {

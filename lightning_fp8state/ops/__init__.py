@@ -18,10 +18,12 @@ from .reference import (
     update_scales_reference,
 )
 from .reference_fp4 import (
+    block_scale_values_reference,
     center_stats_reference,
     dequantize_fp4_reference,
     e2m1_decode_reference,
     e2m1_encode_reference,
+    fold_center_stats_reference,
     fp4_amax_reference,
     pack_fp4_reference,
     quantize_fp4_reference,
@@ -31,6 +33,7 @@ from .reference_fp4 import (
 
 __all__ = [
     "amax_reference",
+    "block_scale_values_reference",
     "cuda",
     "center_stats_reference",
     "dequantize_fp4",
@@ -39,6 +42,7 @@ __all__ = [
     "dequantize_fp8_reference",
     "e2m1_decode_reference",
     "e2m1_encode_reference",
+    "fold_center_stats_reference",
     "fp4_amax_reference",
     "pack_fp4_reference",
     "quantize_fp4",
@@ -112,6 +116,7 @@ def quantize_fp4(
 
     With ``center`` ([K], float32) the centered variant encodes ``x - center``.
     """
+    _on_cuda(x)
     return _ops.quantize_fp4(x, scale, center, layout)
 
 
@@ -119,6 +124,7 @@ def quantize_fp4_record_amax(
     x: torch.Tensor, scale: torch.Tensor, amax_pending: torch.Tensor, slot: int, layout: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_fp4` that also folds ``max|x|`` into ``amax_pending[slot]`` (NaN sticks)."""
+    _on_cuda(x)
     return _ops.quantize_fp4_record_amax(x, scale, amax_pending, slot, layout)
 
 
@@ -134,6 +140,7 @@ def quantize_fp4_centered_record(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Centered :func:`quantize_fp4` that records ``max|x - center|`` into ``amax_pending[slot]``
     and folds ``x``'s per-channel max/min into row ``slot`` of ``center_max``/``center_min``."""
+    _on_cuda(x)
     return _ops.quantize_fp4_centered_record(x, scale, center, amax_pending, center_max, center_min, slot, layout)
 
 
@@ -146,6 +153,7 @@ def dequantize_fp4(
     center: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode packed E2M1 with its block scales and the paired ``descale`` (+ ``center``)."""
+    _on_cuda(packed)
     return _ops.dequantize_fp4(packed, block_scales, descale, center, layout, dtype)
 
 
@@ -157,4 +165,5 @@ def update_centers(
     momentum: float,
 ) -> None:
     """Advance the running centers of all owners selected by ``commit_mask`` (in place)."""
+    _on_cuda(center)
     _ops.update_centers(center, center_max, center_min, commit_mask, float(momentum))

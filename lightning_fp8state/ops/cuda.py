@@ -28,7 +28,7 @@ import torch
 __all__ = ["SOURCES", "build", "ensure_loaded", "extension_info", "is_loaded", "source_dir"]
 
 _NAME = "fp8state_cuda"
-SOURCES = ("fp8state_ops.cu",)
+SOURCES = ("fp8state_ops.cu", "fp4_ops.cu")
 _lock = threading.Lock()
 _state: dict = {"tried": False, "loaded": False, "error": None, "library": None}
 

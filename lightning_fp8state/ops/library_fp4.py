@@ -13,6 +13,7 @@ import torch
 from ..formats import FP4_LAYOUTS
 from . import reference_fp4 as ref
 from .library import LIB, _check_pending, _check_scalar, _expect
+from .reference import canonical_nan
 
 __all__ = ["check_fp4_quantize_args", "check_update_centers_args"]
 
@@ -87,15 +88,15 @@ def check_update_centers_args(center, center_max, center_min, commit_mask, momen
 
 def _record_stats(x, center, amax_pending, slot, center_max=None, center_min=None) -> None:
     cell = amax_pending.narrow(0, slot, 1)
-    cell.copy_(torch.maximum(cell, ref.fp4_amax_reference(x, center).reshape(1)))
+    cell.copy_(canonical_nan(torch.maximum(cell, ref.fp4_amax_reference(x, center).reshape(1))))
     if center_max is None or x.numel() == 0:
         return
-    hi, lo = ref.center_stats_reference(x)
     k = x.shape[-1]
     row_max = center_max[slot, :k]
     row_min = center_min[slot, :k]
-    row_max.copy_(torch.maximum(row_max, hi))
-    row_min.copy_(torch.minimum(row_min, lo))
+    hi, lo = ref.fold_center_stats_reference(row_max, row_min, x)
+    row_max.copy_(hi)
+    row_min.copy_(lo)
 
 
 @torch.library.impl(LIB, "quantize_fp4", "CompositeExplicitAutograd")

@@ -31,9 +31,7 @@ _HEADER = 4  # owner count and three 20-bit pieces of the registry hash: exact i
 def registry_fingerprint(bank: StateBank) -> list[int]:
     """``[n, h0, h1, h2]``: the owner count and a hash of (layer, role, stream, site, format)
     in index order. The rank is left out: it differs between ranks by design."""
-    desc = repr(
-        [(o.layer, o.role, o.stream, o.site, f) for o, f in zip(bank.owners, bank.formats, strict=True)]
-    )
+    desc = repr([(o.layer, o.role, o.stream, o.site, f) for o, f in zip(bank.owners, bank.formats, strict=True)])
     h = int.from_bytes(hashlib.sha256(desc.encode()).digest()[:8], "little")
     return [len(bank.owners), h & 0xFFFFF, (h >> 20) & 0xFFFFF, (h >> 40) & 0xFFFFF]
 

@@ -82,14 +82,15 @@ def test_recompute_bit_identical_and_grads_equal_uncheckpointed_on_gpu(ckpt):
     ("a_fmt", "b_fmt"), [(torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e4m3fn)]
 )
 def test_scaled_mm_agrees_with_the_emulation(a_fmt, b_fmt):
-    """Same FP8 operands and descales through both backends: float32 outputs differ only by
-    the order of float32 accumulation; bf16 outputs by one rounding on top of that."""
+    """Same FP8 operands and descales through both backends. Hopper's FP8 tensor cores do
+    not accumulate in full float32 (measured on the H200: normwise 1e-4 against the float32
+    emulation), so float32 outputs agree to 5e-4; bf16 outputs to one rounding more."""
     g = torch.Generator(device="cuda").manual_seed(3)
     a = (torch.randn(128, 512, device="cuda", generator=g) * 4).to(a_fmt)
     b = (torch.randn(256, 512, device="cuda", generator=g) * 4).to(b_fmt).t()
     da = torch.full((4,), 0.03125, device="cuda")[0]
     db = torch.full((4,), 0.5, device="cuda")[0]
-    for out_dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 4e-3)):
+    for out_dtype, tol in ((torch.float32, 5e-4), (torch.bfloat16, 4e-3)):
         mm = gemm.scaled_matmul(a, b, da, db, out_dtype, backend="scaled_mm")
         em = gemm.scaled_matmul(a, b, da, db, out_dtype, backend="emulated")
         assert mm.dtype == em.dtype == out_dtype

@@ -40,7 +40,7 @@ def test_deepspeed_fp16_skipped_steps_are_read_and_reported(tmp_path):
     trainer = pl.Trainer(
         accelerator="cuda",
         devices=1,
-        strategy=DeepSpeedStrategy(stage=2),
+        strategy=DeepSpeedStrategy(stage=2, logging_batch_size_per_gpu=8),  # batches come pre-made
         precision="16-mixed",
         max_steps=8,
         logger=False,

@@ -15,7 +15,7 @@
 #include <cstring>
 #include <random>
 
-#include "../../lightning_fp8state/csrc/fp4_ops.cu"
+#include "fp4_ops.cu"  // found through -I <the imported package>/csrc
 
 using namespace fp4math;
 

@@ -206,6 +206,7 @@ constexpr int32_t kKeyNegInf = static_cast<int32_t>(0x807fffffu);  // order_key(
 // =======================================================================================
 #include <algorithm>
 #include <climits>
+#include <type_traits>
 
 namespace fp4kernels {
 
@@ -711,23 +712,28 @@ __global__ void __launch_bounds__(kThreads) dequantize_fp4_kernel(const Dequanti
     const float4 v0 = cv[0], v1 = cv[1];
     c[0] = v0.x, c[1] = v0.y, c[2] = v0.z, c[3] = v0.w, c[4] = v1.x, c[5] = v1.y, c[6] = v1.z, c[7] = v1.w;
   }
-  const uint32_t* pw = reinterpret_cast<const uint32_t*>(p.packed);
+  // Pointers to this thread's first row, advanced by whole row strides: 4 packed bytes
+  // (8 codes), the block's scale byte, 8 outputs.
+  const int64_t r_first = int64_t(blockIdx.y) * p.tr + tr;
+  const int64_t e_first = r_first * p.k + col0;
   const int64_t row_blocks = p.k / (MX ? 32 : 16);
-  for (int64_t r0 = int64_t(blockIdx.y) * p.tr + tr; r0 < p.rows; r0 += p.rstride * U) {
+  const uint32_t* pw = reinterpret_cast<const uint32_t*>(p.packed) + e_first / 8;
+  const uint8_t* ps = p.scales + r_first * row_blocks + col0 / (MX ? 32 : 16);
+  T* po = static_cast<T*>(p.out) + e_first;
+  const int64_t w_step = p.rstride * p.k / 8, s_step = p.rstride * row_blocks, o_step = p.rstride * p.k;
+  for (int64_t r0 = r_first; r0 < p.rows; r0 += p.rstride * U, pw += w_step * U, ps += s_step * U, po += o_step * U) {
     uint32_t w[U];
     uint8_t code[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t r = r0 + u * p.rstride;
-      if (r < p.rows) {
-        w[u] = __ldcs(pw + (r * p.k + col0) / 8);
-        code[u] = __ldg(p.scales + r * row_blocks + col0 / (MX ? 32 : 16));
+      if (r0 + u * p.rstride < p.rows) {
+        w[u] = __ldcs(pw + u * w_step);
+        code[u] = __ldg(ps + u * s_step);
       }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t r = r0 + u * p.rstride;
-      if (r >= p.rows) break;
+      if (r0 + u * p.rstride >= p.rows) break;
       const float sb = MX ? e8m0_value(code[u]) : e4m3_value(code[u]);
       const bool check_nan = CENTER || is_nan(sb) || !d_safe;
       float v[kDChunk];
@@ -736,19 +742,18 @@ __global__ void __launch_bounds__(kThreads) dequantize_fp4_kernel(const Dequanti
         v[j] = mul(mul(e2m1_value((w[u] >> (4 * j)) & 0xfu), sb), D);
         if constexpr (CENTER) v[j] = add(v[j], c[j]);
       }
-      const int64_t e0 = r * p.k + col0;
+      T* dst = po + u * o_step;
       if constexpr (std::is_same_v<T, float>) {
         uint4 o[2];
         uint32_t* ow = reinterpret_cast<uint32_t*>(o);
 #pragma unroll
         for (int j = 0; j < kDChunk; ++j) ow[j] = (check_nan && is_nan(v[j])) ? kNanF32 : __float_as_uint(v[j]);
-        uint4* dst = reinterpret_cast<uint4*>(static_cast<float*>(p.out) + e0);
-        __stcs(dst, o[0]);
-        __stcs(dst + 1, o[1]);
+        __stcs(reinterpret_cast<uint4*>(dst), o[0]);
+        __stcs(reinterpret_cast<uint4*>(dst) + 1, o[1]);
       } else {
         const uint4 o = make_uint4(Out<T>::pair(v[0], v[1], check_nan), Out<T>::pair(v[2], v[3], check_nan),
                                    Out<T>::pair(v[4], v[5], check_nan), Out<T>::pair(v[6], v[7], check_nan));
-        __stcs(reinterpret_cast<uint4*>(static_cast<T*>(p.out) + e0), o);
+        __stcs(reinterpret_cast<uint4*>(dst), o);
       }
     }
   }

@@ -40,29 +40,45 @@ FP4 invariants (packed E2M1 with block scales; reference and CUDA alike):
   on E2M1's 6 with block exponent 0). Block scales are *not* state: each call derives them
   from its own data.
 * **NVFP4** (16-element blocks, E4M3 block scale ``sb``). For a block with
-  ``a = max|x|`` (float32, NaN-propagating): ``v = float32(float32(a / 6) * S)``;
-  ``sb = E4M3(clamp(v, 0, 448))`` (round to nearest even, as the FP8 cast; NaN stays NaN);
-  ``enc = float32(S / float32(sb))``, or ``0`` when ``sb == 0``; every element encodes as
-  ``E2M1(float32(float32(x) * enc))``. Decoding is ``float32(float32(e * sb) * D)`` (``e * sb``
-  is exact) rounded once to the output dtype.
+  ``a = max|x|`` (float32, NaN-propagating): ``v = float32(float32(a / 6) * S)`` (``a / 6`` an
+  IEEE division, not a product with a rounded 1/6); for ``v > 0``, ``sb = E4M3(min(v, 448))``
+  (round to nearest even, as the FP8 cast, so ``v`` above 448 and ``+inf`` give 448);
+  ``v <= 0`` (also ``-0``, from a zero or negative ``S``) gives ``sb = +0`` (code ``0x00``);
+  ``v`` NaN gives the NaN code ``0x7F``. ``enc = float32(S / float32(sb))``, or ``0`` when
+  ``sb == 0``; every element encodes as ``E2M1(float32(float32(x) * enc))`` (``inf * 0`` is
+  NaN, so code 0). Decoding is ``float32(float32(e * sb) * D)`` (``e * sb`` is exact) rounded
+  once to the output dtype.
 * **MXFP4** (32-element blocks, E8M0 block scale ``2**X``; OCP MX v1.0 with a tensor scale in
   front). ``u = float32(float32(x) * S)``; ``A = max|u|`` over the block (equal to
-  ``float32(a * S)``: rounding is monotonic); ``X = floor(log2(A)) - 2`` (2 = E2M1's largest
-  exponent, as the OCP spec), clamped to ``[-127, 127]``; ``A == 0`` gives ``X = -127``,
+  ``float32(a * |S|)`` for a finite ``S``: rounding is monotonic; an infinite ``S`` makes
+  ``0 * S`` NaN); ``X = floor(log2(A)) - 2`` (2 = E2M1's largest exponent, as the OCP spec),
+  read off ``A``'s float32 exponent field and clamped to ``[-127, 127]`` (so every ``A`` below
+  ``2**-124``, float32 subnormals included, gives ``-127``); ``A == 0`` gives ``X = -127``,
   ``A == inf`` gives ``X = 127``, ``A`` NaN gives the E8M0 NaN code ``0xFF``. The E8M0 code is
-  ``X + 127``. Elements encode as ``E2M1(u * 2**-X)`` (the power-of-two multiply is exact
+  ``X + 127``; it decodes to ``2**(code - 127)`` (code 0: the float32 subnormal ``2**-127``)
+  and ``0xFF`` to NaN. Elements encode as ``E2M1(u * 2**-X)`` (the power-of-two multiply is exact
   wherever the result can round to a nonzero code). Like the OCP spec, values in
   ``(6, 8) * 2**X`` saturate to 6. Decoding is ``float32(float32(e * 2**X) * D)``, one
   rounding to the output dtype.
 * **NaN.** A NaN anywhere in a block makes its amax NaN, hence its block scale NaN (E4M3
   ``0x7F`` / E8M0 ``0xFF``), and the whole block decodes to NaN; the recorded tensor amax is
   NaN too (the owner's next commit skips it and counts it, as for FP8). Kernels must use a
-  NaN-propagating max (not ``fmaxf``).
+  NaN-propagating max (not ``fmaxf``). Every NaN an op writes is canonical: the recorded
+  amax is ``0x7FC00000``, a decoded NaN is the output dtype's ``float('nan')`` (``0x7FC00000``,
+  bf16 ``0x7FC0``, fp16 ``0x7E00``), and so are NaN center statistics and NaN centers.
+* **Float32 arithmetic.** Every float32 step above is one IEEE operation rounding to nearest
+  even, subnormals included (no flush to zero) and never fused: ``0.5 * max + 0.5 * min``,
+  ``c + m * (mu - c)`` and decoding's ``d * D + c`` round after each operation.
+* **The pending amax** folds with a NaN-propagating max; kernels do it with an integer
+  ``atomicMax`` on the float bits, which is that max for everything the ops write there
+  (non-negative floats and the canonical NaN, which orders above ``+inf``).
 * **Centered variant.** With a center ``c`` (float32, one value per element of the last
   dimension), encoding quantizes ``xc = float32(float32(x) - c)`` exactly as above (and the
   recorded amax is ``max|xc|``); decoding adds it back: ``float32(decoded + c)`` before the
   rounding to the output dtype. The center is *owned, delayed state* like the scale: a call
-  records per-channel ``max`` and ``min`` of ``x`` (over all leading dimensions); at the
+  records per-channel ``max`` and ``min`` of ``x`` (over all leading dimensions, folded into
+  the owner's earlier observations; ``-0 < +0``, the order of the sign-magnitude bit patterns
+  as integers, and a channel holding a NaN, now or before, gets the canonical NaN); at the
   owner's commit, ``mu = float32(0.5 * max + 0.5 * min)`` (the midrange: it minimises
   ``max|x - c|``, and unlike a mean it does not depend on reduction order, so every kernel
   agrees bit for bit) and ``c <- float32(c + float32(m * float32(mu - c)))`` with the momentum

@@ -200,20 +200,15 @@ constexpr int32_t kKeyNegInf = static_cast<int32_t>(0x807fffffu);  // order_key(
 
 #ifndef FP8STATE_FP4_MATH_ONLY
 
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
-
+// =======================================================================================
+// The kernels and their launch plans (no torch: tests/ops/fp4_emulate.cpp runs this part
+// on the host, one thread per CUDA thread, against the reference)
+// =======================================================================================
 #include <algorithm>
 #include <climits>
-#include <cstdio>
-#include <cstdlib>
-#include <optional>
-#include <string>
-#include <tuple>
+#include <type_traits>
 
-namespace {
+namespace fp4kernels {
 
 using namespace fp4math;
 
@@ -221,124 +216,6 @@ constexpr uint32_t kNanF32 = 0x7fc00000u;
 constexpr int kThreads = 256;
 constexpr int kQChunk = 16;  // elements of one row a quantize thread handles per step
 constexpr int kDChunk = 8;   // elements of one row a dequantize thread handles per step
-
-// ---------------------------------------------------------------------------------------
-// error text, built from strings only (streaming integers through an ostream from the
-// extension crashed on the device image: see fp8state_ops.cu)
-// ---------------------------------------------------------------------------------------
-std::string dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::ScalarType::Float: return "torch.float32";
-    case at::ScalarType::Double: return "torch.float64";
-    case at::ScalarType::Half: return "torch.float16";
-    case at::ScalarType::BFloat16: return "torch.bfloat16";
-    case at::ScalarType::Byte: return "torch.uint8";
-    case at::ScalarType::Char: return "torch.int8";
-    case at::ScalarType::Short: return "torch.int16";
-    case at::ScalarType::Int: return "torch.int32";
-    case at::ScalarType::Long: return "torch.int64";
-    case at::ScalarType::Bool: return "torch.bool";
-    case at::ScalarType::Float8_e4m3fn: return "torch.float8_e4m3fn";
-    case at::ScalarType::Float8_e5m2: return "torch.float8_e5m2";
-    case at::ScalarType::Float8_e8m0fnu: return "torch.float8_e8m0fnu";
-    default: return std::string("torch.") + c10::toString(t);
-  }
-}
-
-// Python's tuple formatting: (), (3,), (2, 16).
-std::string shape_str(c10::IntArrayRef s) {
-  std::string r = "(";
-  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
-  return r + (s.size() == 1 ? ",)" : ")");
-}
-
-// Python's repr of a float: the shortest text that reads back to the same double.
-std::string float_str(double v) {
-  if (std::isnan(v)) return "nan";
-  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
-  char buf[64];
-  for (int prec = 1; prec <= 17; ++prec) {
-    std::snprintf(buf, sizeof(buf), "%.*g", prec, v);
-    if (std::strtod(buf, nullptr) == v) break;
-  }
-  std::string s(buf);
-  if (s.find_first_of(".en") == std::string::npos) s += ".0";
-  return s;
-}
-
-#define FP4S_CHECK(cond, what, expected, found) \
-  TORCH_CHECK_VALUE(cond, "fp8state: ", what, ": expected ", expected, ", got ", found)
-
-const std::string kInDtypes = "one of [torch.float32, torch.bfloat16, torch.float16]";
-
-bool is_in_dtype(at::ScalarType t) {
-  return t == at::ScalarType::Float || t == at::ScalarType::BFloat16 || t == at::ScalarType::Half;
-}
-
-// Returns the block size (16 or 32); raises for any other layout name.
-int check_layout(c10::string_view layout) {
-  const bool nv = layout == "nvfp4", mx = layout == "mxfp4";
-  FP4S_CHECK(nv || mx, "layout", std::string("one of ['mxfp4', 'nvfp4']"), "'" + std::string(layout) + "'");
-  return nv ? 16 : 32;
-}
-
-void check_scalar(const at::Tensor& t, const char* name, const at::Device& device) {
-  FP4S_CHECK(t.scalar_type() == at::ScalarType::Float, std::string(name) + ".dtype", std::string("torch.float32"),
-             dtype_name(t.scalar_type()));
-  FP4S_CHECK(t.numel() == 1, std::string(name) + ".numel()", std::string("1"), std::to_string(t.numel()));
-  FP4S_CHECK(t.device() == device, std::string(name) + ".device", device.str(), t.device().str());
-}
-
-void check_center(const std::optional<at::Tensor>& center, int64_t k, const at::Device& device) {
-  if (!center.has_value()) return;
-  const at::Tensor& c = *center;
-  FP4S_CHECK(c.scalar_type() == at::ScalarType::Float, "center.dtype", std::string("torch.float32"),
-             dtype_name(c.scalar_type()));
-  FP4S_CHECK(c.dim() == 1 && c.size(0) == k, "center.shape",
-             "(" + std::to_string(k) + ",) (one value per channel of x)", shape_str(c.sizes()));
-  FP4S_CHECK(c.device() == device, "center.device", device.str(), c.device().str());
-}
-
-// The checks of library_fp4.check_fp4_quantize_args, in the same order. Returns the block size.
-int check_quantize_args(const at::Tensor& x, const at::Tensor& scale, const std::optional<at::Tensor>& center,
-                        c10::string_view layout) {
-  const int block = check_layout(layout);
-  FP4S_CHECK(is_in_dtype(x.scalar_type()), "x.dtype", kInDtypes, dtype_name(x.scalar_type()));
-  FP4S_CHECK(x.dim() >= 1, "x.dim()", std::string(">= 1"), std::to_string(x.dim()));
-  const int64_t k = x.size(-1);
-  FP4S_CHECK(k % block == 0, "x.shape[-1]",
-             "a multiple of " + std::to_string(block) + " (the " + std::string(layout) + " block size)",
-             std::to_string(k));
-  check_scalar(scale, "scale", x.device());
-  check_center(center, k, x.device());
-  return block;
-}
-
-void check_pending(const at::Tensor& amax_pending, int64_t slot, const at::Device& device) {
-  FP4S_CHECK(amax_pending.scalar_type() == at::ScalarType::Float, "amax_pending.dtype", std::string("torch.float32"),
-             dtype_name(amax_pending.scalar_type()));
-  FP4S_CHECK(amax_pending.dim() == 1, "amax_pending.dim()", std::string("1"), std::to_string(amax_pending.dim()));
-  FP4S_CHECK(amax_pending.device() == device, "amax_pending.device", device.str(), amax_pending.device().str());
-  FP4S_CHECK(slot >= 0 && slot < amax_pending.numel(), "slot", "0 <= slot < " + std::to_string(amax_pending.numel()),
-             std::to_string(slot));
-}
-
-void check_center_stats(const at::Tensor& cmax, const at::Tensor& cmin, int64_t slot, int64_t k,
-                        const at::Device& device) {
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"center_max", cmax},
-                                std::pair<const char*, const at::Tensor&>{"center_min", cmin}}) {
-    FP4S_CHECK(t.scalar_type() == at::ScalarType::Float, std::string(name) + ".dtype", std::string("torch.float32"),
-               dtype_name(t.scalar_type()));
-    FP4S_CHECK(t.dim() == 2, std::string(name) + ".dim()", std::string("2 ([owners, channels])"),
-               std::to_string(t.dim()));
-    FP4S_CHECK(t.device() == device, std::string(name) + ".device", device.str(), t.device().str());
-  }
-  FP4S_CHECK(cmin.sizes() == cmax.sizes(), "center_min.shape", shape_str(cmax.sizes()), shape_str(cmin.sizes()));
-  FP4S_CHECK(slot >= 0 && slot < cmax.size(0), "slot", "0 <= slot < " + std::to_string(cmax.size(0)),
-             std::to_string(slot));
-  FP4S_CHECK(cmax.size(1) >= k, "center_max.shape[1]", ">= " + std::to_string(k) + " (x's channels)",
-             std::to_string(cmax.size(1)));
-}
 
 // ---------------------------------------------------------------------------------------
 // device helpers
@@ -622,7 +499,11 @@ __global__ void __launch_bounds__(kThreads) quantize_fp4_kernel(const QuantizePa
         if constexpr (!MX) {
           code = nvfp4_scale_code(a, S);
           float enc;  // s_enc[code]
+#ifdef __CUDA_ARCH__
           asm("ld.shared.f32 %0, [%1];" : "=f"(enc) : "r"(enc_base + (code << 2)));
+#else
+          enc = s_enc[code + 0 * enc_base];
+#endif
           // A NaN y (x NaN, x = inf with enc = 0, x = 0 with enc = inf) only in these blocks.
           const bool slow = !(enc < INFINITY) || (enc == 0.0f && a == INFINITY);
 #pragma unroll
@@ -705,136 +586,71 @@ Tile tile_for(int64_t rows, int64_t nc) {
   return {tc, kThreads / tc};
 }
 
-template <typename K>
-int resident_ctas(K kernel) {
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-  return std::max(1, per_sm) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-}
+// Grid for `rows` x `nc` column chunks: tiles of tile_for, and along y as many row groups as
+// fill the device (`resident` CTAs at once) with at least `unroll` rows per thread.
+struct Plan {
+  dim3 grid;
+  int tc, tr;
+  int64_t rstride;
+};
 
-template <typename T, bool MX, bool CENTER, bool RECORD, bool STATS>
-void launch_quantize_t(QuantizeParams p, cudaStream_t stream) {
-  auto kernel = quantize_fp4_kernel<T, MX, CENTER, RECORD, STATS>;
-  static const int resident = resident_ctas(kernel);  // per process: one device kind assumed
-  constexpr int U = STATS ? 1 : 2;
-  const Tile t = tile_for(p.rows, p.nc);
-  const int64_t gx = (p.nc + t.tc - 1) / t.tc;
-  const int64_t rows_per_cta = int64_t(t.tr) * U;
-  int64_t gy = std::min<int64_t>((p.rows + rows_per_cta - 1) / rows_per_cta, std::max<int64_t>(1, resident / gx));
+inline Plan plan_for(int64_t rows, int64_t nc, int resident, int unroll) {
+  const Tile t = tile_for(rows, nc);
+  const int64_t gx = (nc + t.tc - 1) / t.tc;
+  const int64_t rows_per_cta = int64_t(t.tr) * unroll;
+  int64_t gy = std::min<int64_t>((rows + rows_per_cta - 1) / rows_per_cta, std::max<int64_t>(1, resident / gx));
   gy = std::max<int64_t>(1, std::min<int64_t>(gy, 65535));
-  p.tc = t.tc;
-  p.tr = t.tr;
-  p.rstride = gy * t.tr;
-  p.atomic_stats = gy > 1;
-  kernel<<<dim3(unsigned(gx), unsigned(gy)), kThreads, 0, stream>>>(p);
+  return {dim3(unsigned(gx), unsigned(gy)), t.tc, t.tr, gy * t.tr};
 }
 
-template <typename T, bool MX>
-void launch_quantize_flags(const QuantizeParams& p, bool center, bool record, bool stats, cudaStream_t stream) {
+// A Launcher provides `template <auto Kernel> int resident()` (CTAs of that kernel resident
+// on the whole device) and `template <auto Kernel, class P> void launch(dim3 grid, const P&)`.
+template <typename T, bool MX, bool CENTER, bool RECORD, bool STATS, typename L>
+void launch_quantize_t(QuantizeParams p, L& launcher) {
+  constexpr auto kernel = quantize_fp4_kernel<T, MX, CENTER, RECORD, STATS>;
+  const Plan plan = plan_for(p.rows, p.nc, launcher.template resident<kernel>(), STATS ? 1 : 2);
+  p.tc = plan.tc;
+  p.tr = plan.tr;
+  p.rstride = plan.rstride;
+  p.atomic_stats = plan.grid.y > 1;
+  launcher.template launch<kernel>(plan.grid, p);
+}
+
+template <typename T, bool MX, typename L>
+void launch_quantize_flags(const QuantizeParams& p, bool center, bool record, bool stats, L& launcher) {
   // (centered record without statistics has no schema)
   if (stats)
-    launch_quantize_t<T, MX, true, true, true>(p, stream);
+    launch_quantize_t<T, MX, true, true, true>(p, launcher);
   else if (center)
-    launch_quantize_t<T, MX, true, false, false>(p, stream);
+    launch_quantize_t<T, MX, true, false, false>(p, launcher);
   else if (record)
-    launch_quantize_t<T, MX, false, true, false>(p, stream);
+    launch_quantize_t<T, MX, false, true, false>(p, launcher);
   else
-    launch_quantize_t<T, MX, false, false, false>(p, stream);
+    launch_quantize_t<T, MX, false, false, false>(p, launcher);
 }
 
-// Contiguous and 16-byte aligned (a misaligned view is copied).
-at::Tensor aligned_contiguous(const at::Tensor& t) {
-  at::Tensor c = t.contiguous();
-  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone();
-  return c;
-}
+enum class InType { kF32, kBF16, kF16 };
 
-std::vector<int64_t> with_last(c10::IntArrayRef sizes, int64_t last) {
-  std::vector<int64_t> s(sizes.begin(), sizes.end());
-  s.back() = last;
-  return s;
-}
-
-std::tuple<at::Tensor, at::Tensor> quantize_impl(const at::Tensor& x_in, const at::Tensor& scale,
-                                                 const std::optional<at::Tensor>& center_in,
-                                                 c10::string_view layout, float* amax_slot, float* cmax, float* cmin,
-                                                 int64_t cmax_stride, int64_t cmin_stride) {
-  FP4S_CHECK(x_in.is_cuda(), "x.device", std::string("a CUDA tensor"), x_in.device().str());
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  const bool mx = layout == "mxfp4";
-  const int block = mx ? 32 : 16;
-  const int64_t k = x_in.size(-1);
-  at::Tensor packed = at::empty(with_last(x_in.sizes(), k / 2), x_in.options().dtype(at::kByte));
-  at::Tensor scales = at::empty(with_last(x_in.sizes(), k / block),
-                                x_in.options().dtype(mx ? at::ScalarType::Float8_e8m0fnu : at::ScalarType::Float8_e4m3fn));
-  const int64_t n = x_in.numel();
-  if (n == 0) return {packed, scales};
-  const at::Tensor x = aligned_contiguous(x_in);
-  at::Tensor center;
-  if (center_in.has_value()) center = aligned_contiguous(*center_in);
-  QuantizeParams p{};
-  p.x = x.data_ptr();
-  p.packed = packed.data_ptr<uint8_t>();
-  p.scales = reinterpret_cast<uint8_t*>(scales.data_ptr());
-  p.scale = scale.data_ptr<float>();
-  p.center = center.defined() ? center.data_ptr<float>() : nullptr;
-  p.amax_slot = amax_slot;
-  p.cmax = cmax;
-  p.cmin = cmin;
-  p.cmax_stride = cmax_stride;
-  p.cmin_stride = cmin_stride;
-  p.k = k;
-  p.rows = n / k;
-  p.nc = k / kQChunk;
-  const bool has_center = center.defined(), record = amax_slot != nullptr, stats = cmax != nullptr;
-  auto stream = at::cuda::getCurrentCUDAStream();
-  switch (x.scalar_type()) {
-    case at::ScalarType::Float:
-      mx ? launch_quantize_flags<float, true>(p, has_center, record, stats, stream)
-         : launch_quantize_flags<float, false>(p, has_center, record, stats, stream);
+// Quantizes a contiguous, 16-byte aligned x of `rows` x `k` (p.x ... p.cmin_stride set;
+// center 16-byte aligned or null; cmax/cmin null unless recording statistics).
+template <typename L>
+void run_quantize(QuantizeParams p, InType type, bool mx, L& launcher) {
+  p.nc = p.k / kQChunk;
+  const bool center = p.center != nullptr, record = p.amax_slot != nullptr, stats = p.cmax != nullptr;
+  switch (type) {
+    case InType::kF32:
+      mx ? launch_quantize_flags<float, true>(p, center, record, stats, launcher)
+         : launch_quantize_flags<float, false>(p, center, record, stats, launcher);
       break;
-    case at::ScalarType::BFloat16:
-      mx ? launch_quantize_flags<__nv_bfloat16, true>(p, has_center, record, stats, stream)
-         : launch_quantize_flags<__nv_bfloat16, false>(p, has_center, record, stats, stream);
+    case InType::kBF16:
+      mx ? launch_quantize_flags<__nv_bfloat16, true>(p, center, record, stats, launcher)
+         : launch_quantize_flags<__nv_bfloat16, false>(p, center, record, stats, launcher);
       break;
     default:
-      mx ? launch_quantize_flags<__half, true>(p, has_center, record, stats, stream)
-         : launch_quantize_flags<__half, false>(p, has_center, record, stats, stream);
+      mx ? launch_quantize_flags<__half, true>(p, center, record, stats, launcher)
+         : launch_quantize_flags<__half, false>(p, center, record, stats, launcher);
       break;
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {packed, scales};
-}
-
-std::tuple<at::Tensor, at::Tensor> quantize_fp4_cuda(const at::Tensor& x, const at::Tensor& scale,
-                                                     const std::optional<at::Tensor>& center,
-                                                     c10::string_view layout) {
-  check_quantize_args(x, scale, center, layout);
-  return quantize_impl(x, scale, center, layout, nullptr, nullptr, nullptr, 0, 0);
-}
-
-std::tuple<at::Tensor, at::Tensor> quantize_fp4_record_amax_cuda(const at::Tensor& x, const at::Tensor& scale,
-                                                                 const at::Tensor& amax_pending, int64_t slot,
-                                                                 c10::string_view layout) {
-  check_quantize_args(x, scale, std::nullopt, layout);
-  check_pending(amax_pending, slot, x.device());
-  float* cell = amax_pending.data_ptr<float>() + slot * amax_pending.stride(0);
-  return quantize_impl(x, scale, std::nullopt, layout, cell, nullptr, nullptr, 0, 0);
-}
-
-std::tuple<at::Tensor, at::Tensor> quantize_fp4_centered_record_cuda(
-    const at::Tensor& x, const at::Tensor& scale, const at::Tensor& center, const at::Tensor& amax_pending,
-    const at::Tensor& center_max, const at::Tensor& center_min, int64_t slot, c10::string_view layout) {
-  check_quantize_args(x, scale, center, layout);
-  check_pending(amax_pending, slot, x.device());
-  check_center_stats(center_max, center_min, slot, x.size(-1), x.device());
-  float* cell = amax_pending.data_ptr<float>() + slot * amax_pending.stride(0);
-  if (x.numel() == 0) {  // nothing observed: the statistics keep their values
-    return quantize_impl(x, scale, center, layout, cell, nullptr, nullptr, 0, 0);
-  }
-  float* cmax = center_max.data_ptr<float>() + slot * center_max.stride(0);
-  float* cmin = center_min.data_ptr<float>() + slot * center_min.stride(0);
-  return quantize_impl(x, scale, center, layout, cell, cmax, cmin, center_max.stride(1), center_min.stride(1));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -896,23 +712,28 @@ __global__ void __launch_bounds__(kThreads) dequantize_fp4_kernel(const Dequanti
     const float4 v0 = cv[0], v1 = cv[1];
     c[0] = v0.x, c[1] = v0.y, c[2] = v0.z, c[3] = v0.w, c[4] = v1.x, c[5] = v1.y, c[6] = v1.z, c[7] = v1.w;
   }
-  const uint32_t* pw = reinterpret_cast<const uint32_t*>(p.packed);
+  // Pointers to this thread's first row, advanced by whole row strides: 4 packed bytes
+  // (8 codes), the block's scale byte, 8 outputs.
+  const int64_t r_first = int64_t(blockIdx.y) * p.tr + tr;
+  const int64_t e_first = r_first * p.k + col0;
   const int64_t row_blocks = p.k / (MX ? 32 : 16);
-  for (int64_t r0 = int64_t(blockIdx.y) * p.tr + tr; r0 < p.rows; r0 += p.rstride * U) {
+  const uint32_t* pw = reinterpret_cast<const uint32_t*>(p.packed) + e_first / 8;
+  const uint8_t* ps = p.scales + r_first * row_blocks + col0 / (MX ? 32 : 16);
+  T* po = static_cast<T*>(p.out) + e_first;
+  const int64_t w_step = p.rstride * p.k / 8, s_step = p.rstride * row_blocks, o_step = p.rstride * p.k;
+  for (int64_t r0 = r_first; r0 < p.rows; r0 += p.rstride * U, pw += w_step * U, ps += s_step * U, po += o_step * U) {
     uint32_t w[U];
     uint8_t code[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t r = r0 + u * p.rstride;
-      if (r < p.rows) {
-        w[u] = __ldcs(pw + (r * p.k + col0) / 8);
-        code[u] = __ldg(p.scales + r * row_blocks + col0 / (MX ? 32 : 16));
+      if (r0 + u * p.rstride < p.rows) {
+        w[u] = __ldcs(pw + u * w_step);
+        code[u] = __ldg(ps + u * s_step);
       }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t r = r0 + u * p.rstride;
-      if (r >= p.rows) break;
+      if (r0 + u * p.rstride >= p.rows) break;
       const float sb = MX ? e8m0_value(code[u]) : e4m3_value(code[u]);
       const bool check_nan = CENTER || is_nan(sb) || !d_safe;
       float v[kDChunk];
@@ -921,46 +742,339 @@ __global__ void __launch_bounds__(kThreads) dequantize_fp4_kernel(const Dequanti
         v[j] = mul(mul(e2m1_value((w[u] >> (4 * j)) & 0xfu), sb), D);
         if constexpr (CENTER) v[j] = add(v[j], c[j]);
       }
-      const int64_t e0 = r * p.k + col0;
+      T* dst = po + u * o_step;
       if constexpr (std::is_same_v<T, float>) {
         uint4 o[2];
         uint32_t* ow = reinterpret_cast<uint32_t*>(o);
 #pragma unroll
         for (int j = 0; j < kDChunk; ++j) ow[j] = (check_nan && is_nan(v[j])) ? kNanF32 : __float_as_uint(v[j]);
-        uint4* dst = reinterpret_cast<uint4*>(static_cast<float*>(p.out) + e0);
-        __stcs(dst, o[0]);
-        __stcs(dst + 1, o[1]);
+        __stcs(reinterpret_cast<uint4*>(dst), o[0]);
+        __stcs(reinterpret_cast<uint4*>(dst) + 1, o[1]);
       } else {
         const uint4 o = make_uint4(Out<T>::pair(v[0], v[1], check_nan), Out<T>::pair(v[2], v[3], check_nan),
                                    Out<T>::pair(v[4], v[5], check_nan), Out<T>::pair(v[6], v[7], check_nan));
-        __stcs(reinterpret_cast<uint4*>(static_cast<T*>(p.out) + e0), o);
+        __stcs(reinterpret_cast<uint4*>(dst), o);
       }
     }
   }
 }
 
-template <typename T, bool MX, bool CENTER>
-void launch_dequantize_t(DequantizeParams p, cudaStream_t stream) {
-  auto kernel = dequantize_fp4_kernel<T, MX, CENTER>;
-  static const int resident = resident_ctas(kernel);
-  constexpr int U = 4;
-  const Tile t = tile_for(p.rows, p.nc);
-  const int64_t gx = (p.nc + t.tc - 1) / t.tc;
-  const int64_t rows_per_cta = int64_t(t.tr) * U;
-  int64_t gy = std::min<int64_t>((p.rows + rows_per_cta - 1) / rows_per_cta, std::max<int64_t>(1, resident / gx));
-  gy = std::max<int64_t>(1, std::min<int64_t>(gy, 65535));
-  p.tc = t.tc;
-  p.tr = t.tr;
-  p.rstride = gy * t.tr;
-  kernel<<<dim3(unsigned(gx), unsigned(gy)), kThreads, 0, stream>>>(p);
+template <typename T, bool MX, bool CENTER, typename L>
+void launch_dequantize_t(DequantizeParams p, L& launcher) {
+  constexpr auto kernel = dequantize_fp4_kernel<T, MX, CENTER>;
+  const Plan plan = plan_for(p.rows, p.nc, launcher.template resident<kernel>(), 4);
+  p.tc = plan.tc;
+  p.tr = plan.tr;
+  p.rstride = plan.rstride;
+  launcher.template launch<kernel>(plan.grid, p);
 }
 
-template <typename T>
-void launch_dequantize_flags(const DequantizeParams& p, bool mx, bool center, cudaStream_t stream) {
+template <typename T, typename L>
+void launch_dequantize_flags(const DequantizeParams& p, bool mx, bool center, L& launcher) {
   if (mx)
-    center ? launch_dequantize_t<T, true, true>(p, stream) : launch_dequantize_t<T, true, false>(p, stream);
+    center ? launch_dequantize_t<T, true, true>(p, launcher) : launch_dequantize_t<T, true, false>(p, launcher);
   else
-    center ? launch_dequantize_t<T, false, true>(p, stream) : launch_dequantize_t<T, false, false>(p, stream);
+    center ? launch_dequantize_t<T, false, true>(p, launcher) : launch_dequantize_t<T, false, false>(p, launcher);
+}
+
+// Decodes contiguous packed codes (4-byte aligned) and block scales of `rows` x `k` elements
+// into `out` (16-byte aligned) of type `type`; center 16-byte aligned or null.
+template <typename L>
+void run_dequantize(DequantizeParams p, InType type, bool mx, L& launcher) {
+  p.nc = p.k / kDChunk;
+  const bool center = p.center != nullptr;
+  switch (type) {
+    case InType::kF32:
+      launch_dequantize_flags<float>(p, mx, center, launcher);
+      break;
+    case InType::kBF16:
+      launch_dequantize_flags<__nv_bfloat16>(p, mx, center, launcher);
+      break;
+    default:
+      launch_dequantize_flags<__half>(p, mx, center, launcher);
+      break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// update_centers: one thread per (owner, channel), all owners in one launch
+// ---------------------------------------------------------------------------------------
+struct CenterParams {
+  float* center;
+  float* cmax;
+  float* cmin;
+  const bool* mask;
+  int64_t n, c;
+  int64_t s_center[2], s_max[2], s_min[2], s_mask;
+  float momentum;
+};
+
+__global__ void update_centers_kernel(const CenterParams p) {
+  const int64_t ch = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (ch >= p.c) return;
+  for (int64_t o = blockIdx.y; o < p.n; o += gridDim.y) {
+    if (!p.mask[o * p.s_mask]) continue;
+    float* pc = p.center + o * p.s_center[0] + ch * p.s_center[1];
+    float* phi = p.cmax + o * p.s_max[0] + ch * p.s_max[1];
+    float* plo = p.cmin + o * p.s_min[0] + ch * p.s_min[1];
+    const float hi = *phi, lo = *plo;
+    if (isfinite(hi) && isfinite(lo)) {
+      const float c = *pc;
+      const float mu = add(mul(0.5f, hi), mul(0.5f, lo));
+      const float next = add(c, mul(p.momentum, sub(mu, c)));
+      *pc = is_nan(next) ? __uint_as_float(kNanF32) : next;
+    }
+    *phi = -INFINITY;
+    *plo = INFINITY;
+  }
+}
+
+template <typename L>
+void run_update_centers(const CenterParams& p, L& launcher) {
+  const dim3 grid(unsigned((p.c + 127) / 128), unsigned(std::min<int64_t>(p.n, 65535)));
+  launcher.template launch<update_centers_kernel, CenterParams, 128>(grid, p);
+}
+
+}  // namespace fp4kernels
+
+
+#ifndef FP8STATE_FP4_NO_TORCH
+// =======================================================================================
+// The torch ops: argument checks (the messages of ops/library_fp4.py), layouts, launches
+// =======================================================================================
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using namespace fp4kernels;
+
+// Launches on the current stream; occupancy looked up once per kernel (one device kind assumed).
+struct CudaLauncher {
+  cudaStream_t stream;
+  template <auto Kernel>
+  int resident() {
+    static const int ctas = [] {
+      int per_sm = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, 0));
+      return std::max(1, per_sm) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    }();
+    return ctas;
+  }
+  template <auto Kernel, typename P, int kBlock = kThreads>
+  void launch(dim3 grid, const P& params) {
+    Kernel<<<grid, kBlock, 0, stream>>>(params);
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// error text, built from strings only (streaming integers through an ostream from the
+// extension crashed on the device image: see fp8state_ops.cu)
+// ---------------------------------------------------------------------------------------
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::ScalarType::Float: return "torch.float32";
+    case at::ScalarType::Double: return "torch.float64";
+    case at::ScalarType::Half: return "torch.float16";
+    case at::ScalarType::BFloat16: return "torch.bfloat16";
+    case at::ScalarType::Byte: return "torch.uint8";
+    case at::ScalarType::Char: return "torch.int8";
+    case at::ScalarType::Short: return "torch.int16";
+    case at::ScalarType::Int: return "torch.int32";
+    case at::ScalarType::Long: return "torch.int64";
+    case at::ScalarType::Bool: return "torch.bool";
+    case at::ScalarType::Float8_e4m3fn: return "torch.float8_e4m3fn";
+    case at::ScalarType::Float8_e5m2: return "torch.float8_e5m2";
+    case at::ScalarType::Float8_e8m0fnu: return "torch.float8_e8m0fnu";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+// Python's tuple formatting: (), (3,), (2, 16).
+std::string shape_str(c10::IntArrayRef s) {
+  std::string r = "(";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + (s.size() == 1 ? ",)" : ")");
+}
+
+// Python's repr of a float: the shortest text that reads back to the same double.
+std::string float_str(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  char buf[64];
+  for (int prec = 1; prec <= 17; ++prec) {
+    std::snprintf(buf, sizeof(buf), "%.*g", prec, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  std::string s(buf);
+  if (s.find_first_of(".en") == std::string::npos) s += ".0";
+  return s;
+}
+
+#define FP4S_CHECK(cond, what, expected, found) \
+  TORCH_CHECK_VALUE(cond, "fp8state: ", what, ": expected ", expected, ", got ", found)
+
+const std::string kInDtypes = "one of [torch.float32, torch.bfloat16, torch.float16]";
+
+bool is_in_dtype(at::ScalarType t) {
+  return t == at::ScalarType::Float || t == at::ScalarType::BFloat16 || t == at::ScalarType::Half;
+}
+
+// Returns the block size (16 or 32); raises for any other layout name.
+int check_layout(c10::string_view layout) {
+  const bool nv = layout == "nvfp4", mx = layout == "mxfp4";
+  FP4S_CHECK(nv || mx, "layout", std::string("one of ['mxfp4', 'nvfp4']"), "'" + std::string(layout) + "'");
+  return nv ? 16 : 32;
+}
+
+void check_scalar(const at::Tensor& t, const char* name, const at::Device& device) {
+  FP4S_CHECK(t.scalar_type() == at::ScalarType::Float, std::string(name) + ".dtype", std::string("torch.float32"),
+             dtype_name(t.scalar_type()));
+  FP4S_CHECK(t.numel() == 1, std::string(name) + ".numel()", std::string("1"), std::to_string(t.numel()));
+  FP4S_CHECK(t.device() == device, std::string(name) + ".device", device.str(), t.device().str());
+}
+
+void check_center(const std::optional<at::Tensor>& center, int64_t k, const at::Device& device) {
+  if (!center.has_value()) return;
+  const at::Tensor& c = *center;
+  FP4S_CHECK(c.scalar_type() == at::ScalarType::Float, "center.dtype", std::string("torch.float32"),
+             dtype_name(c.scalar_type()));
+  FP4S_CHECK(c.dim() == 1 && c.size(0) == k, "center.shape",
+             "(" + std::to_string(k) + ",) (one value per channel of x)", shape_str(c.sizes()));
+  FP4S_CHECK(c.device() == device, "center.device", device.str(), c.device().str());
+}
+
+// The checks of library_fp4.check_fp4_quantize_args, in the same order. Returns the block size.
+int check_quantize_args(const at::Tensor& x, const at::Tensor& scale, const std::optional<at::Tensor>& center,
+                        c10::string_view layout) {
+  const int block = check_layout(layout);
+  FP4S_CHECK(is_in_dtype(x.scalar_type()), "x.dtype", kInDtypes, dtype_name(x.scalar_type()));
+  FP4S_CHECK(x.dim() >= 1, "x.dim()", std::string(">= 1"), std::to_string(x.dim()));
+  const int64_t k = x.size(-1);
+  FP4S_CHECK(k % block == 0, "x.shape[-1]",
+             "a multiple of " + std::to_string(block) + " (the " + std::string(layout) + " block size)",
+             std::to_string(k));
+  check_scalar(scale, "scale", x.device());
+  check_center(center, k, x.device());
+  return block;
+}
+
+void check_pending(const at::Tensor& amax_pending, int64_t slot, const at::Device& device) {
+  FP4S_CHECK(amax_pending.scalar_type() == at::ScalarType::Float, "amax_pending.dtype", std::string("torch.float32"),
+             dtype_name(amax_pending.scalar_type()));
+  FP4S_CHECK(amax_pending.dim() == 1, "amax_pending.dim()", std::string("1"), std::to_string(amax_pending.dim()));
+  FP4S_CHECK(amax_pending.device() == device, "amax_pending.device", device.str(), amax_pending.device().str());
+  FP4S_CHECK(slot >= 0 && slot < amax_pending.numel(), "slot", "0 <= slot < " + std::to_string(amax_pending.numel()),
+             std::to_string(slot));
+}
+
+void check_center_stats(const at::Tensor& cmax, const at::Tensor& cmin, int64_t slot, int64_t k,
+                        const at::Device& device) {
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"center_max", cmax},
+                                std::pair<const char*, const at::Tensor&>{"center_min", cmin}}) {
+    FP4S_CHECK(t.scalar_type() == at::ScalarType::Float, std::string(name) + ".dtype", std::string("torch.float32"),
+               dtype_name(t.scalar_type()));
+    FP4S_CHECK(t.dim() == 2, std::string(name) + ".dim()", std::string("2 ([owners, channels])"),
+               std::to_string(t.dim()));
+    FP4S_CHECK(t.device() == device, std::string(name) + ".device", device.str(), t.device().str());
+  }
+  FP4S_CHECK(cmin.sizes() == cmax.sizes(), "center_min.shape", shape_str(cmax.sizes()), shape_str(cmin.sizes()));
+  FP4S_CHECK(slot >= 0 && slot < cmax.size(0), "slot", "0 <= slot < " + std::to_string(cmax.size(0)),
+             std::to_string(slot));
+  FP4S_CHECK(cmax.size(1) >= k, "center_max.shape[1]", ">= " + std::to_string(k) + " (x's channels)",
+             std::to_string(cmax.size(1)));
+}
+
+// Contiguous and 16-byte aligned (a misaligned view is copied).
+at::Tensor aligned_contiguous(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone();
+  return c;
+}
+
+std::vector<int64_t> with_last(c10::IntArrayRef sizes, int64_t last) {
+  std::vector<int64_t> s(sizes.begin(), sizes.end());
+  s.back() = last;
+  return s;
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_impl(const at::Tensor& x_in, const at::Tensor& scale,
+                                                 const std::optional<at::Tensor>& center_in,
+                                                 c10::string_view layout, float* amax_slot, float* cmax, float* cmin,
+                                                 int64_t cmax_stride, int64_t cmin_stride) {
+  FP4S_CHECK(x_in.is_cuda(), "x.device", std::string("a CUDA tensor"), x_in.device().str());
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const bool mx = layout == "mxfp4";
+  const int block = mx ? 32 : 16;
+  const int64_t k = x_in.size(-1);
+  at::Tensor packed = at::empty(with_last(x_in.sizes(), k / 2), x_in.options().dtype(at::kByte));
+  at::Tensor scales = at::empty(with_last(x_in.sizes(), k / block),
+                                x_in.options().dtype(mx ? at::ScalarType::Float8_e8m0fnu : at::ScalarType::Float8_e4m3fn));
+  const int64_t n = x_in.numel();
+  if (n == 0) return {packed, scales};
+  const at::Tensor x = aligned_contiguous(x_in);
+  at::Tensor center;
+  if (center_in.has_value()) center = aligned_contiguous(*center_in);
+  QuantizeParams p{};
+  p.x = x.data_ptr();
+  p.packed = packed.data_ptr<uint8_t>();
+  p.scales = reinterpret_cast<uint8_t*>(scales.data_ptr());
+  p.scale = scale.data_ptr<float>();
+  p.center = center.defined() ? center.data_ptr<float>() : nullptr;
+  p.amax_slot = amax_slot;
+  p.cmax = cmax;
+  p.cmin = cmin;
+  p.cmax_stride = cmax_stride;
+  p.cmin_stride = cmin_stride;
+  p.k = k;
+  p.rows = n / k;
+  const InType type = x.scalar_type() == at::ScalarType::Float      ? InType::kF32
+                      : x.scalar_type() == at::ScalarType::BFloat16 ? InType::kBF16
+                                                                     : InType::kF16;
+  CudaLauncher launcher{at::cuda::getCurrentCUDAStream()};
+  run_quantize(p, type, mx, launcher);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {packed, scales};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_fp4_cuda(const at::Tensor& x, const at::Tensor& scale,
+                                                     const std::optional<at::Tensor>& center,
+                                                     c10::string_view layout) {
+  check_quantize_args(x, scale, center, layout);
+  return quantize_impl(x, scale, center, layout, nullptr, nullptr, nullptr, 0, 0);
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_fp4_record_amax_cuda(const at::Tensor& x, const at::Tensor& scale,
+                                                                 const at::Tensor& amax_pending, int64_t slot,
+                                                                 c10::string_view layout) {
+  check_quantize_args(x, scale, std::nullopt, layout);
+  check_pending(amax_pending, slot, x.device());
+  float* cell = amax_pending.data_ptr<float>() + slot * amax_pending.stride(0);
+  return quantize_impl(x, scale, std::nullopt, layout, cell, nullptr, nullptr, 0, 0);
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_fp4_centered_record_cuda(
+    const at::Tensor& x, const at::Tensor& scale, const at::Tensor& center, const at::Tensor& amax_pending,
+    const at::Tensor& center_max, const at::Tensor& center_min, int64_t slot, c10::string_view layout) {
+  check_quantize_args(x, scale, center, layout);
+  check_pending(amax_pending, slot, x.device());
+  check_center_stats(center_max, center_min, slot, x.size(-1), x.device());
+  float* cell = amax_pending.data_ptr<float>() + slot * amax_pending.stride(0);
+  if (x.numel() == 0) {  // nothing observed: the statistics keep their values
+    return quantize_impl(x, scale, center, layout, cell, nullptr, nullptr, 0, 0);
+  }
+  float* cmax = center_max.data_ptr<float>() + slot * center_max.stride(0);
+  float* cmin = center_min.data_ptr<float>() + slot * center_min.stride(0);
+  return quantize_impl(x, scale, center, layout, cell, cmax, cmin, center_max.stride(1), center_min.stride(1));
 }
 
 at::Tensor dequantize_fp4_cuda(const at::Tensor& packed_in, const at::Tensor& block_scales_in,
@@ -1004,54 +1118,13 @@ at::Tensor dequantize_fp4_cuda(const at::Tensor& packed_in, const at::Tensor& bl
   p.out = out.data_ptr();
   p.k = k;
   p.rows = n / k;
-  p.nc = k / kDChunk;
-  auto stream = at::cuda::getCurrentCUDAStream();
-  switch (dtype) {
-    case at::ScalarType::Float:
-      launch_dequantize_flags<float>(p, mx, center.defined(), stream);
-      break;
-    case at::ScalarType::BFloat16:
-      launch_dequantize_flags<__nv_bfloat16>(p, mx, center.defined(), stream);
-      break;
-    default:
-      launch_dequantize_flags<__half>(p, mx, center.defined(), stream);
-      break;
-  }
+  const InType type = dtype == at::ScalarType::Float      ? InType::kF32
+                      : dtype == at::ScalarType::BFloat16 ? InType::kBF16
+                                                          : InType::kF16;
+  CudaLauncher launcher{at::cuda::getCurrentCUDAStream()};
+  run_dequantize(p, type, mx, launcher);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
-}
-
-// ---------------------------------------------------------------------------------------
-// update_centers: one thread per (owner, channel), all owners in one launch
-// ---------------------------------------------------------------------------------------
-struct CenterParams {
-  float* center;
-  float* cmax;
-  float* cmin;
-  const bool* mask;
-  int64_t n, c;
-  int64_t s_center[2], s_max[2], s_min[2], s_mask;
-  float momentum;
-};
-
-__global__ void update_centers_kernel(const CenterParams p) {
-  const int64_t ch = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (ch >= p.c) return;
-  for (int64_t o = blockIdx.y; o < p.n; o += gridDim.y) {
-    if (!p.mask[o * p.s_mask]) continue;
-    float* pc = p.center + o * p.s_center[0] + ch * p.s_center[1];
-    float* phi = p.cmax + o * p.s_max[0] + ch * p.s_max[1];
-    float* plo = p.cmin + o * p.s_min[0] + ch * p.s_min[1];
-    const float hi = *phi, lo = *plo;
-    if (isfinite(hi) && isfinite(lo)) {
-      const float c = *pc;
-      const float mu = add(mul(0.5f, hi), mul(0.5f, lo));
-      const float next = add(c, mul(p.momentum, sub(mu, c)));
-      *pc = is_nan(next) ? __uint_as_float(kNanF32) : next;
-    }
-    *phi = -INFINITY;
-    *plo = INFINITY;
-  }
 }
 
 void update_centers_cuda(const at::Tensor& center, const at::Tensor& center_max, const at::Tensor& center_min,
@@ -1089,9 +1162,8 @@ void update_centers_cuda(const at::Tensor& center, const at::Tensor& center_max,
   p.s_min[0] = center_min.stride(0), p.s_min[1] = center_min.stride(1);
   p.s_mask = commit_mask.stride(0);
   p.momentum = static_cast<float>(momentum);  // round to nearest, as torch.tensor(momentum, float32)
-  const int threads = 128;
-  const dim3 grid(unsigned((c + threads - 1) / threads), unsigned(std::min<int64_t>(n, 65535)));
-  update_centers_kernel<<<grid, threads, 0, at::cuda::getCurrentCUDAStream()>>>(p);
+  CudaLauncher launcher{at::cuda::getCurrentCUDAStream()};
+  run_update_centers(p, launcher);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -1105,4 +1177,5 @@ TORCH_LIBRARY_IMPL(fp8state, CUDA, m) {
   m.impl("update_centers", &update_centers_cuda);
 }
 
+#endif  // FP8STATE_FP4_NO_TORCH
 #endif  // FP8STATE_FP4_MATH_ONLY

@@ -281,6 +281,7 @@ def test_centered_record_statistics_with_many_rows_and_contention():
     for rows in (20000, 1):
         x = fresh((rows, 16), torch.bfloat16, rows)
         x[rows // 2, 3] = math.nan
+        x.view(torch.int16)[rows // 3, 4] = -64  # 0xFFC0: a negative NaN (the min's side of the NaN check)
         x[:, 5] = -0.0
         x[: rows // 2, 6] = 0.0
         x[rows // 2 :, 6] = -0.0

@@ -605,3 +605,80 @@ def test_fp4_schema_mutation_annotations():
     assert mutated(_O.quantize_fp4_record_amax) == ["amax_pending"]
     assert mutated(_O.quantize_fp4_centered_record) == ["amax_pending", "center_max", "center_min"]
     assert mutated(_O.update_centers) == ["center", "center_max", "center_min"]
+
+
+# --------------------------------------------------------------------------------------
+# Rules that pin what torch leaves to the device or version (canonical NaNs, signed zeros,
+# the NVFP4 block scale of a zero or negative tensor scale)
+# --------------------------------------------------------------------------------------
+
+
+def bits32(t: torch.Tensor) -> list[int]:
+    return [v & 0xFFFFFFFF for v in t.contiguous().view(torch.int32).reshape(-1).tolist()]
+
+
+NEG_NAN = torch.tensor([0xFFC00000 - 2**32], dtype=torch.int32).view(torch.float32).item()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_nan_an_op_writes_is_canonical(layout):
+    k = BLOCK[layout]
+    x = torch.randn(2, k)
+    x.view(torch.int32)[0, 1] = 0xFFC00000 - 2**32  # a negative NaN
+    pending = torch.zeros(1)
+    ops.quantize_fp4_record_amax(x, torch.tensor([1.0]), pending, 0, layout)
+    assert bits32(pending) == [0x7FC00000]
+    cmax, cmin = torch.full((1, k), -math.inf), torch.full((1, k), math.inf)
+    ops.quantize_fp4_centered_record(x, torch.tensor([1.0]), torch.zeros(k), pending, cmax, cmin, 0, layout)
+    assert bits32(cmax)[1] == 0x7FC00000 and bits32(cmin)[1] == 0x7FC00000
+    packed, scales = ops.quantize_fp4(x, torch.tensor([1.0]), layout)
+    canonical = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
+    for dtype, want in canonical.items():
+        out = ops.dequantize_fp4(packed, scales, torch.tensor([1.0]), layout, dtype)
+        raw16 = out.view(torch.int32 if dtype == torch.float32 else torch.int16)[0]
+        assert {v & (0xFFFFFFFF if dtype == torch.float32 else 0xFFFF) for v in raw16.tolist()} == {want}
+        nan_scale = scales.clone().view(torch.uint8)
+        nan_scale[1] = 0xFF  # E4M3 0xFF (negative NaN) / E8M0 0xFF
+        out = ops.dequantize_fp4(packed, nan_scale.view(SCALE_DTYPE[layout]), torch.tensor([1.0]), layout, dtype)
+        raw16 = out.view(torch.int32 if dtype == torch.float32 else torch.int16)[1]
+        assert {v & (0xFFFFFFFF if dtype == torch.float32 else 0xFFFF) for v in raw16.tolist()} == {want}
+    # a centre update that yields NaN (inf - inf) writes the canonical NaN
+    center = torch.tensor([[-math.inf, 1.0]])
+    ops.update_centers(center, torch.tensor([[1.0, NEG_NAN]]), torch.tensor([[0.0, 0.0]]), torch.tensor([True]), 0.5)
+    assert bits32(center) == [0x7FC00000, 0x3F800000]  # the NaN statistic leaves its centre alone
+
+
+def test_center_statistics_order_negative_zero_below_positive_zero():
+    x = torch.tensor([[0.0, -0.0, -0.0, 0.0], [-0.0, -0.0, 0.0, 0.0]])
+    hi, lo = ops.center_stats_reference(x)
+    assert bits32(hi) == [0, 0x80000000, 0, 0] and bits32(lo) == [0x80000000, 0x80000000, 0x80000000, 0]
+    cmax = torch.tensor([[-0.0, 0.0, -math.inf, math.nan]])
+    cmin = torch.tensor([[0.0, -0.0, math.inf, 1.0]])
+    y = torch.tensor([[-0.0, -0.0, -0.0, 2.0]])
+    folded_max, folded_min = ops.fold_center_stats_reference(cmax[0], cmin[0], y)
+    row_max, row_min = torch.cat([cmax, torch.zeros(1, 12)], 1), torch.cat([cmin, torch.zeros(1, 12)], 1)
+    ops.quantize_fp4_centered_record(
+        y.repeat(1, 4), torch.ones(1), torch.zeros(16), torch.zeros(1), row_max, row_min, 0, "nvfp4"
+    )
+    assert bits32(row_max[0, :4]) == bits32(folded_max) and bits32(row_min[0, :4]) == bits32(folded_min)
+    assert bits32(folded_max) == [0x80000000, 0, 0x80000000, 0x7FC00000]
+    assert bits32(folded_min) == [0x80000000, 0x80000000, 0x80000000, 0x3F800000]
+
+
+@pytest.mark.parametrize("s", [0.0, -0.0, -1.5, -math.inf])
+def test_nvfp4_zero_or_negative_tensor_scale_gives_positive_zero_block_scales(s):
+    """v <= 0 (-0 included) gives the block scale +0 (never the -0 code 0x80), enc = 0, and
+    the elements encode as x * 0: signed zeros, or code 0 for inf * 0 = NaN."""
+    finite = torch.tensor([[1.0, -2.0, 0.0, -0.0] + [3.0] * 12])
+    packed, scales = ops.quantize_fp4(finite, torch.tensor([s]), "nvfp4")
+    assert byte_list(scales) == [0x00]
+    assert unpack_fp4_reference(packed)[0, :4].tolist() == [0, 8, 0, 8]
+    with_inf = finite.clone()
+    with_inf[0, 4:6] = torch.tensor([math.inf, -math.inf])
+    packed, scales = ops.quantize_fp4(with_inf, torch.tensor([s]), "nvfp4")
+    if s == 0:  # v = (inf / 6) * 0 = NaN: a NaN block
+        assert byte_list(scales) == [0x7F] and unpack_fp4_reference(packed)[0].tolist() == [0] * 16
+    else:  # v = -inf: block scale +0, inf * 0 = NaN -> code 0
+        assert byte_list(scales) == [0x00]
+        assert unpack_fp4_reference(packed)[0, :6].tolist() == [0, 8, 0, 8, 0, 0]
+    assert byte_list(ops.quantize_fp4(finite, torch.tensor([math.nan]), "nvfp4")[1]) == [0x7F]

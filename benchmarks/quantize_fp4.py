@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
+from timing import median_ms
 
 from lightning_fp8state import ops
 from lightning_fp8state.formats import FP4_LAYOUTS
@@ -33,25 +32,9 @@ from lightning_fp8state.formats import FP4_LAYOUTS
 K = 4096
 
 
-def bench(fn, reps: int = 50, warmup: int = 3, budget_s: float = 1.5) -> float:
-    """Median milliseconds of ``fn`` (CUDA events); fewer reps for slow functions."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    once = time.perf_counter() - t0
-    reps = max(3, min(reps, int(budget_s / max(once, 1e-6))))
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def bench(fn) -> float:
+    """Median milliseconds (CUDA events); fewer runs for slow functions."""
+    return median_ms(fn, reps=50, warmup=3, budget_s=1.5)
 
 
 def reference_record(x, scale, pending, layout):

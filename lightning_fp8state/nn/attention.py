@@ -182,6 +182,7 @@ class Fp4AttentionQuantizer(nn.Module):
         phase, record = protocol.enter_call(self.layer_name, roles, q.device, channels=channels)
         return protocol, phase, record, roles
 
+    @torch.compiler.disable  # protocol bookkeeping: a graph break under torch.compile
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None):
         """Quantize and dequantize q and k (and v if configured); returns ``(q, k)`` or
         ``(q, k, v)`` (an unquantized v is returned as given)."""
@@ -193,6 +194,7 @@ class Fp4AttentionQuantizer(nn.Module):
         protocol.observe_output(record, phase, tuple(out[r] for r in roles), dict(record.used))
         return (out["attn_q"], out["attn_k"]) if v is None else (out["attn_q"], out["attn_k"], out["attn_v"])
 
+    @torch.compiler.disable  # protocol bookkeeping: a graph break under torch.compile
     def attention(
         self,
         q: torch.Tensor,

@@ -103,6 +103,9 @@ class Fp8Linear(nn.Linear):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, layer={self.layer_name!r}, recipe={self.protocol.config.recipe}"
 
+    # The protocol's bookkeeping is Python with side effects: under torch.compile the call is
+    # a graph break and runs eager; the code around it compiles.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         protocol = self.protocol
         config = protocol.config

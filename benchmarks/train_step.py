@@ -1,0 +1,184 @@
+"""Benchmark: one GPT training step with activation checkpointing, bf16 vs FP8 (ours) vs torchao.
+
+In one run, for the same model shape, data and optimizer (AdamW, fused), each variant trains
+``--warmup`` steps, then ``--steps`` timed steps (CUDA events around forward + backward +
+optimizer step; medians). Variants:
+
+- ``bf16``: plain ``nn.Linear`` under bf16 autocast (the baseline);
+- ``safe`` / ``naive``: our Fp8Linear (FP8 delayed scaling) in the protocol's safe mode and
+  in the seed's defective naive mode;
+- ``torchao``: torchao's float8 training with tensorwise dynamic scaling (the peer).
+
+With ``--compile`` every block is compiled (``Block.compile()``); our Fp8Linear calls stay
+eager (graph breaks at the protocol's bookkeeping), everything between them is compiled.
+Blocks always run through ``lightning_fp8state.checkpoint`` (non-reentrant torch engine).
+
+Prints tokens/s, ms per step, peak memory and the ratios to bf16; ``--json`` writes them.
+With ``--sync-check`` one extra safe step runs under ``torch.cuda.set_sync_debug_mode("error")``.
+
+    python benchmarks/train_step.py [--d-model 2048 --layers 20 --heads 16 --seq 2048 --batch 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+import lightning_fp8state as f8s
+from lightning_fp8state.models import GPT, GPTConfig, MarkovTokens
+
+VARIANTS = ("bf16", "safe", "naive", "torchao")
+
+
+def batches(cfg: GPTConfig, batch: int, n: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    data = MarkovTokens(cfg.vocab_size, cfg.seq_len, length=batch * n, seed=1)
+    out = []
+    for b in range(n):
+        xs, ys = zip(*(data[b * batch + i] for i in range(batch)), strict=True)
+        out.append((torch.stack(xs).to(device), torch.stack(ys).to(device)))
+    return out
+
+
+def build(variant: str, cfg: GPTConfig, compile_blocks: bool):
+    torch.manual_seed(0)
+    model = GPT(cfg).cuda()
+    state = None
+    if variant in ("safe", "naive"):
+        # naive mode violates the ledger on purpose (that is the defect): count, do not raise
+        state = f8s.Fp8State(f8s.QuantConfig(mode=variant, ownership="per_layer", strict=variant == "safe"))
+        state.convert(model)
+    elif variant == "torchao":
+        from torchao.float8 import convert_to_float8_training  # noqa: PLC0415  (optional peer)
+
+        convert_to_float8_training(model)
+    if compile_blocks:
+        for block in model.blocks:
+            block.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    return model, state, opt
+
+
+def make_step(model, state, opt, data):
+    counter = {"n": 0}
+
+    def step():
+        n = counter["n"]
+        counter["n"] += 1
+        x, y = data[n % len(data)]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if state is None:
+                logits = model(x)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                loss.backward()
+            else:
+                with state.step(n, 0):
+                    logits = model(x)
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                    state.commit_forward()
+                    loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def measure(variant: str, cfg: GPTConfig, args, data) -> dict:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model, state, opt = build(variant, cfg, args.compile)
+    step = make_step(model, state, opt, data)
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    times, losses = [], []
+    for _ in range(args.steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        losses.append(step())
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    result = {
+        "variant": variant,
+        "ms": statistics.median(times),
+        "tokens_per_s": args.batch * cfg.seq_len / (statistics.median(times) / 1e3),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "final_loss": torch.stack(losses)[-5:].mean().item(),
+    }
+    if args.sync_check and state is not None and variant == "safe":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        result["sync_free_step"] = True
+    del model, state, opt
+    return result
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--d-model", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=20)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--sync-check", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    cfg = GPTConfig(
+        vocab_size=args.vocab,
+        seq_len=args.seq,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        checkpoint=True,
+    )
+    n_params = 12 * args.layers * args.d_model**2 + 2 * args.vocab * args.d_model
+    try:
+        import torchao  # noqa: PLC0415
+
+        ao_version = torchao.__version__
+    except ImportError:
+        ao_version = None
+        args.variants = [v for v in args.variants if v != "torchao"]
+    print(
+        f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, torchao {ao_version}; "
+        f"GPT d={args.d_model} layers={args.layers} seq={args.seq} batch={args.batch} "
+        f"(~{n_params / 1e9:.2f}B params), compile={args.compile}"
+    )
+    data = batches(cfg, args.batch, 4, "cuda")
+    results = [measure(v, cfg, args, data) for v in args.variants]
+    base = next((r for r in results if r["variant"] == "bf16"), None)
+    naive = next((r for r in results if r["variant"] == "naive"), None)
+    print(f"{'variant':>8} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'loss':>7} {'speed/bf16':>11}")
+    for r in results:
+        rel = base["ms"] / r["ms"] if base else math.nan
+        r["speed_vs_bf16"] = rel
+        print(
+            f"{r['variant']:>8} {r['ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['peak_gib']:>9.1f} "
+            f"{r['final_loss']:>7.3f} {rel:>10.2f}x"
+        )
+    safe = next((r for r in results if r["variant"] == "safe"), None)
+    if safe and naive:
+        print(f"safe / naive step time: {safe['ms'] / naive['ms']:.3f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "torchao": ao_version, "results": results}, fh, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -111,6 +111,15 @@ def measure(variant: str, cfg: GPTConfig, args, data) -> dict:
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "final_loss": torch.stack(losses)[-5:].mean().item(),
     }
+    if variant in args.profile:
+        from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+        print(f"--- profile of 2 {variant} steps")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
     if args.sync_check and state is not None and variant == "safe":
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -136,6 +145,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--sync-check", action="store_true")
+    p.add_argument("--profile", nargs="*", default=[], choices=VARIANTS, help="print a kernel table for these")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     cfg = GPTConfig(

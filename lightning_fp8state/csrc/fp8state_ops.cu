@@ -518,6 +518,115 @@ void update_scales_cuda(const at::Tensor& amax_history, const at::Tensor& scale,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// ---------------------------------------------------------------------------------------
+// FP8 transpose: out[C, R] = q[R, C]^T, byte-exact (the codes are moved, never decoded).
+// cuBLASLt's FP8 GEMM takes only the TN layout, so the backward needs grad_output, input
+// and weight re-laid out; torch's generic strided copy moves single bytes at a fraction of
+// the bandwidth. Here one block moves a 128 x 128 byte tile: 16-byte coalesced loads into
+// shared memory (XOR-swizzled so the column reads below are bank-conflict free), each thread
+// reads a 16-row x 4-column strip as 16 words, transposes 4 x 4 byte blocks with byte
+// permutes, and writes four 16-byte runs, so every warp store covers 128 contiguous bytes of
+// four output rows. Tiles that are not full (or shapes not multiples of 16) take a simple
+// 32 x 32 shared-memory kernel.
+// ---------------------------------------------------------------------------------------
+constexpr int kTile = 128;
+
+__global__ void __launch_bounds__(256) transpose_tile128_kernel(const uint8_t* __restrict__ in,
+                                                                 uint8_t* __restrict__ out, int64_t R, int64_t C) {
+  __shared__ uint32_t tile[kTile * kTile / 4];  // 128 rows x 32 words, swizzled
+  const int t = threadIdx.x;
+  const int64_t r0 = int64_t(blockIdx.x) * kTile, c0 = int64_t(blockIdx.y) * kTile;
+  // load: thread t moves 16 bytes of rows (t / 8) + 32 j, bytes 16 (t % 8) ..
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int row = (t >> 3) + 32 * j, col16 = t & 7;
+    const uint4 v = *reinterpret_cast<const uint4*>(in + (r0 + row) * C + c0 + col16 * 16);
+    const int word = (col16 * 4) ^ (((row >> 4) & 7) << 2);
+    *reinterpret_cast<uint4*>(&tile[row * 32 + word]) = v;
+  }
+  __syncthreads();
+  // transpose: thread t owns input rows 16 rg .. 16 rg + 15 and input columns 4 cw .. 4 cw + 3
+  const int rg = t & 7, cw = t >> 3;
+  uint32_t w[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) w[i] = tile[(rg * 16 + i) * 32 + (cw ^ (rg << 2))];
+  uint32_t o[4][4];  // o[k][m]: output row 4 cw + k, bytes of input rows 16 rg + 4 m .. + 3
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const uint32_t a = w[4 * m], b = w[4 * m + 1], c = w[4 * m + 2], d = w[4 * m + 3];
+    const uint32_t t0 = __byte_perm(a, b, 0x5140), t1 = __byte_perm(c, d, 0x5140);
+    const uint32_t t2 = __byte_perm(a, b, 0x7362), t3 = __byte_perm(c, d, 0x7362);
+    o[0][m] = __byte_perm(t0, t1, 0x5410);
+    o[1][m] = __byte_perm(t0, t1, 0x7632);
+    o[2][m] = __byte_perm(t2, t3, 0x5410);
+    o[3][m] = __byte_perm(t2, t3, 0x7632);
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    *reinterpret_cast<uint4*>(out + (c0 + cw * 4 + k) * R + r0 + rg * 16) =
+        make_uint4(o[k][0], o[k][1], o[k][2], o[k][3]);
+  }
+}
+
+// Any shape, any region [row_begin, row_end) x [col_begin, col_end) of q[R, C]: 32 x 32 tiles
+// through shared memory, one byte per access.
+__global__ void transpose_simple_kernel(const uint8_t* __restrict__ in, uint8_t* __restrict__ out, int64_t R,
+                                        int64_t C, int64_t row_begin, int64_t row_end, int64_t col_begin,
+                                        int64_t col_end) {
+  __shared__ uint8_t tile[32][33];
+  const int64_t r0 = row_begin + int64_t(blockIdx.x) * 32, c0 = col_begin + int64_t(blockIdx.y) * 32;
+  for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+    const int64_t r = r0 + i, c = c0 + threadIdx.x;
+    if (r < row_end && c < col_end) tile[i][threadIdx.x] = in[r * C + c];
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+    const int64_t c = c0 + i, r = r0 + threadIdx.x;
+    if (r < row_end && c < col_end) out[c * R + r] = tile[threadIdx.x][i];
+  }
+}
+
+void launch_transpose_simple(const uint8_t* in, uint8_t* out, int64_t R, int64_t C, int64_t row_begin,
+                             int64_t row_end, int64_t col_begin, int64_t col_end, cudaStream_t stream) {
+  if (row_begin >= row_end || col_begin >= col_end) return;
+  const int64_t col_tiles = (col_end - col_begin + 31) / 32;
+  TORCH_CHECK(col_tiles <= 65535, "fp8state: transpose_fp8: q.shape[1] too large (more than 2^21 columns)");
+  const dim3 grid(unsigned((row_end - row_begin + 31) / 32), unsigned(col_tiles));
+  transpose_simple_kernel<<<grid, dim3(32, 8), 0, stream>>>(in, out, R, C, row_begin, row_end, col_begin, col_end);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor transpose_fp8_cuda(const at::Tensor& q) {
+  FP8S_CHECK(q.is_cuda(), "q.device", "a CUDA tensor", q.device());
+  const auto st = q.scalar_type();
+  FP8S_CHECK(st == at::kFloat8_e4m3fn || st == at::kFloat8_e5m2, "q.dtype",
+             "one of [torch.float8_e4m3fn, torch.float8_e5m2]", st);
+  FP8S_CHECK(q.dim() == 2, "q.dim()", "2", q.dim());
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t R = q.size(0), C = q.size(1);
+  at::Tensor out = at::empty({C, R}, q.options());
+  if (R == 0 || C == 0) return out;
+  if (!q.is_contiguous()) {  // e.g. already a transposed view: a plain strided copy is right
+    out.copy_(q.t());
+    return out;
+  }
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const auto* in = reinterpret_cast<const uint8_t*>(q.data_ptr());
+  auto* dst = reinterpret_cast<uint8_t*>(out.data_ptr());
+  const bool vec = R % 16 == 0 && C % 16 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0;
+  const int64_t Rt = vec ? R / kTile * kTile : 0, Ct = vec ? C / kTile * kTile : 0;
+  if (Rt > 0 && Ct > 0) {
+    TORCH_CHECK(Ct / kTile <= 65535, "fp8state: transpose_fp8: q.shape[1] too large (more than 2^23 columns)");
+    transpose_tile128_kernel<<<dim3(unsigned(Rt / kTile), unsigned(Ct / kTile)), 256, 0, stream>>>(in, dst, R, C);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_transpose_simple(in, dst, R, C, 0, R, Ct, C, stream);   // right strip, full height
+    launch_transpose_simple(in, dst, R, C, Rt, R, 0, Ct, stream);  // bottom strip, left of it
+  } else {
+    launch_transpose_simple(in, dst, R, C, 0, R, 0, C, stream);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fp8state, CUDA, m) {
@@ -525,4 +634,5 @@ TORCH_LIBRARY_IMPL(fp8state, CUDA, m) {
   m.impl("quantize_fp8_record_amax", &quantize_fp8_record_amax_cuda);
   m.impl("dequantize_fp8", &dequantize_fp8_cuda);
   m.impl("update_scales", &update_scales_cuda);
+  m.impl("transpose_fp8", &transpose_fp8_cuda);
 }

@@ -6,6 +6,8 @@ import functools
 
 import torch
 
+from .. import ops
+
 __all__ = ["scaled_matmul", "scaled_mm_available"]
 
 
@@ -26,6 +28,14 @@ def _emulated(a: torch.Tensor, b: torch.Tensor, descale_a, descale_b, out_dtype)
     # paired descales once, as _scaled_mm does, and round once to the output dtype.
     acc = a.to(torch.float32) @ b.to(torch.float32)
     return (acc * (descale_a.reshape(()) * descale_b.reshape(()))).to(out_dtype)
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous tensor, through ``ops.transpose_fp8`` when ``t`` is the transposed
+    view of a contiguous 2-D tensor."""
+    if t.t().is_contiguous():
+        return ops.transpose_fp8(t.t())
+    return t.contiguous()
 
 
 def scaled_matmul(
@@ -50,7 +60,9 @@ def scaled_matmul(
     )
     if not use_mm:
         return _emulated(a, b, descale_a, descale_b, out_dtype)
-    # _scaled_mm wants a row-major and b column-major.
-    a = a if a.is_contiguous() else a.contiguous()
-    b = b if b.t().is_contiguous() else b.t().contiguous().t()
+    # _scaled_mm wants a row-major and b column-major. The backward's operands arrive the
+    # other way round (transposed views of contiguous tensors): re-lay them out with the
+    # byte transpose kernel, not torch's generic strided copy.
+    a = a if a.is_contiguous() else _row_major(a)
+    b = b if b.t().is_contiguous() else _row_major(b.t()).t()
     return torch._scaled_mm(a, b, scale_a=descale_a.reshape(()), scale_b=descale_b.reshape(()), out_dtype=out_dtype)

@@ -15,6 +15,7 @@ from .reference import (
     amax_reference,
     dequantize_fp8_reference,
     quantize_fp8_reference,
+    transpose_fp8_reference,
     update_scales_reference,
 )
 from .reference_fp4 import (
@@ -52,6 +53,8 @@ __all__ = [
     "quantize_fp8",
     "quantize_fp8_record_amax",
     "quantize_fp8_reference",
+    "transpose_fp8",
+    "transpose_fp8_reference",
     "unpack_fp4_reference",
     "update_centers",
     "update_centers_reference",
@@ -86,6 +89,13 @@ def dequantize_fp8(q: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -
     """Decode FP8 ``q`` with ``descale`` into ``dtype``."""
     _on_cuda(q)
     return _ops.dequantize_fp8(q, descale, dtype)
+
+
+def transpose_fp8(q: torch.Tensor) -> torch.Tensor:
+    """FP8 ``q[R, C]`` as a new contiguous ``[C, R]`` tensor (the layout cuBLASLt's FP8 GEMM
+    wants for the backward's operands), byte for byte."""
+    _on_cuda(q)
+    return _ops.transpose_fp8(q)
 
 
 def update_scales(

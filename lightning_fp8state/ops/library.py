@@ -29,6 +29,8 @@ LIB.define(
     "str amax_algo, int margin) -> ()"
 )
 
+LIB.define("transpose_fp8(Tensor q) -> Tensor")
+
 _FP8_DTYPES = tuple(f.dtype for f in FP8_FORMATS.values())
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -119,6 +121,24 @@ def _dequantize_fp8(q: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) 
 def _update_scales(*args) -> None:
     check_update_args(*args)
     ref.update_scales_reference(*args)
+
+
+def check_transpose_args(q: torch.Tensor) -> None:
+    """Validate ``transpose_fp8``'s argument: a 2-D FP8 tensor."""
+    _expect(q.dtype in _FP8_DTYPES, "q.dtype", f"one of {list(_FP8_DTYPES)}", q.dtype)
+    _expect(q.dim() == 2, "q.dim()", "2", q.dim())
+
+
+@torch.library.impl(LIB, "transpose_fp8", "CompositeExplicitAutograd")
+def _transpose_fp8(q: torch.Tensor) -> torch.Tensor:
+    check_transpose_args(q)
+    return ref.transpose_fp8_reference(q)
+
+
+@torch.library.register_fake("fp8state::transpose_fp8")
+def _transpose_fp8_fake(q):
+    check_transpose_args(q)
+    return q.new_empty((q.shape[1], q.shape[0]))
 
 
 @torch.library.register_fake("fp8state::quantize_fp8")

@@ -14,6 +14,7 @@ __all__ = [
     "amax_reference",
     "dequantize_fp8_reference",
     "quantize_fp8_reference",
+    "transpose_fp8_reference",
     "update_scales_reference",
 ]
 
@@ -88,3 +89,8 @@ def update_scales_reference(
     descale.copy_(new_descale)
     nonfinite_count.add_((commit_mask & ~finite).to(nonfinite_count.dtype))
     amax_pending.masked_fill_(commit_mask, 0.0)
+
+
+def transpose_fp8_reference(q: torch.Tensor) -> torch.Tensor:
+    """``q[R, C]`` re-laid out as a contiguous ``[C, R]``: the codes move, none is decoded."""
+    return q.t().contiguous()

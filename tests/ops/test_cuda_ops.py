@@ -218,3 +218,61 @@ def test_extension_is_built_from_the_imported_package(kernels):
     assert src.parent == __import__("pathlib").Path(f8s.__file__).resolve().parent
     assert (src / "fp8state_ops.cu").is_file()
     assert kernels["loaded"] and kernels["sha256"]
+
+
+def random_codes(shape, dtype, seed: int) -> torch.Tensor:
+    """Every byte value (NaN codes included) at random: the transpose must move them all."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randint(0, 256, shape, generator=g, device="cuda", dtype=torch.uint8).view(dtype)
+
+
+# full 128-tiles only; tiles plus right / bottom strips; not multiples of 16 (simple kernel);
+# degenerate rows and columns; the GEMM shapes of the benchmarks
+TRANSPOSE_SHAPES = [(128, 128), (384, 256), (8192 + 16, 4096 + 48), (130, 4096), (17, 15), (1, 1), (1, 4096), (4096, 1)]
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape", TRANSPOSE_SHAPES, ids=str)
+def test_transpose_matches_reference_bitwise(dtype, shape):
+    q = random_codes(shape, dtype, seed=sum(shape))
+    out = ops.transpose_fp8(q)
+    assert out.is_contiguous() and out.shape == (shape[1], shape[0])
+    assert same_bits(out, ops.transpose_fp8_reference(q))
+    assert same_bits(out, q.cpu().t().contiguous())
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_transpose_of_views(dtype):
+    base = random_codes((512, 1024 + 16), dtype, seed=7)
+    for view in (
+        base[:, 16:],  # contiguous rows, not contiguous overall
+        base.reshape(-1)[1 : 1 + 256 * 512].view(256, 512),  # 1-byte offset: not 16-byte aligned
+        base[:256, :512].t(),  # already a transposed view
+        base[::2, :512],  # strided rows
+    ):
+        assert same_bits(ops.transpose_fp8(view), ops.transpose_fp8_reference(view))
+
+
+def test_transpose_checks_and_opcheck():
+    with pytest.raises(ValueError, match=r"q.dtype: expected one of"):
+        ops.transpose_fp8(torch.zeros(4, 4, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"q.dim\(\): expected 2"):
+        ops.transpose_fp8(random_codes((4, 4, 4), E4M3, seed=1))
+    # test_schema compares with allclose, which has no float8 kernel: run the others, on
+    # finite codes (the comparisons treat NaN as unequal)
+    finite = ops.quantize_fp8(
+        fresh(256 * 384, torch.bfloat16, seed=2).view(256, 384), torch.tensor([1.0], device="cuda"), E4M3
+    )
+    torch.library.opcheck(
+        torch.ops.fp8state.transpose_fp8.default,
+        (finite,),
+        test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+    q = random_codes((1024, 2048), E5M2, seed=3)
+    ops.transpose_fp8(q)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.transpose_fp8(q)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

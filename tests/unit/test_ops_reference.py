@@ -866,3 +866,24 @@ def test_opcheck_fake_strides_non_contiguous_input(which):
     else:
         op, args = _O.dequantize_fp8.default, (ops.quantize_fp8(x, s, e4), torch.tensor(0.5), torch.float32)
     torch.library.opcheck(op, args, test_utils="test_faketensor")
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_transpose_fp8_moves_every_code(fp8):
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 256, (13, 37), generator=g, dtype=torch.uint8).view(fp8)
+    out = ops.transpose_fp8(q)
+    assert out.shape == (37, 13) and out.is_contiguous() and out.dtype == fp8
+    codes, moved = q.view(torch.uint8), out.view(torch.uint8)
+    assert all(moved[c, r] == codes[r, c] for r in range(13) for c in range(37))
+    finite = ops.quantize_fp8(_rand(13, 37, seed=2), torch.tensor(1.0), fp8)  # opcheck compares values: no NaN
+    torch.library.opcheck(
+        torch.ops.fp8state.transpose_fp8.default, (finite,), test_utils=("test_faketensor", "test_aot_dispatch_dynamic")
+    )
+
+
+def test_transpose_fp8_bad_inputs_raise_value_errors():
+    with pytest.raises(ValueError, match=r"q.dtype: expected one of"):
+        ops.transpose_fp8(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"q.dim\(\): expected 2, got 1"):
+        ops.transpose_fp8(torch.zeros(4, dtype=torch.uint8).view(torch.float8_e4m3fn))

@@ -65,6 +65,8 @@ class Fp8StateCallback(Callback):
         save_accumulated_grads: when a checkpoint is written inside a gradient-accumulation
             window, store every rank's accumulated gradients in it and restore them on
             resume, so the window continues bit-identically (Lightning itself does not).
+            Under ``fp8state_deepspeed`` the strategy stores its engine's window instead
+            (ZeRO stage 2) and reads this flag.
         log_metrics: log ``fp8state/violations`` (ledger violations so far) every
             optimizer step.
     """
@@ -237,7 +239,8 @@ class Fp8StateCallback(Callback):
         if self.state is None:
             return
         grads = None
-        mid_window = self._grads_pending
+        # fp8state_deepspeed keeps its engine's window itself (and marks what it could not keep)
+        mid_window = self._grads_pending and not getattr(trainer.strategy, "fp8state_saves_accumulation", False)
         if mid_window and self.save_accumulated_grads:
             if trainer.strategy.handles_gradient_accumulation:
                 rank_zero_warn(

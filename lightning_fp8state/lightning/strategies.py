@@ -2,23 +2,38 @@
 
 The callback does the protocol's work; the strategies check that it is there, name the
 data-parallel group the amax reduction uses, and (DeepSpeed) pass the activation
-checkpointing settings through to ``deepspeed.checkpointing.configure`` and route
-``lightning_fp8state.checkpoint`` to DeepSpeed's engine when those settings need it.
+checkpointing settings through to ``deepspeed.checkpointing.configure``, route
+``lightning_fp8state.checkpoint`` to DeepSpeed's engine when those settings need it, and keep
+the engine's gradient-accumulation window in checkpoints (``deepspeed_accumulation``).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from ..errors import StateLoadError
 from ..recompute import set_default_engine
 from .callback import Fp8StateCallback
+from .deepspeed_accumulation import (
+    ACCUMULATION_FORMAT_VERSION,
+    ACCUMULATION_KEY,
+    capture_window,
+    rank_file,
+    restore_window,
+    unsupported_reason,
+    window_position,
+)
 
 __all__ = ["CHECKPOINT_ENGINES", "Fp8StateDDPStrategy", "Fp8StateDeepSpeedStrategy", "register_strategies"]
 
@@ -76,7 +91,10 @@ class Fp8StateDeepSpeedStrategy(DeepSpeedStrategy):
     Takes every ``DeepSpeedStrategy`` argument; the activation checkpointing ones
     (``partition_activations``, ``cpu_checkpointing``, ``contiguous_memory_optimization``,
     ``synchronize_checkpoint_boundary``, or the ``activation_checkpointing`` section of a
-    DeepSpeed ``config``) reach ``deepspeed.checkpointing.configure`` in full.
+    DeepSpeed ``config``) reach ``deepspeed.checkpointing.configure`` in full. Checkpoints
+    also keep the engine's micro-step counter and, under ZeRO stage 2 (no offload), each rank's
+    accumulated gradient partition when saved inside an accumulation window, so a resume there
+    continues bit-identically; other configurations warn, naming what is unsupported.
 
     Args:
         checkpoint_engine: the engine of ``lightning_fp8state.checkpoint`` calls that name
@@ -173,6 +191,100 @@ class Fp8StateDeepSpeedStrategy(DeepSpeedStrategy):
             synchronize=ac.get("synchronize_checkpoint_boundary"),
             profile=ac.get("profile"),
         )
+
+    # -- the engine's gradient-accumulation window in checkpoints ---------------------------
+    @property
+    def fp8state_saves_accumulation(self) -> bool:
+        """Read by :class:`Fp8StateCallback`: this strategy keeps the engine's accumulation
+        window in checkpoints itself (the callback's ``accumulated_grads`` path is for DDP)."""
+        return True
+
+    def _save_accumulated_grads_wanted(self) -> bool:
+        trainer = self.lightning_module.trainer
+        callbacks = [cb for cb in trainer.callbacks if isinstance(cb, Fp8StateCallback)]
+        return all(cb.save_accumulated_grads for cb in callbacks)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any | None = None) -> None:
+        """DeepSpeed's checkpoint, plus the engine's micro-step counter (client state) and, saved
+        inside an accumulation window under ZeRO-2, each rank's accumulated gradient partition
+        (one file per rank beside DeepSpeed's own, see ``deepspeed_accumulation``)."""
+        filepath = self.broadcast(filepath)
+        window = None
+        if "loops" in checkpoint:  # a full checkpoint (weights-only ones resume no window)
+            engine = self.deepspeed_engine
+            micro_steps, gas = window_position(engine)
+            mid_window = micro_steps % gas != 0
+            reason = unsupported_reason(engine) if mid_window else None
+            grads = "none"
+            if mid_window:
+                if reason is not None:
+                    grads = "lost"
+                    rank_zero_warn(
+                        "lightning_fp8state: a checkpoint is saved inside a gradient-accumulation window "
+                        f"({micro_steps % gas} of {gas} microbatches), but the engine's accumulated gradients "
+                        f"cannot be saved with {reason}: resuming from it loses this window's earlier "
+                        "microbatches. Save at an optimizer-step boundary (ModelCheckpoint(every_n_train_steps"
+                        "=...)) or use ZeRO stage 2 without offload for an exact resume"
+                    )
+                elif self._save_accumulated_grads_wanted():
+                    grads = "saved"
+                    window = capture_window(engine, self.global_rank, self.world_size)
+                else:
+                    grads = "lost"
+            checkpoint[ACCUMULATION_KEY] = {
+                "format_version": ACCUMULATION_FORMAT_VERSION,
+                "micro_steps": micro_steps,
+                "gradient_accumulation_steps": gas,
+                "world_size": self.world_size,
+                "mid_window": mid_window,
+                "grads": grads,
+                "unsupported": reason,
+            }
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if window is not None:
+            path = rank_file(str(filepath), self.global_rank)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(window, path)
+        self.barrier("fp8state accumulation window saved")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        entry = checkpoint.get(ACCUMULATION_KEY)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if entry is None or not fitting or (self.load_full_weights and self.zero_stage_3):
+            return checkpoint
+        if entry.get("format_version") != ACCUMULATION_FORMAT_VERSION:
+            raise StateLoadError(
+                f"checkpoint['{ACCUMULATION_KEY}'] format_version {entry.get('format_version')!r} is not "
+                f"supported: expected {ACCUMULATION_FORMAT_VERSION}"
+            )
+        engine = self.deepspeed_engine
+        _, gas = window_position(engine)
+        if entry["mid_window"] and (
+            entry["world_size"] != self.world_size or entry["gradient_accumulation_steps"] != gas
+        ):
+            raise StateLoadError(
+                f"the checkpoint was saved inside a gradient-accumulation window of {entry['gradient_accumulation_steps']} "
+                f"microbatches on {entry['world_size']} rank(s); this run accumulates {gas} on {self.world_size}. "
+                "Resume with the same devices x num_nodes and accumulate_grad_batches"
+            )
+        if entry["gradient_accumulation_steps"] != gas:
+            return checkpoint  # saved at a boundary: the engine's fresh counter is aligned already
+        if entry["grads"] == "saved":
+            saved = torch.load(rank_file(str(checkpoint_path), self.global_rank), map_location="cpu", weights_only=True)
+            restore_window(engine, saved, self.global_rank, self.world_size, self.root_device)
+        else:
+            # Boundaries stay where Lightning's restored loop expects them.
+            engine.micro_steps = int(entry["micro_steps"])
+            if entry["grads"] == "lost":
+                why = f" ({entry['unsupported']})" if entry.get("unsupported") else ""
+                rank_zero_warn(
+                    "lightning_fp8state: this checkpoint was saved inside a gradient-accumulation window without "
+                    f"the engine's accumulated gradients{why}: the resumed run is not an exact continuation"
+                )
+        return checkpoint
 
     @override
     def teardown(self) -> None:

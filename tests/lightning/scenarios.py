@@ -115,6 +115,8 @@ def observe(trainer, model, cb) -> dict:
         "device": str(state.bank.device),  # where the quantizers ran (Lightning may move the model back)
         "strategy": type(trainer.strategy).__name__,
         "default_engine": f8s.recompute.default_engine(),
+        # DeepSpeed's micro-step counter (its accumulation boundaries); None without DeepSpeed
+        "engine_micro_steps": getattr(getattr(trainer.strategy, "deepspeed_engine", None), "micro_steps", None),
     }
 
 

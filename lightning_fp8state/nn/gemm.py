@@ -23,11 +23,14 @@ def scaled_mm_available(device: torch.device) -> bool:
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
 
 
-def _emulated(a: torch.Tensor, b: torch.Tensor, descale_a, descale_b, out_dtype) -> torch.Tensor:
+def _emulated(a: torch.Tensor, b: torch.Tensor, descale_a, descale_b, out_dtype, bias) -> torch.Tensor:
     # Products of FP8 values are exact in float32; accumulate in float32, then apply the
-    # paired descales once, as _scaled_mm does, and round once to the output dtype.
-    acc = a.to(torch.float32) @ b.to(torch.float32)
-    return (acc * (descale_a.reshape(()) * descale_b.reshape(()))).to(out_dtype)
+    # paired descales once and add the bias, as _scaled_mm's epilogue does, and round once
+    # to the output dtype.
+    acc = (a.to(torch.float32) @ b.to(torch.float32)) * (descale_a.reshape(()) * descale_b.reshape(()))
+    if bias is not None:
+        acc = acc + bias.to(torch.float32)
+    return acc.to(out_dtype)
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
@@ -45,8 +48,12 @@ def scaled_matmul(
     descale_b: torch.Tensor,
     out_dtype: torch.dtype,
     backend: str = "auto",
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``(a @ b) * descale_a * descale_b`` for FP8 ``a [M, K]`` and ``b [K, N]``.
+    """``(a @ b) * descale_a * descale_b (+ bias)`` for FP8 ``a [M, K]`` and ``b [K, N]``.
+
+    ``bias`` (``[N]``) is added in float32 before the one rounding to ``out_dtype`` (in
+    cuBLASLt's epilogue for 16-bit outputs: no separate pass over the output).
 
     ``backend``: ``auto`` (``_scaled_mm`` when available and the shapes allow it),
     ``emulated`` or ``scaled_mm`` (raises where it cannot run).
@@ -59,10 +66,15 @@ def scaled_matmul(
         and not (a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2)
     )
     if not use_mm:
-        return _emulated(a, b, descale_a, descale_b, out_dtype)
+        return _emulated(a, b, descale_a, descale_b, out_dtype, bias)
     # _scaled_mm wants a row-major and b column-major. The backward's operands arrive the
     # other way round (transposed views of contiguous tensors): re-lay them out with the
     # byte transpose kernel, not torch's generic strided copy.
     a = a if a.is_contiguous() else _row_major(a)
     b = b if b.t().is_contiguous() else _row_major(b.t()).t()
-    return torch._scaled_mm(a, b, scale_a=descale_a.reshape(()), scale_b=descale_b.reshape(()), out_dtype=out_dtype)
+    scales = {"scale_a": descale_a.reshape(()), "scale_b": descale_b.reshape(())}
+    if bias is None:
+        return torch._scaled_mm(a, b, **scales, out_dtype=out_dtype)
+    if out_dtype in (torch.bfloat16, torch.float16):  # the epilogue takes a 16-bit bias only
+        return torch._scaled_mm(a, b, **scales, bias=bias.to(out_dtype), out_dtype=out_dtype)
+    return torch._scaled_mm(a, b, **scales, out_dtype=out_dtype) + bias.to(out_dtype)

@@ -90,12 +90,17 @@ def test_scaled_mm_agrees_with_the_emulation(a_fmt, b_fmt):
     b = (torch.randn(256, 512, device="cuda", generator=g) * 4).to(b_fmt).t()
     da = torch.full((4,), 0.03125, device="cuda")[0]
     db = torch.full((4,), 0.5, device="cuda")[0]
+    bias = torch.randn(256, device="cuda", generator=g) * 8  # same order as the products
     for out_dtype, tol in ((torch.float32, 5e-4), (torch.bfloat16, 4e-3)):
-        mm = gemm.scaled_matmul(a, b, da, db, out_dtype, backend="scaled_mm")
-        em = gemm.scaled_matmul(a, b, da, db, out_dtype, backend="emulated")
-        assert mm.dtype == em.dtype == out_dtype
-        rel = (mm.float() - em.float()).norm() / em.float().norm()
-        assert rel < tol, (out_dtype, rel)
+        for bi in (None, bias):
+            mm = gemm.scaled_matmul(a, b, da, db, out_dtype, backend="scaled_mm", bias=bi)
+            em = gemm.scaled_matmul(a, b, da, db, out_dtype, backend="emulated", bias=bi)
+            assert mm.dtype == em.dtype == out_dtype
+            rel = (mm.float() - em.float()).norm() / em.float().norm()
+            assert rel < tol, (out_dtype, bi is not None, rel)
+    with_bias = gemm.scaled_matmul(a, b, da, db, torch.float32, backend="scaled_mm", bias=bias)
+    without = gemm.scaled_matmul(a, b, da, db, torch.float32, backend="scaled_mm")
+    torch.testing.assert_close(with_bias - without, bias.expand_as(without), rtol=0, atol=1e-3)
 
 
 def test_no_host_sync_inside_a_training_step():

@@ -29,9 +29,13 @@
 #include <cmath>
 #include <cstdint>
 
+#include "fp8state_common.cuh"  // fmax_nan, the CTA amax fold (shared with fp8state_ops.cu)
+
 #define FP4_HD __host__ __device__ __forceinline__
 
 namespace fp4math {
+
+using fp8state_common::fmax_nan;
 
 FP4_HD uint32_t f2u(float v) {
 #ifdef __CUDA_ARCH__
@@ -145,22 +149,12 @@ FP4_HD float div6(float a) {
   return div(a, 6.0f);
 }
 
-FP4_HD float max_nan(float a, float b) {
-#ifdef __CUDA_ARCH__
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-#else
-  return (a != a || b != b) ? u2f(0x7fffffffu) : (a > b ? a : b);
-#endif
-}
-
 // NVFP4 block scale code from the block amax a (>= 0 or NaN) and the tensor scale s:
 // E4M3(v) for v > 0 (nearest even; the satfinite conversion saturates v > 448, +inf
 // included, to 448), 0 for v <= 0, 0x7F for NaN. max(v, 0) keeps NaN and turns every v <= 0
 // into a zero, whose code (0x00 or, for -0, 0x80) the mask clears like a NaN's sign.
 FP4_HD uint32_t nvfp4_scale_code(float a, float s) {
-  const float v = max_nan(mul(div6(a), s), 0.0f);
+  const float v = fmax_nan(mul(div6(a), s), 0.0f);
   return static_cast<uint32_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3)) & 0x7fu;
 }
 
@@ -212,7 +206,10 @@ namespace fp4kernels {
 
 using namespace fp4math;
 
-constexpr uint32_t kNanF32 = 0x7fc00000u;
+using fp8state_common::block_fold_amax;
+using fp8state_common::kCanonicalNanF32;
+using fp8state_common::warp_max_nan;
+
 constexpr int kThreads = 256;
 constexpr int kQChunk = 16;  // elements of one row a quantize thread handles per step
 constexpr int kDChunk = 8;   // elements of one row a dequantize thread handles per step
@@ -220,29 +217,6 @@ constexpr int kDChunk = 8;   // elements of one row a dequantize thread handles 
 // ---------------------------------------------------------------------------------------
 // device helpers
 // ---------------------------------------------------------------------------------------
-// NaN-propagating max (PTX max.NaN, sm_80+).
-__device__ __forceinline__ float fmax_nan(float a, float b) { return max_nan(a, b); }
-
-__device__ __forceinline__ float warp_max_nan(float m) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmax_nan(m, __shfl_xor_sync(0xffffffffu, m, off));
-  return m;
-}
-
-// Folds the CTA's amax into *slot with one atomicMax on the fp32 bit pattern (non-negative
-// floats order like their bits; the canonical NaN orders above +inf). Every thread calls it.
-__device__ __forceinline__ void block_fold_amax(float m, float* slot) {
-  __shared__ float s_max[kThreads / 32];
-  m = warp_max_nan(m);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) s_max[warp] = m;
-  __syncthreads();
-  if (warp == 0) {
-    m = warp_max_nan(lane < kThreads / 32 ? s_max[lane] : 0.0f);
-    if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(slot), is_nan(m) ? kNanF32 : __float_as_uint(m));
-  }
-}
-
 // Folds a CTA's per-channel key (max or min of x over its rows) into one float of
 // center_max / center_min: the -0 < +0 max/min of the stored value and the key's value, or
 // the canonical NaN if either is NaN. With `atomic` (several CTAs fold the same channel) a
@@ -251,7 +225,7 @@ __device__ __forceinline__ void block_fold_amax(float m, float* slot) {
 template <bool MAX>
 __device__ __forceinline__ void fold_stat(float* ptr, int32_t key, bool nan, bool atomic) {
   auto combine = [&](uint32_t old) -> uint32_t {
-    if (nan || is_nan(__uint_as_float(old))) return kNanF32;
+    if (nan || is_nan(__uint_as_float(old))) return kCanonicalNanF32;
     const int32_t ko = order_key(old);
     return static_cast<uint32_t>(order_key(static_cast<uint32_t>(MAX ? max(ko, key) : min(ko, key))));
   };
@@ -543,7 +517,7 @@ __global__ void __launch_bounds__(kThreads) quantize_fp4_kernel(const QuantizePa
     }
   }
 
-  if constexpr (RECORD) block_fold_amax(amax, p.amax_slot);
+  if constexpr (RECORD) block_fold_amax<kThreads>(amax, p.amax_slot);
 
   if constexpr (STATS) {
     // Reduce over the CTA's row lanes through shared memory, then fold each channel once.
@@ -747,7 +721,8 @@ __global__ void __launch_bounds__(kThreads) dequantize_fp4_kernel(const Dequanti
         uint4 o[2];
         uint32_t* ow = reinterpret_cast<uint32_t*>(o);
 #pragma unroll
-        for (int j = 0; j < kDChunk; ++j) ow[j] = (check_nan && is_nan(v[j])) ? kNanF32 : __float_as_uint(v[j]);
+        for (int j = 0; j < kDChunk; ++j)
+          ow[j] = (check_nan && is_nan(v[j])) ? kCanonicalNanF32 : __float_as_uint(v[j]);
         __stcs(reinterpret_cast<uint4*>(dst), o[0]);
         __stcs(reinterpret_cast<uint4*>(dst) + 1, o[1]);
       } else {
@@ -822,7 +797,7 @@ __global__ void update_centers_kernel(const CenterParams p) {
       const float c = *pc;
       const float mu = add(mul(0.5f, hi), mul(0.5f, lo));
       const float next = add(c, mul(p.momentum, sub(mu, c)));
-      *pc = is_nan(next) ? __uint_as_float(kNanF32) : next;
+      *pc = is_nan(next) ? __uint_as_float(kCanonicalNanF32) : next;
     }
     *phi = -INFINITY;
     *plo = INFINITY;

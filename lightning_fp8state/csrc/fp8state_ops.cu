@@ -23,9 +23,14 @@
 #include <string>
 #include <type_traits>
 
+#include "fp8state_common.cuh"
+
 namespace {
 
-constexpr uint32_t kCanonicalNanF32 = 0x7fc00000u;
+using fp8state_common::block_fold_amax;
+using fp8state_common::fmax_nan;
+using fp8state_common::kCanonicalNanF32;
+
 constexpr uint8_t kCanonicalNanFp8 = 0x7f;
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
@@ -113,44 +118,10 @@ __device__ __forceinline__ uint8_t encode1(float v) {
   return uint8_t(nan_fix4<E4M3>(encode2<E4M3>(v, 0.0f)) & 0xffu);
 }
 
-// NaN-propagating max (PTX max.NaN, sm_80+).
-__device__ __forceinline__ float fmax_nan(float a, float b) {
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-
 template <bool E4M3>
 __device__ __forceinline__ float decode1(uint8_t code) {
   __half_raw h = __nv_cvt_fp8_to_halfraw(code, Fp8Traits<E4M3>::kKind);
   return __half2float(__half(h));
-}
-
-// ---------------------------------------------------------------------------------------
-// amax reduction: NaN-propagating max through the block, one atomicMax per block
-// ---------------------------------------------------------------------------------------
-__device__ __forceinline__ float warp_max_nan(float m) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmax_nan(m, __shfl_xor_sync(0xffffffffu, m, off));
-  return m;
-}
-
-// Folds the block's amax into *slot with one atomicMax on the fp32 bit pattern
-// (non-negative floats order like their bits; the canonical NaN orders above +inf).
-__device__ __forceinline__ void block_fold_amax(float m, float* slot) {
-  __shared__ float s_max[kThreads / 32];
-  m = warp_max_nan(m);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) s_max[warp] = m;
-  __syncthreads();
-  if (warp == 0) {
-    const int nwarps = blockDim.x >> 5;
-    m = warp_max_nan(lane < nwarps ? s_max[lane] : 0.0f);
-    if (lane == 0) {
-      const uint32_t bits = isnan(m) ? kCanonicalNanF32 : __float_as_uint(m);
-      atomicMax(reinterpret_cast<unsigned int*>(slot), bits);
-    }
-  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -272,7 +243,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict_
       out[t] = encode1<E4M3>(a * scale);
     }
   }
-  if (RECORD) block_fold_amax(amax, amax_slot);
+  if (RECORD) block_fold_amax<kThreads>(amax, amax_slot);  // fp8state_common.cuh
 }
 
 template <typename T, bool E4M3, bool RECORD>

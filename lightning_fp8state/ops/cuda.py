@@ -6,9 +6,15 @@ second) and registers its kernels under ``TORCH_LIBRARY_IMPL(fp8state, CUDA, m)`
 then take precedence over the reference for CUDA tensors. If the build or the load fails,
 a warning is issued once and the reference ops keep serving CUDA tensors.
 
+Each build lives in its own directory of the cache, named by ``build_tag()``: the torch and
+CUDA versions, the architectures and ``source_hash()``, a hash of every source and header
+in ``csrc/``. torch's JIT only tracks the ``sources`` it compiles, so without the hash an
+edited header would reuse a stale library; with it, any change to ``csrc/`` builds afresh.
+
 Environment:
     FP8STATE_CUDA_ARCHS: ``TORCH_CUDA_ARCH_LIST`` syntax for the build (default ``9.0+PTX``).
-    FP8STATE_CACHE_DIR: where builds are cached (default ``~/.cache/lightning_fp8state``).
+    FP8STATE_CACHE_DIR: where builds are cached (default ``~/.cache/lightning_fp8state``),
+        one subdirectory per ``build_tag()``.
     FP8STATE_DISABLE_CUDA: set to 1 to never build or load the kernels (reference only).
 
 Ahead of time: ``python -m lightning_fp8state.ops.cuda`` builds into the cache and prints
@@ -25,10 +31,22 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SOURCES", "build", "ensure_loaded", "extension_info", "is_loaded", "source_dir"]
+__all__ = [
+    "HEADERS",
+    "SOURCES",
+    "build",
+    "build_tag",
+    "ensure_loaded",
+    "extension_info",
+    "is_loaded",
+    "source_dir",
+    "source_hash",
+]
 
 _NAME = "fp8state_cuda"
-SOURCES = ("fp8state_ops.cu", "fp4_ops.cu")
+SOURCES = ("fp8state_ops.cu", "fp4_ops.cu")  # compiled
+HEADERS = ("fp8state_common.cuh",)  # included by the sources; not compiled on their own
+_HASHED_SUFFIXES = (".cu", ".cuh", ".h")
 _lock = threading.Lock()
 _state: dict = {"tried": False, "loaded": False, "error": None, "library": None}
 
@@ -42,10 +60,37 @@ def _archs() -> str:
     return os.environ.get("FP8STATE_CUDA_ARCHS", "9.0+PTX")
 
 
+def source_hash() -> str:
+    """The first 16 hex digits of a SHA-256 over the CUDA sources and headers in ``csrc/``.
+
+    Every ``.cu``, ``.cuh`` and ``.h`` file, sorted by name, contributes its name and its
+    content, so editing, adding, removing or renaming any of them changes the hash.
+    """
+    digest = hashlib.sha256()
+    files = sorted(
+        (p for p in source_dir().iterdir() if p.is_file() and p.suffix in _HASHED_SUFFIXES), key=lambda p: p.name
+    )
+    for path in files:
+        data = path.read_bytes()
+        for part in (path.name.encode(), len(data).to_bytes(8, "little"), data):
+            digest.update(part)
+    return digest.hexdigest()[:16]
+
+
+def build_tag() -> str:
+    """The name of this configuration's build directory in the cache.
+
+    Returns:
+        ``torch<version>-cuda<version>-sm<archs>-src<source_hash()>``, with ``+`` replaced by
+        ``_`` and spaces removed.
+    """
+    tag = f"torch{torch.__version__}-cuda{torch.version.cuda}-sm{_archs()}-src{source_hash()}"
+    return tag.replace("+", "_").replace(" ", "")
+
+
 def _build_dir() -> Path:
     root = Path(os.environ.get("FP8STATE_CACHE_DIR", Path.home() / ".cache" / "lightning_fp8state"))
-    tag = f"torch{torch.__version__}-cuda{torch.version.cuda}-sm{_archs()}".replace("+", "_").replace(" ", "")
-    path = root / tag
+    path = root / build_tag()
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -55,7 +100,7 @@ def build(verbose: bool = False) -> Path:
     from torch.utils import cpp_extension  # noqa: PLC0415  (heavy; only on first CUDA use)
 
     sources = [str(source_dir() / s) for s in SOURCES]
-    for s in sources:
+    for s in (*sources, *(str(source_dir() / h) for h in HEADERS)):
         if not Path(s).is_file():
             raise FileNotFoundError(f"CUDA source {s} is missing from the installed package")
     previous = os.environ.get("TORCH_CUDA_ARCH_LIST")
@@ -110,8 +155,15 @@ def is_loaded() -> bool:
 
 
 def extension_info() -> dict:
-    """What serves CUDA tensors: loaded or not, the library path and its SHA-256, the error."""
+    """What serves CUDA tensors: loaded or not, the library path and its SHA-256, the error.
+
+    ``source_hash`` is that of the ``csrc/`` this process would build (and, once loaded, did).
+    """
     info = {"loaded": is_loaded(), "library": None, "sha256": None, "error": _state["error"], "archs": _archs()}
+    try:
+        info["source_hash"] = source_hash()
+    except OSError as exc:  # a broken install must not break provenance
+        info["source_hash"] = f"unavailable ({type(exc).__name__})"
     lib = _state["library"]
     if lib is not None and Path(lib).is_file():
         info["library"] = str(lib)
@@ -123,4 +175,4 @@ if __name__ == "__main__":
     path = build(verbose=True)
     _state.update(tried=True, loaded=True, library=path)
     info = extension_info()
-    print(f"built {info['library']}\nsha256 {info['sha256']}")
+    print(f"built {info['library']}\nsha256 {info['sha256']}\nsources {info['source_hash']}")

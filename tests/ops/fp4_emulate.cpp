@@ -142,7 +142,7 @@ static inline unsigned atomicCAS(unsigned* p, unsigned expected, unsigned desire
 }
 
 #define FP8STATE_FP4_NO_TORCH
-#include "../../lightning_fp8state/csrc/fp4_ops.cu"
+#include "fp4_ops.cu"  // found through -I <the imported package>/csrc
 
 using namespace fp4kernels;
 

@@ -217,7 +217,11 @@ def test_extension_is_built_from_the_imported_package(kernels):
     src = ops.cuda.source_dir()
     assert src.parent == __import__("pathlib").Path(f8s.__file__).resolve().parent
     assert (src / "fp8state_ops.cu").is_file()
+    assert all((src / h).is_file() for h in ops.cuda.HEADERS)  # the shared header ships too
     assert kernels["loaded"] and kernels["sha256"]
+    # built from these very files: the library sits in the directory named by their hash
+    assert kernels["source_hash"] == ops.cuda.source_hash()
+    assert __import__("pathlib").Path(kernels["library"]).parent.name == ops.cuda.build_tag()
 
 
 def random_codes(shape, dtype, seed: int) -> torch.Tensor:

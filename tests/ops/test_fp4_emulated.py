@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_fp8state.ops.cuda import source_dir
+
 OPS = torch.ops.fp8state
 SRC = Path(__file__).with_name("fp4_emulate.cpp")
 LAYOUTS = ["nvfp4", "mxfp4"]
@@ -46,7 +48,18 @@ def emulator(tmp_path_factory):
     if shutil.which("g++") is None or include is None:
         pytest.skip("needs g++ and the CUDA headers (cuda_bf16.h) to build the host emulation")
     exe = tmp_path_factory.mktemp("fp4emu") / "fp4_emulate"
-    cmd = ["g++", "-std=c++20", "-O2", "-pthread", "-ffp-contract=off", f"-I{include}", "-o", str(exe), str(SRC)]
+    cmd = [
+        "g++",
+        "-std=c++20",
+        "-O2",
+        "-pthread",
+        "-ffp-contract=off",
+        f"-I{include}",
+        f"-I{source_dir()}",
+        "-o",
+        str(exe),
+        str(SRC),
+    ]
     build = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-4000:]
     return exe

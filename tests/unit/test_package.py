@@ -30,7 +30,7 @@ def test_public_contract_names_are_exported():
 
 
 @pytest.mark.slow
-def test_wheel_ships_the_cuda_sources(tmp_path):
+def test_wheel_ships_the_cuda_sources(tmp_path, monkeypatch):
     subprocess.run(
         [
             sys.executable,
@@ -47,9 +47,22 @@ def test_wheel_ships_the_cuda_sources(tmp_path):
         check=True,
         capture_output=True,
     )
-    wheel = next(tmp_path.glob("lightning_fp8state-*.whl"))
-    names = zipfile.ZipFile(wheel).namelist()
-    assert "lightning_fp8state/csrc/fp8state_ops.cu" in names
+    wheel = zipfile.ZipFile(next(tmp_path.glob("lightning_fp8state-*.whl")))
+    names = wheel.namelist()
+    csrc = f8s.ops.cuda.source_dir()
+    expected = [*f8s.ops.cuda.SOURCES, *f8s.ops.cuda.HEADERS]
+    assert "fp8state_common.cuh" in expected
+    # every source and header the lazy build needs, byte for byte as in the tree
+    for name in expected:
+        assert f"lightning_fp8state/csrc/{name}" in names, name
+        assert wheel.read(f"lightning_fp8state/csrc/{name}") == (csrc / name).read_bytes(), name
+    # so an installed copy builds into the same cache directory as the tree it came from
+    unpacked = tmp_path / "unpacked"
+    wheel.extractall(unpacked, [n for n in names if n.startswith("lightning_fp8state/csrc/")])
+    monkeypatch.setattr(f8s.ops.cuda, "source_dir", lambda: unpacked / "lightning_fp8state" / "csrc")
+    installed_hash = f8s.ops.cuda.source_hash()
+    monkeypatch.undo()
+    assert installed_hash == f8s.ops.cuda.source_hash()
 
 
 def test_without_cuda_the_kernels_are_not_loaded_and_ops_still_work(monkeypatch):

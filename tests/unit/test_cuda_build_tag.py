@@ -1,0 +1,103 @@
+"""The CUDA build cache is keyed by the content of every file in csrc/, headers included (CPU)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch.utils.cpp_extension
+
+from lightning_fp8state.ops import cuda
+
+HEADER = "fp8state_common.cuh"
+
+
+@pytest.fixture
+def csrc(tmp_path, monkeypatch) -> Path:
+    """A copy of the package's csrc/ that the build functions read instead of the real one."""
+    copy = tmp_path / "csrc"
+    shutil.copytree(cuda.source_dir(), copy)
+    monkeypatch.setattr(cuda, "source_dir", lambda: copy)
+    monkeypatch.setenv("FP8STATE_CACHE_DIR", str(tmp_path / "cache"))
+    return copy
+
+
+def _src_part(tag: str) -> str:
+    return tag.rsplit("-src", 1)[1]
+
+
+def test_the_shipped_header_and_sources_are_the_ones_declared():
+    present = {p.name for p in cuda.source_dir().iterdir() if p.suffix in (".cu", ".cuh", ".h")}
+    assert present == set(cuda.SOURCES) | set(cuda.HEADERS)
+    for source in cuda.SOURCES:
+        assert f'#include "{HEADER}"' in (cuda.source_dir() / source).read_text()
+
+
+def test_tag_is_stable_and_depends_on_content_only(csrc):
+    real = cuda.source_hash()  # the copy: same bytes as the package's csrc/
+    tag = cuda.build_tag()
+    assert len(real) == 16 and int(real, 16) >= 0
+    assert _src_part(tag) == real
+    assert cuda.build_tag() == tag  # stable across calls
+    for f in csrc.iterdir():  # new timestamps and a different directory change nothing
+        os.utime(f, (1, 1))
+    assert cuda.build_tag() == tag
+    (csrc / "notes.txt").write_text("not a source")  # files that are not compiled do not count
+    (csrc / "scratch.o").write_bytes(b"\0" * 8)
+    assert cuda.build_tag() == tag
+
+
+def test_editing_the_header_changes_the_tag_and_reverting_restores_it(csrc):
+    before = cuda.build_tag()
+    header = csrc / HEADER
+    original = header.read_bytes()
+    header.write_bytes(original + b"// one more line\n")
+    edited = cuda.build_tag()
+    assert edited != before
+    # only the source part moves: torch, CUDA and architectures are the same
+    assert edited.rsplit("-src", 1)[0] == before.rsplit("-src", 1)[0]
+    header.write_bytes(original)
+    assert cuda.build_tag() == before
+
+
+@pytest.mark.parametrize("change", ["edit_source", "add_header", "remove_header", "rename_header"])
+def test_any_change_to_a_source_or_header_changes_the_tag(csrc, change):
+    before = cuda.source_hash()
+    if change == "edit_source":
+        path = csrc / cuda.SOURCES[0]
+        path.write_text(path.read_text().replace("namespace {", "namespace  {", 1))
+    elif change == "add_header":
+        (csrc / "extra.h").write_text("#pragma once\n")
+    elif change == "remove_header":
+        (csrc / HEADER).unlink()
+    else:
+        (csrc / HEADER).rename(csrc / "fp8state_common2.cuh")
+    assert cuda.source_hash() != before
+
+
+def test_a_header_edit_builds_into_a_fresh_directory(csrc, tmp_path, monkeypatch):
+    """build() hands torch's JIT a build directory named by the tag; a header edit gives another."""
+    calls = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: calls.append(kw))
+    first = cuda.build()
+    (csrc / HEADER).write_text((csrc / HEADER).read_text() + "\n// edited\n")
+    second = cuda.build()
+    assert [Path(c["build_directory"]) for c in calls] == [first.parent, second.parent]
+    assert first.parent != second.parent
+    assert first.parent.parent == second.parent.parent == tmp_path / "cache"
+    assert second.parent.name == cuda.build_tag()
+    # the header is not compiled on its own: the sources include it
+    assert [Path(s).name for s in calls[0]["sources"]] == list(cuda.SOURCES)
+
+
+def test_a_missing_header_is_named_before_any_compiler_runs(csrc, monkeypatch):
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: pytest.fail("must not build"))
+    (csrc / HEADER).unlink()
+    with pytest.raises(FileNotFoundError, match=f"{HEADER} is missing from the installed package"):
+        cuda.build()
+
+
+def test_extension_info_reports_the_source_hash():
+    assert cuda.extension_info()["source_hash"] == cuda.source_hash()

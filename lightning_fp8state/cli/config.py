@@ -52,6 +52,7 @@ _MINIMUM = {
     "trainer.lr": 0,
     "trainer.weight_decay": 0,
     "trainer.warmup_steps": 0,
+    "trainer.schedule_steps": 0,
     "trainer.checkpoint_every_n_steps": 1,
     "strategy.zero_stage": 1,
 }

@@ -64,6 +64,9 @@ class TrainerCfg:
     lr: float = 3e-3
     weight_decay: float = 0.0
     warmup_steps: int = 10
+    # length of the learning-rate schedule (0: max_steps); set it to stop a run early
+    # (max_steps) and resume it later on the same schedule
+    schedule_steps: int = 0
     seed: int = 0
     checkpoint_every_n_steps: int = 100
     deterministic: bool = False

@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError
-from ..models import GPT, make_dataset
+from ..models import GPT, ResumableLoader, make_dataset
 from ..ops import cuda as cuda_ext
 from .audit import model_config
 from .config import load_config, quant_config, validate
@@ -89,11 +89,12 @@ def _module_and_data(cfg: DictConfig):
             t = cfg.trainer
             opt = torch.optim.AdamW(self.parameters(), lr=t.lr, weight_decay=t.weight_decay)
             warm = max(1, t.warmup_steps)
+            total = t.schedule_steps or t.max_steps
 
             def lr_at(step: int) -> float:  # linear warm-up, then cosine to 10%
                 if step < warm:
                     return (step + 1) / warm
-                frac = min(1.0, (step - warm) / max(1, t.max_steps - warm))
+                frac = min(1.0, (step - warm) / max(1, total - warm))
                 return 0.1 + 0.45 * (1 + math.cos(math.pi * frac))
 
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
@@ -110,7 +111,8 @@ def _module_and_data(cfg: DictConfig):
                 seed=d.seed,
                 path=d.path,
             )
-            return torch.utils.data.DataLoader(
+            # resumable: a resumed run continues on the next batch of the epoch, not its start
+            return ResumableLoader(
                 ds, batch_size=d.batch_size, shuffle=False, drop_last=True, num_workers=d.num_workers
             )
 

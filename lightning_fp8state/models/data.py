@@ -6,11 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from ..errors import ConfigError
 
-__all__ = ["MarkovTokens", "TokenFile", "make_dataset"]
+__all__ = ["MarkovTokens", "ResumableLoader", "TokenFile", "make_dataset"]
 
 
 class MarkovTokens(Dataset):
@@ -73,3 +73,37 @@ def make_dataset(source: str, *, vocab_size: int, seq_len: int, length: int, see
             raise ConfigError(f"data.source={source!r} needs data.path")
         return TokenFile(path, seq_len, vocab_size)
     raise ConfigError(f"data.source={source!r} is not allowed: expected one of ['markov', 'text', 'bin']")
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader that remembers how many batches of the epoch were consumed and skips them
+    after ``load_state_dict``.
+
+    Lightning saves and restores any train loader with ``state_dict``/``load_state_dict``,
+    which is what a mid-epoch resume needs to continue on the very next batch. Lightning does
+    not prefetch from sized loaders, so the count is exact when a checkpoint is written. The
+    skipped batches are loaded and dropped (any sampler, including Lightning's distributed
+    one, keeps its order).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._consumed = 0
+        self._skip = 0
+
+    def __iter__(self):
+        skip, self._skip = self._skip, 0
+        self._consumed = 0
+        it = super().__iter__()
+        for _ in range(skip):
+            next(it)
+            self._consumed += 1
+        for batch in it:
+            self._consumed += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {"consumed": self._consumed}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._skip = int(state_dict["consumed"])

@@ -93,3 +93,27 @@ def test_report_writes_pngs_and_a_summary(run_root, capsys):
 def test_report_of_a_missing_run_exits_2(run_root, capsys):
     assert main(["report", str(run_root / "nothing")]) == 2
     assert "nothing" in capsys.readouterr().err
+
+
+def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(run_root):
+    """Stop at step 20 of an epoch, resume to 30: the weights and the quantizer state equal,
+    bit for bit, those of one run of 30 steps (the loader resumes on the next batch)."""
+    common = [*SMALL, "telemetry.wandb=disabled", "trainer.checkpoint_every_n_steps=10", "trainer.schedule_steps=30"]
+    assert main(["train", *common, "trainer.max_steps=30", f"out_dir={run_root / 'whole'}"]) == 0
+    assert main(["train", *common, "trainer.max_steps=20", f"out_dir={run_root / 'split'}"]) == 0
+    split = run_root / "split" / "tiny_gpt_cpu"
+    assert main(["train", "--resume", str(split), "trainer.max_steps=30"]) == 0
+
+    def final(run):
+        return torch.load(run / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+
+    a, b = final(run_root / "whole" / "tiny_gpt_cpu"), final(split)
+    assert a["global_step"] == b["global_step"] == 30
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
+    bank_a, bank_b = a["fp8state"]["ranks"][0]["bank"], b["fp8state"]["ranks"][0]["bank"]
+    for k in ("scale", "amax_history"):
+        assert torch.equal(bank_a[k], bank_b[k]), k
+    # 400 samples / batch 4 = 100 batches an epoch: all 30 steps lie in epoch 0
+    assert read_jsonl(split / "telemetry.jsonl")[-1]["step"] == 30

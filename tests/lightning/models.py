@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 import lightning_fp8state as f8s
 from tests.conftest import Block
@@ -86,32 +86,3 @@ class ScaledDataset(Dataset):
     def __getitem__(self, i: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(1000 + i)
         return torch.randn(self.size, generator=g) * (self.loud if i % 2 else 1.0)
-
-
-class ResumableLoader(DataLoader):
-    """A DataLoader that remembers how many batches of the epoch were consumed and skips them
-    after ``load_state_dict``: Lightning saves and restores it (it is ``_Stateful``), which is
-    what a mid-epoch resume needs. Lightning does not prefetch from sized loaders, so the count
-    is exact when a checkpoint is written."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._consumed = 0
-        self._skip = 0
-
-    def __iter__(self):
-        skip, self._skip = self._skip, 0
-        self._consumed = 0
-        it = super().__iter__()
-        for _ in range(skip):
-            next(it)
-            self._consumed += 1
-        for batch in it:
-            self._consumed += 1
-            yield batch
-
-    def state_dict(self) -> dict:
-        return {"consumed": self._consumed}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self._skip = int(state_dict["consumed"])

@@ -19,7 +19,8 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DistributedSampler
 
 import lightning_fp8state as f8s
-from tests.lightning.models import CheckpointedBoring, ResumableLoader, ScaledDataset
+from lightning_fp8state.models import ResumableLoader
+from tests.lightning.models import CheckpointedBoring, ScaledDataset
 
 DEFAULTS = {
     "name": "run",

@@ -14,8 +14,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import lightning_fp8state as f8s
 from lightning_fp8state.lightning import Fp8StateCallback
+from lightning_fp8state.models import ResumableLoader
 from tests.lightning.launch import ROOT
-from tests.lightning.models import CheckpointedBoring, ResumableLoader, ScaledDataset
+from tests.lightning.models import CheckpointedBoring, ScaledDataset
 from tests.lightning.test_ddp import expected_events
 
 BATCHES = 8  # 16 samples, batch 2

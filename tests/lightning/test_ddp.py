@@ -214,7 +214,8 @@ def _single_device_trainer(cb, **kw):
 
 
 def _model():
-    from tests.lightning.models import CheckpointedBoring, ResumableLoader, ScaledDataset
+    from lightning_fp8state.models import ResumableLoader
+    from tests.lightning.models import CheckpointedBoring, ScaledDataset
 
     model = CheckpointedBoring()
     model.train_dataloader = lambda: ResumableLoader(ScaledDataset(16), batch_size=2)

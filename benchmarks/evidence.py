@@ -20,11 +20,13 @@ and centers, stamps) and/or a device-side twin (the same comparisons on the devi
 host copies: for big models). Prints a markdown table in the manner of the seed's
 verification table and, with ``--json``, writes the per-step series.
 
-    python benchmarks/evidence.py                       # tiny preset on the CPU (minutes)
+    python benchmarks/evidence.py --threads 1           # tiny preset on the CPU (minutes)
     python benchmarks/evidence.py --preset gpu --json evidence.json   # GPT-2 small shape, H200
-    python benchmarks/evidence.py --runs bf16 fp8_safe fp8_naive --steps 50 model.n_layers=2
+    python benchmarks/evidence.py model.n_layers=2 --steps 50 --runs bf16 fp8_safe fp8_naive
 
-Trailing ``key=value`` arguments override the preset's recipe (as ``fp8state audit`` does).
+``key=value`` arguments override the preset's recipe (as ``fp8state audit`` does); put them
+before ``--runs``. Run from the repository root with the package importable (installed, or
+``PYTHONPATH=.``). Exit code 1 when bf16 or a ``*_safe`` run mismatched, or the audits disagree.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils.checkpoint
 
 from lightning_fp8state.audit import RecomputeAuditor
 from lightning_fp8state.cli.audit import model_config
@@ -229,8 +232,15 @@ def _batches(cfg, steps: int, device: torch.device) -> tuple[torch.Tensor, torch
     return x.to(device), y.to(device)
 
 
-def train_run(name: str, cfg, x: torch.Tensor, y: torch.Tensor, device: torch.device, audit: str) -> RunResult:
-    """Train one run for ``len(x)`` steps (AdamW, warmup, clipping, non-finite guard) under the audit."""
+def train_run(
+    name: str, cfg, x: torch.Tensor, y: torch.Tensor, device: torch.device, audit: str, early_stop: bool = False
+) -> RunResult:
+    """Train one run for ``len(x)`` steps (AdamW, warmup, clipping, non-finite guard) under the audit.
+
+    Without ``early_stop`` the recompute runs every block to its end, so every checkpointed
+    call is compared (torch's default early stop skips what follows a block's last saved
+    tensor: the block's last linear is then recomputed up to its save, never compared). The
+    training arithmetic is the same either way."""
     steps = x.shape[0]
     torch.manual_seed(cfg.trainer.seed)  # the same initial weights in every run
     state = Fp8State(quant_config(cfg))
@@ -248,6 +258,8 @@ def train_run(name: str, cfg, x: torch.Tensor, y: torch.Tensor, device: torch.de
     with contextlib.ExitStack() as stack:
         host = stack.enter_context(RecomputeAuditor(state)) if audit in ("host", "both") else None
         dev = stack.enter_context(DeviceRecomputeAudit(state)) if audit in ("device", "both") else None
+        if not early_stop:
+            stack.enter_context(torch.utils.checkpoint.set_checkpoint_early_stop(False))
         for step in range(steps):
             with state.step(step):
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
@@ -334,6 +346,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--threads", type=int, default=0, help="CPU threads for torch (0: torch's default); 1 avoids oversubscription"
     )
+    p.add_argument(
+        "--early-stop",
+        action="store_true",
+        help="keep torch's checkpoint early stop (fewer recomputed calls are compared; same training arithmetic)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write per-step series and summaries here")
     p.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. model.n_layers=2")
     return p
@@ -371,7 +388,8 @@ def _run(args) -> dict:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(
         f"evidence: preset {args.preset} (recipe {recipe}), {args.steps} steps, seed {args.seed}, device {device} "
-        f"({where}), torch {torch.__version__}, {torch.get_num_threads()} CPU threads, audit {audit}\n"
+        f"({where}), torch {torch.__version__}, {torch.get_num_threads()} CPU threads, audit {audit}"
+        f"{' (early stop)' if args.early_stop else ' (full recompute)'}\n"
         f"model: d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, seq {m.seq_len}, vocab {m.vocab_size}, "
         f"batch {first.data.batch_size}, checkpoint {m.checkpoint} ({m.checkpoint_engine}), "
         f"precision {first.trainer.precision if device.type == 'cuda' else '32-true (CPU)'}",
@@ -379,7 +397,7 @@ def _run(args) -> dict:
     )
     results = []
     for name in runs:
-        result = train_run(name, cfgs[name], x, y, device, audit)
+        result = train_run(name, cfgs[name], x, y, device, audit, args.early_stop)
         s = result.summary()
         print(
             f"  {name}: {s['seconds']:.1f}s, {s['mismatching_calls']} mismatching calls, "
@@ -401,6 +419,7 @@ def _run(args) -> dict:
         "torch": torch.__version__,
         "audit": audit,
         "cpu_threads": torch.get_num_threads(),
+        "early_stop": args.early_stop,
         "overrides": args.overrides,
         "runs": {r.name: {"overrides": r.overrides, "summary": r.summary(), "series": r.series} for r in results},
     }

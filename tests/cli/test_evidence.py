@@ -12,6 +12,7 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "evidence.py"
 STEPS = 3
+LAYERS = 2
 
 
 def _load():
@@ -38,7 +39,9 @@ def test_every_run_ran_on_both_audits_and_they_agree(evidence):
     assert doc["audit"] == "both"
     for name, run in doc["runs"].items():
         assert run["summary"]["audits_agree"] is True, name
-        assert run["summary"]["recomputed_calls"] > 0, name  # the comparison really happened
+        # full recompute: every checkpointed call (4 linears a block, + the FP4 operands) was compared
+        per_block = 5 if name.startswith("fp4") else 4
+        assert run["summary"]["recomputed_calls"] == STEPS * LAYERS * per_block, name
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp8_safe", "fp8_naive_snapshot", "fp4_safe", "fp4c_safe"])

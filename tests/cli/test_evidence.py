@@ -1,0 +1,87 @@
+"""benchmarks/evidence.py on the tiny preset: the audit tells safe from naive, the JSON holds the series."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "evidence.py"
+STEPS = 3
+LAYERS = 2
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("evidence", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def evidence(tmp_path_factory):
+    module = _load()
+    path = tmp_path_factory.mktemp("evidence") / "evidence.json"
+    doc = module.main(
+        ["--steps", str(STEPS), "--device", "cpu", "--threads", "1", "--json", str(path), "model.n_layers=2"]
+    )
+    return module, doc, json.loads(path.read_text())
+
+
+def test_every_run_ran_on_both_audits_and_they_agree(evidence):
+    module, doc, _ = evidence
+    assert list(doc["runs"]) == list(module.RUNS)  # bf16 first: the baseline
+    assert doc["audit"] == "both"
+    for name, run in doc["runs"].items():
+        assert run["summary"]["audits_agree"] is True, name
+        # full recompute: every checkpointed call (4 linears a block, + the FP4 operands) was compared
+        per_block = 5 if name.startswith("fp4") else 4
+        assert run["summary"]["recomputed_calls"] == STEPS * LAYERS * per_block, name
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8_safe", "fp8_naive_snapshot", "fp4_safe", "fp4c_safe"])
+def test_safe_runs_and_the_control_recompute_bit_identically(evidence, name):
+    run = evidence[1]["runs"][name]
+    assert run["summary"]["mismatching_calls"] == 0
+    assert run["summary"]["ledger_violations"] == 0
+    assert run["series"]["mismatching_calls"] == [0] * STEPS
+
+
+@pytest.mark.parametrize("name", ["fp8_naive", "fp4_naive", "fp4c_naive"])
+def test_naive_runs_mismatch_and_violate_the_ledger(evidence, name):
+    run = evidence[1]["runs"][name]
+    assert run["summary"]["mismatching_calls"] > 0
+    assert run["summary"]["events_affected"] == STEPS
+    assert run["summary"]["ledger_violations"] > 0
+
+
+def test_json_has_the_per_step_series(evidence):
+    _, doc, written = evidence
+    assert written["steps"] == STEPS and written["runs"].keys() == doc["runs"].keys()
+    for name, run in written["runs"].items():
+        series = run["series"]
+        for key in ("loss", "grad_norm", "skipped", "mismatching_calls", "recomputed_calls", "ledger_violations"):
+            assert len(series[key]) == STEPS, (name, key)
+        assert all(math.isfinite(v) for v in series["loss"])
+        assert run["summary"]["skipped_steps"] == sum(series["skipped"])
+    safe, base = written["runs"]["fp8_safe"]["series"], written["runs"]["bf16"]["series"]
+    assert safe["loss"][0] == pytest.approx(base["loss"][0], rel=0.05)  # same weights and data
+
+
+def test_table_lists_every_run(evidence, capsys):
+    module, doc, _ = evidence
+    results = []
+    for name, run in doc["runs"].items():
+        r = module.RunResult(name, run["overrides"], run["summary"]["seconds"], run["series"])
+        r.audits_agree = run["summary"]["audits_agree"]
+        results.append(r)
+    table = module.format_table(results)
+    assert table.splitlines()[0].startswith("| run | steps | fwd-vs-recompute mismatching calls")
+    assert f"| fp8_safe | {STEPS} | 0 of " in table
+    assert "| bf16 |" in table and "+0.0000 (+0.0%)" in table
+    assert module._exit_code(doc) == 0

@@ -23,17 +23,22 @@ class MarkovTokens(Dataset):
         g = torch.Generator().manual_seed(seed)
         self.successors = torch.randint(0, vocab_size, (vocab_size, branching), generator=g)
         self.branching = branching
+        # the chain walk runs on Python ints: a tensor index per token cost ~5 us, which put
+        # ~90 ms of data generation per batch of 16 x 1024 tokens on the training loop's path
+        self._next = self.successors.tolist()
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i + 1)
-        picks = torch.randint(0, self.branching, (self.seq_len,), generator=g)
-        tokens = torch.empty(self.seq_len + 1, dtype=torch.long)
-        tokens[0] = torch.randint(0, self.vocab_size, (1,), generator=g)
-        for t in range(self.seq_len):
-            tokens[t + 1] = self.successors[tokens[t], picks[t]]
+        picks = torch.randint(0, self.branching, (self.seq_len,), generator=g).tolist()
+        token = int(torch.randint(0, self.vocab_size, (1,), generator=g))
+        walk, succ = [token], self._next
+        for p in picks:
+            token = succ[token][p]
+            walk.append(token)
+        tokens = torch.tensor(walk, dtype=torch.long)
         return tokens[:-1], tokens[1:]
 
 

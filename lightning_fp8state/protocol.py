@@ -97,6 +97,8 @@ class QuantProtocol:
             )
         self._open: _OpenEvent | None = None
         self._streams: dict[tuple, int] = {}
+        self._owner_keys: dict[tuple, object] = {}  # (layer, role, rank, stream, site) -> OwnerKey
+        self._role_meta: dict[str, tuple] = {}
         self._lock = threading.RLock()
 
     # -- events --------------------------------------------------------------------
@@ -273,7 +275,10 @@ class QuantProtocol:
     def _owners(self, layer, roles, device, stream, site, channels) -> tuple[dict, dict]:
         owners, indices = {}, {}
         for role in roles:
-            owner = scoped_owner(self.config.ownership, layer, role, self.rank, stream, site)
+            key = (layer, role, self.rank, stream, site)
+            owner = self._owner_keys.get(key)
+            if owner is None:  # one key object per entrant: dict lookups hit on identity
+                owner = self._owner_keys[key] = scoped_owner(self.config.ownership, *key)
             width = 0
             if self.role_centered(role):
                 if channels is None or role not in channels:
@@ -290,9 +295,11 @@ class QuantProtocol:
 
     def _snapshot(self, owner, role, scale, descale, center, event, region, ordinal) -> QuantSnapshot:
         step, mb = (None, None) if event is None else event
-        fmt = self.role_format(role)
-        layout = fmt if fmt in FP4_LAYOUTS else None
-        return QuantSnapshot(owner, step, mb, region, ordinal, self.role_dtype(role), scale, descale, layout, center)
+        meta = self._role_meta.get(role)
+        if meta is None:  # (storage dtype, FP4 layout or None): fixed by the config
+            fmt = self.role_format(role)
+            meta = self._role_meta[role] = (self.role_dtype(role), fmt if fmt in FP4_LAYOUTS else None)
+        return QuantSnapshot(owner, step, mb, region, ordinal, meta[0], scale, descale, meta[1], center)
 
     def _new_record(self, ev: _OpenEvent, layer, roles, device, frame, channels) -> CallRecord:
         ident = current_stream_ident(device)
@@ -391,7 +398,8 @@ class QuantProtocol:
         if phase is Phase.INFERENCE:
             snap = record.snapshots[role]
             return self._encode(x, snap), snap
-        event = self._require_open(f"quantizing {owner}").event
+        ev = self._open
+        event = (ev if ev is not None else self._require_open(f"quantizing {owner}")).event
         if self.config.mode == "naive":
             return self._quantize_naive(record, role, x, phase, event)
         if self.config.mode == "naive_snapshot":

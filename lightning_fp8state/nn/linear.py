@@ -113,14 +113,14 @@ class Fp8Linear(nn.Linear):
             out = F.linear(x, self.weight, self.bias)
             protocol.observe_output(record, phase, out, {})
             return out
-        if torch.is_autocast_enabled(x.device.type):
-            out_dtype = torch.get_autocast_dtype(x.device.type)
-        else:
-            out_dtype = x.dtype
         if not x.is_contiguous():
             x = x.contiguous()
-        with torch.autocast(x.device.type, enabled=False):
-            out = _Fp8LinearFn.apply(x, self.weight, self.bias, protocol, record, phase, out_dtype, config.gemm)
+        args = (x, self.weight, self.bias, protocol, record, phase)
+        if torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):
+                out = _Fp8LinearFn.apply(*args, torch.get_autocast_dtype(x.device.type), config.gemm)
+        else:
+            out = _Fp8LinearFn.apply(*args, x.dtype, config.gemm)
         if protocol.auditors:
             protocol.observe_output(record, phase, out, dict(record.used))
         return out

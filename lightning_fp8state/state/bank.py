@@ -27,12 +27,21 @@ class FrozenScales:
         self.scales = scales  # [2, n, 4]: [0, i, 0] scale, [1, i, 0] descale
         self.version = version
         self.centers = center  # [n, C] or None
+        self._views: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
+
+    def _cells(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        # every owner's scale and descale view, made in two calls on the event's first use
+        # (one Python-level index per view and call cost more than the rest of a call's host work)
+        if self._views is None:
+            first = self.scales[:, :, 0]
+            self._views = (first[0].unbind(0), first[1].unbind(0))
+        return self._views
 
     def scale(self, index: int) -> torch.Tensor:
-        return self.scales[0, index, 0]
+        return self._cells()[0][index]
 
     def descale(self, index: int) -> torch.Tensor:
-        return self.scales[1, index, 0]
+        return self._cells()[1][index]
 
     def center(self, index: int, width: int) -> torch.Tensor:
         """The frozen center of owner ``index`` ([width], a contiguous view)."""

@@ -54,6 +54,23 @@ class OwnerKey:
     stream: int = 0
     site: int = 0
 
+    # Owner keys are hashed on every quantize call (ledger, stash, pending maps): the hash is
+    # computed once. It is derived state, so pickling carries the fields only and the hash is
+    # recomputed on load (string hashes differ between processes).
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.layer, self.role, self.rank, self.stream, self.site)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __getstate__(self) -> dict:
+        return {"layer": self.layer, "role": self.role, "rank": self.rank, "stream": self.stream, "site": self.site}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        self.__post_init__()
+
     def __str__(self) -> str:
         return f"{self.layer}#{self.site}.{self.role}@rank{self.rank}/stream{self.stream}"
 

@@ -56,7 +56,7 @@ class QuantSnapshot:
             ("role", role, self.owner.role),
         )
         for name, want, have in checks:
-            if want is not None and want != have:
+            if want is not None and want is not have and want != have:
                 raise StaleSnapshotError(
                     f"snapshot {name} mismatch: the consumer expects {want!r} but the snapshot "
                     f"belongs to {have!r} (snapshot of {self.owner} at event {self.event}); "

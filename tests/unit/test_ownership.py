@@ -215,3 +215,18 @@ def test_stream_ownership_gives_each_thread_its_own_state_equal_to_sequential_ru
             with solo.step(e):
                 y = solo_model(xs[i][e]).detach()
             assert bitwise_equal(y, outs[i][e]), (i, e)
+
+
+def test_owner_key_hash_is_cached_and_pickles_by_value():
+    import pickle  # noqa: PLC0415
+
+    from lightning_fp8state.state import OwnerKey  # noqa: PLC0415
+
+    key = OwnerKey("blocks.0.fc", "input", 1, 0, 2)
+    assert hash(key) == hash(OwnerKey("blocks.0.fc", "input", 1, 0, 2))
+    assert key == OwnerKey("blocks.0.fc", "input", 1, 0, 2) and key != OwnerKey("blocks.0.fc", "input", 1, 0, 3)
+    state = key.__getstate__()
+    assert state == {"layer": "blocks.0.fc", "role": "input", "rank": 1, "stream": 0, "site": 2}  # no hash
+    back = pickle.loads(pickle.dumps(key))
+    assert back == key and hash(back) == hash(key) and {back: 1}[key] == 1
+    assert sorted([OwnerKey("b", "x"), OwnerKey("a", "y")])[0].layer == "a"  # still ordered

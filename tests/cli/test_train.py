@@ -95,10 +95,18 @@ def test_report_of_a_missing_run_exits_2(run_root, capsys):
     assert "nothing" in capsys.readouterr().err
 
 
-def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(run_root):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(run_root, workers):
     """Stop at step 20 of an epoch, resume to 30: the weights and the quantizer state equal,
-    bit for bit, those of one run of 30 steps (the loader resumes on the next batch)."""
-    common = [*SMALL, "telemetry.wandb=disabled", "trainer.checkpoint_every_n_steps=10", "trainer.schedule_steps=30"]
+    bit for bit, those of one run of 30 steps (the loader resumes on the next batch, with or
+    without worker processes)."""
+    common = [
+        *SMALL,
+        "telemetry.wandb=disabled",
+        "trainer.checkpoint_every_n_steps=10",
+        "trainer.schedule_steps=30",
+        f"data.num_workers={workers}",
+    ]
     assert main(["train", *common, "trainer.max_steps=30", f"out_dir={run_root / 'whole'}"]) == 0
     assert main(["train", *common, "trainer.max_steps=20", f"out_dir={run_root / 'split'}"]) == 0
     split = run_root / "split" / "tiny_gpt_cpu"

@@ -71,9 +71,9 @@ def main() -> None:
             code, rows = train(out, f"scale{devices}", [*common, f"trainer.devices={devices}", *steps])
             tps[devices] = throughput(rows, args.skip_windows) if code == 0 else float("nan")
             loss = rows[-1]["train/loss"] if rows else float("nan")
-            print(f"{devices} GPU(s): {tps[devices]:,.0f} tokens/s (global), exit {code}, final loss {loss:.4f}")
+            print(f"{devices} device(s): {tps[devices]:,.0f} tokens/s (global), exit {code}, final loss {loss:.4f}")
         eff = tps[2] / (2 * tps[1])
-        print(f"scaling efficiency (2 GPUs / 2 x 1 GPU): {eff:.3f}")
+        print(f"scaling efficiency (2 devices / 2 x 1 device): {eff:.3f}")
         result.update(tokens_per_s=tps, scaling_efficiency=eff)
     if args.resume_steps:
         n, half = args.resume_steps, args.resume_steps // 2
@@ -86,7 +86,7 @@ def main() -> None:
         a = {r["step"]: [r.get(k) for k in keys] for r in whole if r["step"] > half}
         b = {r["step"]: [r.get(k) for k in keys] for r in split if r["step"] > half}
         same = bool(a) and a == b
-        print(f"resume at {half} of {n} steps on 2 GPUs: exit {code}; steps {half + 1}..{n} bit-identical: {same}")
+        print(f"resume at {half} of {n} steps on 2 devices: exit {code}; steps {half + 1}..{n} bit-identical: {same}")
         if not same:
             for step in sorted(set(a) | set(b))[:5]:
                 print(f"  step {step}: whole {a.get(step)} resumed {b.get(step)}")

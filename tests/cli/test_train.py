@@ -125,3 +125,39 @@ def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(run_root, wor
         assert torch.equal(bank_a[k], bank_b[k]), k
     # 400 samples / batch 4 = 100 batches an epoch: all 30 steps lie in epoch 0
     assert read_jsonl(split / "telemetry.jsonl")[-1]["step"] == 30
+
+
+def test_two_rank_ddp_resume_through_the_cli_is_bit_identical(run_root):
+    """Two CPU ranks (fp8state_ddp over gloo), launched by ``fp8state train``: 10 steps resumed
+    to 20 log the same loss and gradient norm, bit for bit, on steps 11-20 as one run of 20."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    common = [
+        *SMALL,
+        "strategy.name=fp8state_ddp",
+        "trainer.devices=2",
+        "trainer.deterministic=true",
+        "trainer.schedule_steps=20",
+        "trainer.checkpoint_every_n_steps=10",
+        "telemetry.wandb=disabled",
+        "telemetry.log_every_n_steps=5",
+        "quant.strict=true",
+    ]
+
+    def train(*args):
+        cmd = [sys.executable, "-m", "lightning_fp8state", "train", *args]
+        done = subprocess.run(cmd, cwd=run_root, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+    train(*common, "trainer.max_steps=20", f"out_dir={run_root}", "name=whole")
+    train(*common, "trainer.max_steps=10", f"out_dir={run_root}", "name=split")
+    train("--resume", str(run_root / "split"), "trainer.max_steps=20")
+
+    def tail(name):
+        rows = read_jsonl(run_root / name / "telemetry.jsonl")
+        return {r["step"]: (r["train/loss"], r["train/grad_norm"]) for r in rows if r["step"] > 10}
+
+    whole, split = tail("whole"), tail("split")
+    assert sorted(whole) == list(range(11, 21))
+    assert split == whole

@@ -208,6 +208,15 @@ class QuantProtocol:
         return self.clock.event
 
     # -- calls ---------------------------------------------------------------------
+    def _enter_stream(self, device: torch.device) -> tuple:
+        """The entrant's identity (``current_stream_ident``), noting its CUDA stream for the
+        cross-stream ordering; the current stream is looked up once."""
+        if device.type == "cuda":
+            current = torch.cuda.current_stream(device)
+            self.stream_order.enter(device, current)
+            return ("cuda", device.index, current.cuda_stream)
+        return current_stream_ident(device)
+
     def _stream_ordinal(self, ident: tuple) -> int:
         n = self._streams.get(ident)
         if n is None:
@@ -302,9 +311,8 @@ class QuantProtocol:
         return QuantSnapshot(owner, step, mb, region, ordinal, meta[0], scale, descale, meta[1], center)
 
     def _new_record(self, ev: _OpenEvent, layer, roles, device, frame, channels) -> CallRecord:
-        ident = current_stream_ident(device)
+        ident = self._enter_stream(device)
         stream = self._stream_ordinal(ident)
-        self.stream_order.enter(device)
         with self._lock:
             site = ev.sites[(layer, stream)]
             ev.sites[(layer, stream)] = site + 1
@@ -335,9 +343,8 @@ class QuantProtocol:
         return record
 
     def _live_record(self, layer, roles, device, frame, channels) -> CallRecord:
-        ident = current_stream_ident(device)
+        ident = self._enter_stream(device)
         stream = self._stream_ordinal(ident)
-        self.stream_order.enter(device)
         owners, indices = self._owners(layer, roles, device, stream, 0, channels) if self.config.quantized else ({}, {})
         region = frame.key if frame is not None else None
         snapshots = {

@@ -34,19 +34,21 @@ class StreamOrder:
         """Whether more than one CUDA stream has touched the bank."""
         return len(self._streams) > 1
 
-    def _current(self, device: torch.device | None) -> torch.cuda.Stream | None:
+    def _current(self, device: torch.device | None, stream: torch.cuda.Stream | None = None):
         if device is None or device.type != "cuda":
             return None
-        stream = torch.cuda.current_stream(device)
+        if stream is None:
+            stream = torch.cuda.current_stream(device)
         key = (stream.device_index, stream.cuda_stream)
         if key not in self._streams:
             with self._lock:
                 self._streams.setdefault(key, stream)
         return stream
 
-    def enter(self, device: torch.device | None) -> None:
-        """Note the stream a call enters on (a new stream makes the ordering active)."""
-        self._current(device)
+    def enter(self, device: torch.device | None, stream: torch.cuda.Stream | None = None) -> None:
+        """Note the stream a call enters on (a new stream makes the ordering active);
+        ``stream``: the current stream of ``device`` when the caller already has it."""
+        self._current(device, stream)
 
     def structural(self, device: torch.device | None) -> None:
         """Call right before a structural change of the bank on the current stream."""

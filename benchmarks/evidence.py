@@ -44,15 +44,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils.checkpoint
 
-from lightning_fp8state.audit import RecomputeAuditor
+from lightning_fp8state.audit import DeviceRecomputeAuditor, RecomputeAuditor
 from lightning_fp8state.cli.audit import model_config
 from lightning_fp8state.cli.config import load_config, quant_config
 from lightning_fp8state.fp8state import Fp8State
 from lightning_fp8state.models import GPT, make_dataset
-from lightning_fp8state.recompute import CallRecord, Phase
 from lightning_fp8state.telemetry import gradient_norms
 
-__all__ = ["PRESETS", "RUNS", "DeviceRecomputeAudit", "main"]
+__all__ = ["PRESETS", "RUNS", "main"]
 
 # run name -> recipe overrides (on top of the preset's recipe, which is FP8 delayed, safe)
 RUNS: dict[str, list[str]] = {
@@ -72,105 +71,6 @@ PRESETS: dict[str, tuple[str, list[str]]] = {
     "gpu": ("gpt_124m_h200", ["data.batch_size=8"]),
 }
 AUDITS = ("auto", "host", "device", "both")
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.element_size() else flat
-
-
-@dataclass
-class _Call:
-    outputs: list[torch.Tensor]
-    descales: dict[str, torch.Tensor]
-    centers: dict[str, torch.Tensor]
-    stamps: dict[str, tuple]
-
-
-class DeviceRecomputeAudit:
-    """The ``RecomputeAuditor``'s comparison kept on the device: no host copy, no sync.
-
-    A true-forward call clones its outputs (and the descales/centers it consumed); its
-    recompute is compared bit for bit on the device. A call counts as mismatching when any
-    recompute differs in output bits (hence also in the finite mask), descale, center or
-    stamps: the same verdict as ``AuditRow.ok``. Per step: a device count of mismatching
-    calls and a host count of recomputed calls. Memory: one copy of the open event's outputs.
-    """
-
-    def __init__(self, state) -> None:
-        self.protocol = getattr(state, "protocol", state)
-        self._forward: dict[tuple, _Call] = {}
-        self._bad: dict[tuple, torch.Tensor] = {}
-        self._event = None
-        self.mismatching: dict[int, torch.Tensor] = {}  # step -> device count of mismatching calls
-        self.recomputed: Counter = Counter()  # step -> recomputed calls (host)
-
-    def __enter__(self) -> DeviceRecomputeAudit:
-        self.protocol.auditors.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.protocol.auditors.remove(self)
-        self._flush()
-
-    def _flush(self) -> None:
-        if self._event is not None and self._bad:
-            self.mismatching[self._event[0]] = torch.stack(list(self._bad.values())).sum()
-        self._forward, self._bad = {}, {}
-
-    def observe(self, record: CallRecord, phase: Phase, output, snaps: dict) -> None:
-        if phase is Phase.INFERENCE:
-            return
-        tensors = [output] if isinstance(output, torch.Tensor) else list(output)
-        if not all(isinstance(t, torch.Tensor) for t in tensors):
-            return
-        key = (record.event, record.layer, record.site)
-        call = _Call(
-            [t.detach().clone() for t in tensors],
-            {role: s.descale.detach().clone() for role, s in snaps.items()},
-            {role: s.center.detach().clone() for role, s in snaps.items() if s.center is not None},
-            {role: (str(s.owner), s.event, s.region, s.ordinal) for role, s in snaps.items()},
-        )
-        if phase is Phase.FORWARD:
-            if record.event != self._event:
-                self._flush()
-                self._event = record.event
-            self._forward[key] = call
-            return
-        fwd = self._forward.get(key)
-        if fwd is None:
-            return
-        self.recomputed[record.event[0]] += key not in self._bad
-        device = call.outputs[0].device if call.outputs else torch.device("cpu")
-        bad = self._bad.get(key, torch.zeros((), dtype=torch.bool, device=device))
-        structural = (
-            len(fwd.outputs) != len(call.outputs)
-            or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(fwd.outputs, call.outputs, strict=False))
-            or fwd.descales.keys() != call.descales.keys()
-            or fwd.centers.keys() != call.centers.keys()
-            or any(fwd.centers[r].shape != call.centers[r].shape for r in fwd.centers)
-            or fwd.stamps != call.stamps
-        )
-        if structural:
-            bad = torch.ones((), dtype=torch.bool, device=device)
-        else:
-            for a, b in zip(fwd.outputs, call.outputs, strict=True):
-                bad = bad | (_bits(a) != _bits(b)).any()
-            for role, d in fwd.descales.items():  # float compare: a NaN descale differs, as on the host
-                bad = bad | (d != call.descales[role]).any().to(device)
-            for role, c in fwd.centers.items():
-                bad = bad | (_bits(c) != _bits(call.centers[role])).any().to(device)
-        self._bad[key] = bad
-
-    def series(self, steps: int) -> tuple[list[int], list[int]]:
-        """Per step: mismatching calls and recomputed calls (one host read)."""
-        counts = [0] * steps
-        if self.mismatching:
-            order = sorted(s for s in self.mismatching if s < steps)
-            values = torch.stack([self.mismatching[s] for s in order]).cpu().tolist()
-            for s, v in zip(order, values, strict=True):
-                counts[s] = int(v)
-        return counts, [self.recomputed[s] for s in range(steps)]
 
 
 def _host_series(auditor: RecomputeAuditor, steps: int) -> tuple[list[int], list[int]]:
@@ -257,7 +157,7 @@ def train_run(
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         host = stack.enter_context(RecomputeAuditor(state)) if audit in ("host", "both") else None
-        dev = stack.enter_context(DeviceRecomputeAudit(state)) if audit in ("device", "both") else None
+        dev = stack.enter_context(DeviceRecomputeAuditor(state)) if audit in ("device", "both") else None
         if not early_stop:
             stack.enter_context(torch.utils.checkpoint.set_checkpoint_early_stop(False))
         for step in range(steps):

@@ -13,7 +13,7 @@ The public contract (see docs/ARCHITECTURE.md)::
 import importlib
 
 from . import ops
-from .audit import AuditReport, AuditRow, RecomputeAuditor
+from .audit import AuditReport, AuditRow, DeviceRecomputeAuditor, RecomputeAuditor
 from .config import QuantConfig
 from .errors import (
     AmbiguousRecomputeError,
@@ -62,6 +62,7 @@ __all__ = [
     "Phase",
     "QuantConfig",
     "QuantSnapshot",
+    "DeviceRecomputeAuditor",
     "RecomputeAuditor",
     "StaleSnapshotError",
     "StateLoadError",

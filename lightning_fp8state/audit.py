@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
 from .recompute import CallRecord, Phase
 
-__all__ = ["AuditReport", "AuditRow", "RecomputeAuditor"]
+__all__ = ["AuditReport", "AuditRow", "DeviceRecomputeAuditor", "RecomputeAuditor"]
 
 
 @dataclass
@@ -218,3 +219,104 @@ class RecomputeAuditor:
         with self._lock:
             rows = [self._rows[k] for k in sorted(self._rows, key=lambda k: (k[0], k[1], k[2]))]
         return AuditReport(rows, list(self.protocol.ledger.violations))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.element_size() else flat
+
+
+@dataclass
+class _Call:
+    outputs: list[torch.Tensor]
+    descales: dict[str, torch.Tensor]
+    centers: dict[str, torch.Tensor]
+    stamps: dict[str, tuple]
+
+
+class DeviceRecomputeAuditor:
+    """The :class:`RecomputeAuditor`'s verdict kept on the device: no host copy, no sync.
+
+    For long or large GPU runs, where copying every output to the host would dominate.
+
+    A true-forward call clones its outputs (and the descales/centers it consumed); its
+    recompute is compared bit for bit on the device. A call counts as mismatching when any
+    recompute differs in output bits (hence also in the finite mask), descale, center or
+    stamps: the same verdict as ``AuditRow.ok``. Per step: a device count of mismatching
+    calls and a host count of recomputed calls. Memory: one copy of the open event's outputs.
+    """
+
+    def __init__(self, state) -> None:
+        self.protocol = getattr(state, "protocol", state)
+        self._forward: dict[tuple, _Call] = {}
+        self._bad: dict[tuple, torch.Tensor] = {}
+        self._event = None
+        self.mismatching: dict[int, torch.Tensor] = {}  # step -> device count of mismatching calls
+        self.recomputed: Counter = Counter()  # step -> recomputed calls (host)
+
+    def __enter__(self) -> DeviceRecomputeAuditor:
+        self.protocol.auditors.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.protocol.auditors.remove(self)
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._event is not None and self._bad:
+            self.mismatching[self._event[0]] = torch.stack(list(self._bad.values())).sum()
+        self._forward, self._bad = {}, {}
+
+    def observe(self, record: CallRecord, phase: Phase, output, snaps: dict) -> None:
+        if phase is Phase.INFERENCE:
+            return
+        tensors = [output] if isinstance(output, torch.Tensor) else list(output)
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            return
+        key = (record.event, record.layer, record.site)
+        call = _Call(
+            [t.detach().clone() for t in tensors],
+            {role: s.descale.detach().clone() for role, s in snaps.items()},
+            {role: s.center.detach().clone() for role, s in snaps.items() if s.center is not None},
+            {role: (str(s.owner), s.event, s.region, s.ordinal) for role, s in snaps.items()},
+        )
+        if phase is Phase.FORWARD:
+            if record.event != self._event:
+                self._flush()
+                self._event = record.event
+            self._forward[key] = call
+            return
+        fwd = self._forward.get(key)
+        if fwd is None:
+            return
+        self.recomputed[record.event[0]] += key not in self._bad
+        device = call.outputs[0].device if call.outputs else torch.device("cpu")
+        bad = self._bad.get(key, torch.zeros((), dtype=torch.bool, device=device))
+        structural = (
+            len(fwd.outputs) != len(call.outputs)
+            or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(fwd.outputs, call.outputs, strict=False))
+            or fwd.descales.keys() != call.descales.keys()
+            or fwd.centers.keys() != call.centers.keys()
+            or any(fwd.centers[r].shape != call.centers[r].shape for r in fwd.centers)
+            or fwd.stamps != call.stamps
+        )
+        if structural:
+            bad = torch.ones((), dtype=torch.bool, device=device)
+        else:
+            for a, b in zip(fwd.outputs, call.outputs, strict=True):
+                bad = bad | (_bits(a) != _bits(b)).any()
+            for role, d in fwd.descales.items():  # float compare: a NaN descale differs, as on the host
+                bad = bad | (d != call.descales[role]).any().to(device)
+            for role, c in fwd.centers.items():
+                bad = bad | (_bits(c) != _bits(call.centers[role])).any().to(device)
+        self._bad[key] = bad
+
+    def series(self, steps: int) -> tuple[list[int], list[int]]:
+        """Per step: mismatching calls and recomputed calls (one host read)."""
+        counts = [0] * steps
+        if self.mismatching:
+            order = sorted(s for s in self.mismatching if s < steps)
+            values = torch.stack([self.mismatching[s] for s in order]).cpu().tolist()
+            for s, v in zip(order, values, strict=True):
+                counts[s] = int(v)
+        return counts, [self.recomputed[s] for s in range(steps)]

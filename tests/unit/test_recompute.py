@@ -146,3 +146,22 @@ def test_early_stop_leaves_snapshots_unread_and_the_stash_is_released():
     assert all(r.recomputed for r in rows if r.layer.endswith("fc1"))
     assert len(state.stash) == 0
     assert state.ledger.ok
+
+
+@pytest.mark.parametrize("mode", ["safe", "naive"])
+def test_device_auditor_agrees_with_the_host_auditor(mode):
+    """The device-side auditor (no host copies) gives the host auditor's verdict per step."""
+    state = f8s.Fp8State(f8s.QuantConfig(mode=mode, strict=False))
+    model = state.convert(make_stack(ckpt=ENGINES[0]))
+    with f8s.RecomputeAuditor(state) as host, f8s.DeviceRecomputeAuditor(state) as device:
+        run_events(state, model, event_inputs(N_EVENTS))
+    mismatching, recomputed = device.series(N_EVENTS)
+    report = host.report()
+    for step in range(N_EVENTS):
+        rows = [r for r in report.rows if r.event == (step, 0)]
+        assert recomputed[step] == sum(r.recomputed > 0 for r in rows) > 0
+        assert mismatching[step] == sum(not r.ok for r in rows)
+    if mode == "safe":
+        assert sum(mismatching) == 0
+    else:
+        assert all(m > 0 for m in mismatching)  # the defect shows in every event

@@ -145,9 +145,11 @@ def test_two_rank_ddp_resume_through_the_cli_is_bit_identical(run_root):
         "quant.strict=true",
     ]
 
+    from tests.lightning.launch import launch_env  # noqa: PLC0415
+
     def train(*args):
         cmd = [sys.executable, "-m", "lightning_fp8state", "train", *args]
-        done = subprocess.run(cmd, cwd=run_root, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(cmd, cwd=run_root, env=launch_env(), capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
     train(*common, "trainer.max_steps=20", f"out_dir={run_root}", "name=whole")

@@ -13,6 +13,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# Set in this process by in-process distributed tests; a child that inherits them believes it
+# is already one rank of a launched job and waits for peers that never come.
+LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT", "RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")
+
+
+def launch_env() -> dict[str, str]:
+    """This process's environment without the variables that mark a process as a launched rank."""
+    return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+
+
 def run_plan(plan: list[dict], out: Path, *, timeout: float = 300) -> None:
     """Start ``python -m tests.lightning.scenarios`` as rank 0 (Lightning launches the rest).
 
@@ -21,7 +31,7 @@ def run_plan(plan: list[dict], out: Path, *, timeout: float = 300) -> None:
     out.mkdir(parents=True, exist_ok=True)
     plan_path = out / "plan.json"
     plan_path.write_text(json.dumps(plan))
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env = launch_env()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "tests.lightning.scenarios", str(plan_path), str(out)]

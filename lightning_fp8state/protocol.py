@@ -214,7 +214,7 @@ class QuantProtocol:
         if device.type == "cuda":
             current = torch.cuda.current_stream(device)
             self.stream_order.enter(device, current)
-            return ("cuda", device.index, current.cuda_stream)
+            return current_stream_ident(device, current)
         return current_stream_ident(device)
 
     def _stream_ordinal(self, ident: tuple) -> int:
@@ -475,7 +475,10 @@ class QuantProtocol:
 
     # -- audit ---------------------------------------------------------------------
     def observe_output(self, record: CallRecord, phase: Phase, output, snaps: dict) -> None:
-        """Hand one module output (a tensor, or a tuple of tensors) to the attached auditors
-        (no-op without any)."""
+        """Hand one module output (a tensor, or a tuple of tensors) and the snapshots it
+        consumed (a copy of ``snaps``, taken only when an auditor is attached) to the auditors."""
+        if not self.auditors:
+            return
+        snaps = dict(snaps)
         for auditor in self.auditors:
             auditor.observe(record, phase, output, snaps)

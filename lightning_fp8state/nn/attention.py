@@ -191,7 +191,7 @@ class Fp4AttentionQuantizer(nn.Module):
         out = dict(given)
         for role in roles:
             out[role] = _Fp4FakeQuantFn.apply(given[role], protocol, record, role, phase)
-        protocol.observe_output(record, phase, tuple(out[r] for r in roles), dict(record.used))
+        protocol.observe_output(record, phase, tuple(out[r] for r in roles), record.used)
         return (out["attn_q"], out["attn_k"]) if v is None else (out["attn_q"], out["attn_k"], out["attn_v"])
 
     @torch.compiler.disable  # protocol bookkeeping: a graph break under torch.compile
@@ -222,5 +222,5 @@ class Fp4AttentionQuantizer(nn.Module):
             return out
         sink: list[torch.Tensor] = []
         out = _Fp4AttentionFn.apply(fn, kwargs, protocol, record, phase, roles, sink, preserve_rng_state, q, k, v)
-        protocol.observe_output(record, phase, tuple(sink), dict(record.used))
+        protocol.observe_output(record, phase, tuple(sink), record.used)
         return out

@@ -12,10 +12,12 @@ from .owner import OwnerKey
 __all__ = ["ConcurrencyGuard", "current_stream_ident"]
 
 
-def current_stream_ident(device: torch.device) -> tuple:
-    """Who is entering: the current CUDA stream on a GPU, the calling thread on the CPU."""
+def current_stream_ident(device: torch.device, stream: torch.cuda.Stream | None = None) -> tuple:
+    """Who is entering: the current CUDA stream on a GPU (``stream``, when the caller already
+    looked it up), the calling thread on the CPU."""
     if device.type == "cuda":
-        return ("cuda", device.index, torch.cuda.current_stream(device).cuda_stream)
+        stream = torch.cuda.current_stream(device) if stream is None else stream
+        return ("cuda", device.index, stream.cuda_stream)
     return ("thread", threading.get_ident())
 
 

@@ -200,6 +200,7 @@ constexpr int32_t kKeyNegInf = static_cast<int32_t>(0x807fffffu);  // order_key(
 // =======================================================================================
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <type_traits>
 
 namespace fp4kernels {
@@ -374,10 +375,36 @@ struct QuantizeParams {
   bool atomic_stats;
 };
 
-template <typename T, bool MX, bool CENTER, bool RECORD, bool STATS>
-__global__ void __launch_bounds__(kThreads) quantize_fp4_kernel(const QuantizeParams p) {
+// 16-bit order keys of two bf16 / fp16 bit patterns packed in a word (sign-magnitude to two's
+// complement per half: the same map as order_key, on 16 bits), for SIMD max/min.
+__device__ __forceinline__ uint32_t order_key16x2(uint32_t w) { return w ^ (((w >> 15) & 0x00010001u) * 0x7fffu); }
+
+// The float32 order key of the 16-bit type's value whose 16-bit key is k (sign-extended).
+template <typename T>
+__device__ __forceinline__ int32_t key32_of_key16(int32_t k) {
+  const uint32_t b = static_cast<uint32_t>(k ^ (k < 0 ? 0x7fff : 0)) & 0xffffu;
+  float f;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    f = __uint_as_float(b << 16);
+  } else {
+    __half_raw h;
+    h.x = static_cast<unsigned short>(b);
+    f = __half2float(__half(h));
+  }
+  return order_key(__float_as_uint(f));
+}
+
+// V: tuning variant bits (1: at least 4 CTAs per SM (3 with statistics), 2: the next rows'
+// loads issued before the current rows are processed, 4: MXFP4 scales by S * 2^-X in one
+// multiply where that is exact, 8: 16-bit statistics keys two per register (bf16 / fp16)).
+template <typename T, bool MX, bool CENTER, bool RECORD, bool STATS, int V>
+__global__ void __launch_bounds__(kThreads, (V & 1) ? (STATS ? 3 : 4) : 1) quantize_fp4_kernel(const QuantizeParams p) {
   constexpr int W = In<T>::kWords;
   constexpr int U = STATS ? 1 : 2;  // rows in flight per thread
+  constexpr bool kPrefetch = (V & 2) != 0;
+  constexpr bool kOneMul = MX && (V & 4) != 0;
+  constexpr bool kPacked = STATS && (V & 8) != 0 && sizeof(T) == 2;
+  constexpr int kStatRegs = !STATS ? 1 : kPacked ? kQChunk / 2 : kQChunk;
   const float S = *p.scale;
 
   __shared__ float s_enc[MX ? 1 : 128];  // NVFP4: enc = S / sb for every E4M3 code 0..127
@@ -409,12 +436,13 @@ __global__ void __launch_bounds__(kThreads) quantize_fp4_kernel(const QuantizePa
       }
     }
   }
-  int32_t kmax[STATS ? kQChunk : 1], kmin[STATS ? kQChunk : 1];
+  // Per-channel statistics: float32 order keys, or (kPacked) 16-bit keys two per word.
+  int32_t kmax[kStatRegs], kmin[kStatRegs];
   if constexpr (STATS) {
 #pragma unroll
-    for (int j = 0; j < kQChunk; ++j) {
-      kmax[j] = INT_MIN;
-      kmin[j] = INT_MAX;
+    for (int j = 0; j < kStatRegs; ++j) {
+      kmax[j] = kPacked ? int32_t(0x80008000u) : INT_MIN;
+      kmin[j] = kPacked ? 0x7fff7fff : INT_MAX;
     }
   }
   float amax = 0.0f;
@@ -434,22 +462,38 @@ __global__ void __launch_bounds__(kThreads) quantize_fp4_kernel(const QuantizePa
     const int64_t x_step = p.rstride * p.k / (16 / int64_t(sizeof(T)));  // in uint4
     const int64_t o_step = p.rstride * p.k / 16;                          // in uint2
     const int64_t s_step = p.rstride * row_blocks;                        // in bytes
-    for (int64_t r0 = r_first; r0 < p.rows;
-         r0 += p.rstride * U, xp += x_step * U, op += o_step * U, sp += s_step * U) {
-      uint4 raw[U][W];
+    uint4 raw[U][W], next[kPrefetch ? U : 1][W];
+    auto load_rows = [&](uint4 (*dst)[W], int64_t r, const uint4* src) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        if (r0 + u * p.rstride < p.rows) {
+        if (r + u * p.rstride < p.rows) {
 #pragma unroll
-          for (int i = 0; i < W; ++i) raw[u][i] = __ldcs(xp + u * x_step + i);
+          for (int i = 0; i < W; ++i) dst[u][i] = __ldcs(src + u * x_step + i);
         }
+      }
+    };
+    if constexpr (kPrefetch) load_rows(raw, r_first, xp);
+    for (int64_t r0 = r_first; r0 < p.rows;
+         r0 += p.rstride * U, xp += x_step * U, op += o_step * U, sp += s_step * U) {
+      if constexpr (kPrefetch) {
+        load_rows(next, r0 + p.rstride * U, xp + x_step * U);
+      } else {
+        load_rows(raw, r0, xp);
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         if (r0 + u * p.rstride >= p.rows) break;
         float f[kQChunk];
         In<T>::to_float(raw[u], f);
-        if constexpr (STATS) {
+        if constexpr (kPacked) {
+          const uint32_t* w = reinterpret_cast<const uint32_t*>(raw[u]);
+#pragma unroll
+          for (int j = 0; j < kStatRegs; ++j) {
+            const uint32_t key = order_key16x2(w[j]);
+            kmax[j] = static_cast<int32_t>(__vmaxs2(static_cast<uint32_t>(kmax[j]), key));
+            kmin[j] = static_cast<int32_t>(__vmins2(static_cast<uint32_t>(kmin[j]), key));
+          }
+        } else if constexpr (STATS) {
 #pragma unroll
           for (int j = 0; j < kQChunk; ++j) {
             const int32_t key = order_key(__float_as_uint(f[j]));
@@ -505,14 +549,32 @@ __global__ void __launch_bounds__(kThreads) quantize_fp4_kernel(const QuantizePa
             const int X = mx_exponent(A);
             code = static_cast<uint32_t>(X + 127);
             const float p2 = pow2_neg(X);
+            // One multiply by e = S * 2^-X gives the same codes as the two roundings where e
+            // is a normal float (so exact; an amax of subnormal elements under a huge S
+            // overflows it) and the block amax A is finite and at least 2^-100 (a product
+            // x * S that underflows then lands below 2^-24 after scaling: code 0 with the
+            // same sign either way; rounding commutes with the exact scaling elsewhere).
+            const float e = mul(S, p2);
+            if (kOneMul && A >= 0x1p-100f && A < INFINITY && fabsf(e) >= 0x1p-126f && fabsf(e) < INFINITY) {
 #pragma unroll
-            for (int j = 0; j < kQChunk; ++j) f[j] = mul(mul(f[j], S), p2);
+              for (int j = 0; j < kQChunk; ++j) f[j] = mul(f[j], e);
+            } else {
+#pragma unroll
+              for (int j = 0; j < kQChunk; ++j) f[j] = mul(mul(f[j], S), p2);
+            }
             words = make_uint2(pack8_fast(f), pack8_fast(f + 8));
           }
         }
         __stcs(op + u * o_step, words);
         if (!MX || (tc & 1) == 0) sp[u * s_step] = static_cast<uint8_t>(code);
         if constexpr (RECORD) amax = fmax_nan(amax, a);
+      }
+      if constexpr (kPrefetch) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+          for (int i = 0; i < W; ++i) raw[u][i] = next[u][i];
+        }
       }
     }
   }
@@ -526,8 +588,14 @@ __global__ void __launch_bounds__(kThreads) quantize_fp4_kernel(const QuantizePa
     if (tr < p.tr) {
 #pragma unroll
       for (int j = 0; j < kQChunk; ++j) {
-        s_kmax[tr * width + tc * kQChunk + j] = kmax[j];
-        s_kmin[tr * width + tc * kQChunk + j] = kmin[j];
+        if constexpr (kPacked) {  // the 16-bit key of element j, sign-extended
+          const int sh = 16 * (1 - (j & 1));
+          s_kmax[tr * width + tc * kQChunk + j] = (kmax[j / 2] << sh) >> 16;
+          s_kmin[tr * width + tc * kQChunk + j] = (kmin[j / 2] << sh) >> 16;
+        } else {
+          s_kmax[tr * width + tc * kQChunk + j] = kmax[j];
+          s_kmin[tr * width + tc * kQChunk + j] = kmin[j];
+        }
       }
     }
     __syncthreads();
@@ -540,6 +608,10 @@ __global__ void __launch_bounds__(kThreads) quantize_fp4_kernel(const QuantizePa
         lo = min(lo, s_kmin[t * width + ch]);
       }
       if (lo > hi) continue;  // no row of this CTA reached the channel
+      if constexpr (kPacked) {
+        hi = key32_of_key16<T>(hi);
+        lo = key32_of_key16<T>(lo);
+      }
       const bool nan = hi > kKeyPosInf || lo < kKeyNegInf;
       fold_stat<true>(p.cmax + channel * p.cmax_stride, hi, nan, p.atomic_stats);
       fold_stat<false>(p.cmin + channel * p.cmin_stride, lo, nan, p.atomic_stats);
@@ -579,15 +651,40 @@ inline Plan plan_for(int64_t rows, int64_t nc, int resident, int unroll) {
 
 // A Launcher provides `template <auto Kernel> int resident()` (CTAs of that kernel resident
 // on the whole device) and `template <auto Kernel, class P> void launch(dim3 grid, const P&)`.
-template <typename T, bool MX, bool CENTER, bool RECORD, bool STATS, typename L>
-void launch_quantize_t(QuantizeParams p, L& launcher) {
-  constexpr auto kernel = quantize_fp4_kernel<T, MX, CENTER, RECORD, STATS>;
+template <typename T, bool MX, bool CENTER, bool RECORD, bool STATS, int V, typename L>
+void launch_quantize_v(QuantizeParams p, L& launcher) {
+  constexpr auto kernel = quantize_fp4_kernel<T, MX, CENTER, RECORD, STATS, V>;
   const Plan plan = plan_for(p.rows, p.nc, launcher.template resident<kernel>(), STATS ? 1 : 2);
   p.tc = plan.tc;
   p.tr = plan.tr;
   p.rstride = plan.rstride;
   p.atomic_stats = plan.grid.y > 1;
   launcher.template launch<kernel>(plan.grid, p);
+}
+
+// Tuning experiment: FP8STATE_FP4_VARIANT picks V for bf16 recording kernels.
+inline int fp4_variant() {
+  static const int v = [] {
+    const char* e = std::getenv("FP8STATE_FP4_VARIANT");
+    return e ? std::atoi(e) & 15 : 0;
+  }();
+  return v;
+}
+
+template <typename T, bool MX, bool CENTER, bool RECORD, bool STATS, int V = 0, typename L>
+void launch_quantize_t(QuantizeParams p, L& launcher) {
+  constexpr int kMask = 3 | (MX ? 4 : 0) | (STATS ? 8 : 0);
+  if constexpr (!std::is_same_v<T, __nv_bfloat16> || !(RECORD || STATS)) {
+    launch_quantize_v<T, MX, CENTER, RECORD, STATS, 0>(p, launcher);
+  } else if constexpr (V < 16) {
+    if constexpr ((V & kMask) == V) {
+      if ((fp4_variant() & kMask) == V) {
+        launch_quantize_v<T, MX, CENTER, RECORD, STATS, V>(p, launcher);
+        return;
+      }
+    }
+    launch_quantize_t<T, MX, CENTER, RECORD, STATS, V + 1>(p, launcher);
+  }
 }
 
 template <typename T, bool MX, typename L>

@@ -60,6 +60,18 @@ static inline uint32_t __float_as_uint(float v) { return std::bit_cast<uint32_t>
 static inline float __uint_as_float(uint32_t v) { return std::bit_cast<float>(v); }
 static inline int __vimin3_s32(int a, int b, int c) { return std::min(a, std::min(b, c)); }
 
+// Per 16-bit half, signed max / min.
+static inline uint32_t emu_vsel2(uint32_t a, uint32_t b, bool take_max) {
+  uint32_t r = 0;
+  for (int h = 0; h < 2; ++h) {
+    const int16_t x = int16_t(a >> (16 * h)), y = int16_t(b >> (16 * h));
+    r |= uint32_t(uint16_t(take_max ? std::max(x, y) : std::min(x, y))) << (16 * h);
+  }
+  return r;
+}
+static inline uint32_t __vmaxs2(uint32_t a, uint32_t b) { return emu_vsel2(a, b, true); }
+static inline uint32_t __vmins2(uint32_t a, uint32_t b) { return emu_vsel2(a, b, false); }
+
 static inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
   const uint64_t v = (uint64_t(y) << 32) | x;
   uint32_t r = 0;

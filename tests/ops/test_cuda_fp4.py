@@ -19,6 +19,7 @@ import torch
 
 import lightning_fp8state as f8s
 from lightning_fp8state import ops
+from tests.ops.fp4_data import FULL_RANGE_SCALES, full_range, subnormal_tie_block
 
 pytestmark = [
     pytest.mark.gpu,
@@ -248,6 +249,24 @@ def test_quantize_special_tensor_scales(layout, dtype):
     center = random_center(64, 5)
     for s in (0.0, -0.0, -1.5, math.inf, -math.inf, math.nan, 2.0**-149, 1e-38, 3e38, 2688.0, 6.0):
         run_all_quantize_ops(x, scalar(s), layout, center, "special S", 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_quantize_full_exponent_range(layout, dtype):
+    """Every tensor scale against blocks from every binade: the rounding of x * S and of the
+    block-scaled value agree with the reference wherever they under- or overflow."""
+    x = full_range((64, 256), dtype, 17, "cuda")
+    center = random_center(256, 17)
+    for s in FULL_RANGE_SCALES:
+        run_all_quantize_ops(x, scalar(s), layout, center, "full range", 17)
+
+
+def test_mxfp4_subnormal_product_on_a_tie():
+    x, s = subnormal_tie_block()
+    packed, _ = OPS.quantize_fp4(x, torch.tensor([s]), None, "mxfp4")
+    assert int(packed[0, 0]) == 0x80  # codes 0 and -0: the tie rounded twice, as the rule says
+    run_all_quantize_ops(x.cuda(), scalar(s), "mxfp4", torch.zeros(32, device="cuda"), "subnormal tie", 3)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from lightning_fp8state.ops.cuda import source_dir
+from tests.ops.fp4_data import FULL_RANGE_SCALES, full_range, subnormal_tie_block
 
 OPS = torch.ops.fp8state
 SRC = Path(__file__).with_name("fp4_emulate.cpp")
@@ -54,6 +55,9 @@ def emulator(tmp_path_factory):
         "-O2",
         "-pthread",
         "-ffp-contract=off",
+        # The kernels reinterpret 16-byte words as bf16x2 / half2 / uint32 lanes (the CUDA idiom);
+        # g++ -O2 otherwise reorders such accesses under strict aliasing.
+        "-fno-strict-aliasing",
         f"-I{include}",
         f"-I{source_dir()}",
         "-o",
@@ -229,6 +233,23 @@ def test_emulated_special_scales_and_centers(emulator, tmp_path, layout):
     center[:8] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, 3e38, -3e38])
     for s in (0.0, -0.0, -1.5, math.inf, -math.inf, math.nan, 2.0**-149, 1e-38, 3e38, 2688.0, 6.0):
         check_all_quantize_ops(emulator, tmp_path, x, s, layout, center, 3, "special S")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_emulated_full_exponent_range(emulator, tmp_path, layout, dtype):
+    """Blocks from every binade (subnormals included) under tiny to huge tensor scales."""
+    x = full_range((24, 64), dtype, 17, "cpu")
+    center = torch.randn(64) * 3
+    for s in FULL_RANGE_SCALES:
+        check_all_quantize_ops(emulator, tmp_path, x, s, layout, center, 3, "full range")
+
+
+def test_emulated_mxfp4_subnormal_product_on_a_tie(emulator, tmp_path):
+    x, s = subnormal_tie_block()
+    packed, _ = OPS.quantize_fp4(x, torch.tensor([s]), None, "mxfp4")
+    assert int(packed[0, 0]) == 0x80  # codes 0 and -0: the tie rounded twice, as the rule says
+    check_all_quantize_ops(emulator, tmp_path, x, s, "mxfp4", torch.zeros(32), 3, "subnormal tie")
 
 
 def test_emulated_center_statistics_contention(emulator, tmp_path):

@@ -200,7 +200,6 @@ constexpr int32_t kKeyNegInf = static_cast<int32_t>(0x807fffffu);  // order_key(
 // =======================================================================================
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
 #include <type_traits>
 
 namespace fp4kernels {
@@ -394,16 +393,19 @@ __device__ __forceinline__ int32_t key32_of_key16(int32_t k) {
   return order_key(__float_as_uint(f));
 }
 
-// V: tuning variant bits (1: at least 4 CTAs per SM (3 with statistics), 2: the next rows'
-// loads issued before the current rows are processed, 4: MXFP4 scales by S * 2^-X in one
-// multiply where that is exact, 8: 16-bit statistics keys two per register (bf16 / fp16)).
-template <typename T, bool MX, bool CENTER, bool RECORD, bool STATS, int V>
-__global__ void __launch_bounds__(kThreads, (V & 1) ? (STATS ? 3 : 4) : 1) quantize_fp4_kernel(const QuantizeParams p) {
+// Rows a quantize thread processes per step (and loads ahead: the next step's rows are
+// loaded before this step's are processed).
+template <typename T, bool STATS>
+constexpr int rows_per_step() {
+  return STATS || sizeof(T) == 4 ? 1 : 2;
+}
+
+template <typename T, bool MX, bool CENTER, bool RECORD, bool STATS>
+__global__ void __launch_bounds__(kThreads) quantize_fp4_kernel(const QuantizeParams p) {
   constexpr int W = In<T>::kWords;
-  constexpr int U = STATS ? 1 : 2;  // rows in flight per thread
-  constexpr bool kPrefetch = (V & 2) != 0;
-  constexpr bool kOneMul = MX && (V & 4) != 0;
-  constexpr bool kPacked = STATS && (V & 8) != 0 && sizeof(T) == 2;
+  constexpr int U = rows_per_step<T, STATS>();
+  // bf16 / fp16 statistics: 16-bit order keys, two per register (SIMD max / min).
+  constexpr bool kPacked = STATS && sizeof(T) == 2;
   constexpr int kStatRegs = !STATS ? 1 : kPacked ? kQChunk / 2 : kQChunk;
   const float S = *p.scale;
 
@@ -462,7 +464,10 @@ __global__ void __launch_bounds__(kThreads, (V & 1) ? (STATS ? 3 : 4) : 1) quant
     const int64_t x_step = p.rstride * p.k / (16 / int64_t(sizeof(T)));  // in uint4
     const int64_t o_step = p.rstride * p.k / 16;                          // in uint2
     const int64_t s_step = p.rstride * row_blocks;                        // in bytes
-    uint4 raw[U][W], next[kPrefetch ? U : 1][W];
+    // Software pipelining: the loads of the next step's rows are in flight while this step's
+    // rows are converted, packed and stored (+10 to +15 points of the copy bandwidth on the
+    // H200 against loading at the top of each step: docs/PERFORMANCE.md).
+    uint4 raw[U][W], next[U][W];
     auto load_rows = [&](uint4 (*dst)[W], int64_t r, const uint4* src) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -472,14 +477,10 @@ __global__ void __launch_bounds__(kThreads, (V & 1) ? (STATS ? 3 : 4) : 1) quant
         }
       }
     };
-    if constexpr (kPrefetch) load_rows(raw, r_first, xp);
+    load_rows(raw, r_first, xp);
     for (int64_t r0 = r_first; r0 < p.rows;
          r0 += p.rstride * U, xp += x_step * U, op += o_step * U, sp += s_step * U) {
-      if constexpr (kPrefetch) {
-        load_rows(next, r0 + p.rstride * U, xp + x_step * U);
-      } else {
-        load_rows(raw, r0, xp);
-      }
+      load_rows(next, r0 + p.rstride * U, xp + x_step * U);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         if (r0 + u * p.rstride >= p.rows) break;
@@ -549,19 +550,8 @@ __global__ void __launch_bounds__(kThreads, (V & 1) ? (STATS ? 3 : 4) : 1) quant
             const int X = mx_exponent(A);
             code = static_cast<uint32_t>(X + 127);
             const float p2 = pow2_neg(X);
-            // One multiply by e = S * 2^-X gives the same codes as the two roundings where e
-            // is a normal float (so exact; an amax of subnormal elements under a huge S
-            // overflows it) and the block amax A is finite and at least 2^-100 (a product
-            // x * S that underflows then lands below 2^-24 after scaling: code 0 with the
-            // same sign either way; rounding commutes with the exact scaling elsewhere).
-            const float e = mul(S, p2);
-            if (kOneMul && A >= 0x1p-100f && A < INFINITY && fabsf(e) >= 0x1p-126f && fabsf(e) < INFINITY) {
 #pragma unroll
-              for (int j = 0; j < kQChunk; ++j) f[j] = mul(f[j], e);
-            } else {
-#pragma unroll
-              for (int j = 0; j < kQChunk; ++j) f[j] = mul(mul(f[j], S), p2);
-            }
+            for (int j = 0; j < kQChunk; ++j) f[j] = mul(mul(f[j], S), p2);
             words = make_uint2(pack8_fast(f), pack8_fast(f + 8));
           }
         }
@@ -569,12 +559,10 @@ __global__ void __launch_bounds__(kThreads, (V & 1) ? (STATS ? 3 : 4) : 1) quant
         if (!MX || (tc & 1) == 0) sp[u * s_step] = static_cast<uint8_t>(code);
         if constexpr (RECORD) amax = fmax_nan(amax, a);
       }
-      if constexpr (kPrefetch) {
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
+      for (int u = 0; u < U; ++u) {
 #pragma unroll
-          for (int i = 0; i < W; ++i) raw[u][i] = next[u][i];
-        }
+        for (int i = 0; i < W; ++i) raw[u][i] = next[u][i];
       }
     }
   }
@@ -651,40 +639,15 @@ inline Plan plan_for(int64_t rows, int64_t nc, int resident, int unroll) {
 
 // A Launcher provides `template <auto Kernel> int resident()` (CTAs of that kernel resident
 // on the whole device) and `template <auto Kernel, class P> void launch(dim3 grid, const P&)`.
-template <typename T, bool MX, bool CENTER, bool RECORD, bool STATS, int V, typename L>
-void launch_quantize_v(QuantizeParams p, L& launcher) {
-  constexpr auto kernel = quantize_fp4_kernel<T, MX, CENTER, RECORD, STATS, V>;
-  const Plan plan = plan_for(p.rows, p.nc, launcher.template resident<kernel>(), STATS ? 1 : 2);
+template <typename T, bool MX, bool CENTER, bool RECORD, bool STATS, typename L>
+void launch_quantize_t(QuantizeParams p, L& launcher) {
+  constexpr auto kernel = quantize_fp4_kernel<T, MX, CENTER, RECORD, STATS>;
+  const Plan plan = plan_for(p.rows, p.nc, launcher.template resident<kernel>(), rows_per_step<T, STATS>());
   p.tc = plan.tc;
   p.tr = plan.tr;
   p.rstride = plan.rstride;
   p.atomic_stats = plan.grid.y > 1;
   launcher.template launch<kernel>(plan.grid, p);
-}
-
-// Tuning experiment: FP8STATE_FP4_VARIANT picks V for bf16 recording kernels.
-inline int fp4_variant() {
-  static const int v = [] {
-    const char* e = std::getenv("FP8STATE_FP4_VARIANT");
-    return e ? std::atoi(e) & 15 : 0;
-  }();
-  return v;
-}
-
-template <typename T, bool MX, bool CENTER, bool RECORD, bool STATS, int V = 0, typename L>
-void launch_quantize_t(QuantizeParams p, L& launcher) {
-  constexpr int kMask = 3 | (MX ? 4 : 0) | (STATS ? 8 : 0);
-  if constexpr (!std::is_same_v<T, __nv_bfloat16> || !(RECORD || STATS)) {
-    launch_quantize_v<T, MX, CENTER, RECORD, STATS, 0>(p, launcher);
-  } else if constexpr (V < 16) {
-    if constexpr ((V & kMask) == V) {
-      if ((fp4_variant() & kMask) == V) {
-        launch_quantize_v<T, MX, CENTER, RECORD, STATS, V>(p, launcher);
-        return;
-      }
-    }
-    launch_quantize_t<T, MX, CENTER, RECORD, STATS, V + 1>(p, launcher);
-  }
 }
 
 template <typename T, bool MX, typename L>

@@ -32,9 +32,9 @@ from lightning_fp8state.formats import FP4_LAYOUTS
 K = 4096
 
 
-def bench(fn) -> float:
+def bench(fn, reps: int = 50) -> float:
     """Median milliseconds (CUDA events); fewer runs for slow functions."""
-    return median_ms(fn, reps=50, warmup=3, budget_s=1.5)
+    return median_ms(fn, reps=reps, warmup=3, budget_s=1.5)
 
 
 def reference_record(x, scale, pending, layout):

@@ -135,6 +135,15 @@ def _strategy(cfg: DictConfig):
     )
 
 
+def last_checkpoint(run_dir: Path) -> Path:
+    """The run's ``checkpoints/last.ckpt``: a file, or under DeepSpeed a directory of
+    per-rank shards (a link to either counts too); ConfigError if there is none."""
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if not last.exists():
+        raise ConfigError(f"--resume {str(run_dir)!r}: no checkpoints/last.ckpt to continue from")
+    return last
+
+
 def run_training(recipe: str | None, overrides: list[str], *, resume: str | None = None) -> int:
     """Validate the configuration, then train; nothing is written if validation fails."""
     ckpt_path = None
@@ -143,9 +152,7 @@ def run_training(recipe: str | None, overrides: list[str], *, resume: str | None
         saved = run_dir / "config.yaml"
         if not saved.is_file():
             raise ConfigError(f"--resume {resume!r}: no config.yaml there (not a run directory)")
-        last = run_dir / "checkpoints" / "last.ckpt"
-        if not last.is_file():
-            raise ConfigError(f"--resume {resume!r}: no checkpoints/last.ckpt to continue from")
+        last = last_checkpoint(run_dir)
         cfg = OmegaConf.merge(load_config(None), OmegaConf.load(saved))
         if overrides:
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from lightning_fp8state.cli.main import main
+from lightning_fp8state.cli.train import last_checkpoint
+from lightning_fp8state.errors import ConfigError
 from lightning_fp8state.telemetry.sinks import read_jsonl
 
 SMALL = ["model.d_model=32", "model.n_layers=2", "model.seq_len=16", "data.batch_size=4", "data.num_samples=400"]
@@ -64,6 +66,17 @@ def test_train_resume_continues_the_run(run_root):
 def test_resume_of_a_non_run_directory_exits_2(run_root, capsys):
     assert main(["train", "--resume", str(run_root)]) == 2
     assert "config.yaml" in capsys.readouterr().err
+
+
+def test_resume_finds_a_deepspeed_checkpoint_directory(tmp_path):
+    """DeepSpeed saves ``last.ckpt`` as a directory of shards: resume accepts it (the check
+    once asked for a file and refused every DeepSpeed run); nothing there is an error."""
+    with pytest.raises(ConfigError, match="no checkpoints/last.ckpt"):
+        last_checkpoint(tmp_path)
+    shards = tmp_path / "checkpoints" / "last.ckpt" / "checkpoint"
+    shards.mkdir(parents=True)
+    (shards / "mp_rank_00_model_states.pt").write_bytes(b"")
+    assert last_checkpoint(tmp_path) == tmp_path / "checkpoints" / "last.ckpt"
 
 
 def test_report_writes_pngs_and_a_summary(run_root, capsys):

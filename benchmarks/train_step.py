@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 
 import torch
@@ -175,11 +174,12 @@ def main(argv=None) -> list[dict]:
     naive = next((r for r in results if r["variant"] == "naive"), None)
     print(f"{'variant':>8} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'loss':>7} {'speed/bf16':>11}")
     for r in results:
-        rel = base["ms"] / r["ms"] if base else math.nan
+        rel = base["ms"] / r["ms"] if base else None  # no bf16 run: no ratio
         r["speed_vs_bf16"] = rel
+        shown = f"{rel:>10.2f}x" if rel is not None else f"{'-':>11}"
         print(
             f"{r['variant']:>8} {r['ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['peak_gib']:>9.1f} "
-            f"{r['final_loss']:>7.3f} {rel:>10.2f}x"
+            f"{r['final_loss']:>7.3f} {shown}"
         )
     safe = next((r for r in results if r["variant"] == "safe"), None)
     if safe and naive:

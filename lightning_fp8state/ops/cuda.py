@@ -6,6 +6,13 @@ second) and registers its kernels under ``TORCH_LIBRARY_IMPL(fp8state, CUDA, m)`
 then take precedence over the reference for CUDA tensors. If the build or the load fails,
 a warning is issued once and the reference ops keep serving CUDA tensors.
 
+A registration that torch rejects (a kernel whose C++ signature disagrees with the op's
+schema in ``ops/library*.py``) aborts the loading process from a static initializer, where
+no Python ``except`` can catch it. So the first load of each build, with each version of
+the schemas, happens in a child process (``load_check()``); only when the child loaded the
+library cleanly does this process load it, and a marker file in the build directory spares
+the check afterwards. A child that fails or dies makes the warning above, with its output.
+
 Each build lives in its own directory of the cache, named by ``build_tag()``: the torch and
 CUDA versions, the architectures and ``source_hash()``, a hash of every source and header
 in ``csrc/``. torch's JIT only tracks the ``sources`` it compiles, so without the hash an
@@ -25,6 +32,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -39,6 +48,7 @@ __all__ = [
     "ensure_loaded",
     "extension_info",
     "is_loaded",
+    "load_check",
     "source_dir",
     "source_hash",
 ]
@@ -123,6 +133,47 @@ def build(verbose: bool = False) -> Path:
     return build_dir / f"{_NAME}.so"
 
 
+def _schema_hash() -> str:
+    """Hash of the Python files defining the ops' schemas (the other side of registration)."""
+    h = hashlib.sha256()
+    for name in ("library.py", "library_fp4.py"):
+        h.update((Path(__file__).resolve().parent / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _load_marker() -> Path:
+    return _build_dir() / f"load-ok-{_schema_hash()}"
+
+
+def _load_check_command() -> list[str]:
+    return [sys.executable, "-c", "from lightning_fp8state.ops import cuda; cuda.build()"]
+
+
+def load_check(timeout_s: float = 3600.0) -> Path:
+    """Build and load the extension in a child process unless this build, with these op
+    schemas, already loaded cleanly once; returns the marker file. Raises RuntimeError with
+    the child's exit status and the tail of its output if it failed or died."""
+    marker = _load_marker()
+    if marker.is_file():
+        return marker
+    try:
+        child = subprocess.run(
+            _load_check_command(), capture_output=True, text=True, timeout=timeout_s, env=os.environ.copy()
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(
+            f"building and loading the extension in a child process took over {timeout_s:.0f} s"
+        ) from exc
+    if child.returncode != 0:
+        tail = (child.stdout + child.stderr).strip()[-2000:]
+        raise RuntimeError(
+            f"building and loading the extension in a child process failed (exit status {child.returncode}); "
+            f"its output ends with:\n{tail}"
+        )
+    marker.write_text(f"{build_tag()} {_schema_hash()}\n")
+    return marker
+
+
 def ensure_loaded() -> bool:
     """Load the kernels once per process; False (after one warning) if they cannot be."""
     if _state["tried"]:
@@ -135,6 +186,7 @@ def ensure_loaded() -> bool:
                 raise RuntimeError("disabled by FP8STATE_DISABLE_CUDA")
             if not torch.cuda.is_available():
                 raise RuntimeError("CUDA is not available")
+            load_check()
             _state["library"] = build()
             _state["loaded"] = True
         except Exception as exc:  # noqa: BLE001  (any build failure falls back to the reference)
@@ -172,7 +224,8 @@ def extension_info() -> dict:
 
 
 if __name__ == "__main__":
-    path = build(verbose=True)
+    path = build(verbose=True)  # loads it here: a rejected registration aborts this command
+    _load_marker().write_text(f"{build_tag()} {_schema_hash()}\n")
     _state.update(tried=True, loaded=True, library=path)
     info = extension_info()
     print(f"built {info['library']}\nsha256 {info['sha256']}\nsources {info['source_hash']}")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.utils.cpp_extension
 
 from lightning_fp8state.ops import cuda
@@ -101,3 +103,46 @@ def test_a_missing_header_is_named_before_any_compiler_runs(csrc, monkeypatch):
 
 def test_extension_info_reports_the_source_hash():
     assert cuda.extension_info()["source_hash"] == cuda.source_hash()
+
+
+# ---- the first load of a build happens in a child process (CPU: the child is stubbed) ----
+
+
+def _child(monkeypatch, code: str) -> None:
+    monkeypatch.setattr(cuda, "_load_check_command", lambda: [sys.executable, "-c", code])
+
+
+def test_load_check_runs_the_child_once_per_build_and_schema(csrc, monkeypatch):
+    _child(monkeypatch, "pass")
+    marker = cuda.load_check()
+    assert marker.is_file() and marker.parent.name == cuda.build_tag()
+    _child(monkeypatch, "import os; os.abort()")  # would fail: the marker spares the child
+    assert cuda.load_check() == marker
+    monkeypatch.setattr(cuda, "_schema_hash", lambda: "another-schema")
+    with pytest.raises(RuntimeError, match="exit status"):
+        cuda.load_check()  # a new schema version is checked again
+
+
+def test_a_child_that_dies_loading_is_reported_with_its_output(csrc, monkeypatch):
+    _child(
+        monkeypatch,
+        "import sys, os; print('schema mismatch for fp8state::x', file=sys.stderr); sys.stderr.flush(); os.abort()",
+    )
+    with pytest.raises(RuntimeError, match=r"exit status -6(.|\n)*schema mismatch for fp8state::x"):
+        cuda.load_check()
+    assert not list((cuda._build_dir()).glob("load-ok-*"))
+
+
+def test_ensure_loaded_falls_back_to_the_reference_when_the_child_dies(csrc, monkeypatch):
+    """What the aborting registration did to the whole process now happens to the child: this
+    process warns once, never loads the library, and the reference keeps serving."""
+    _child(monkeypatch, "import os; os.abort()")
+    monkeypatch.setattr(cuda, "_state", {"tried": False, "loaded": False, "error": None, "library": None})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("FP8STATE_DISABLE_CUDA", raising=False)
+    built = []
+    monkeypatch.setattr(cuda, "build", lambda *a, **k: built.append(1))
+    with pytest.warns(RuntimeWarning, match="child process failed"):
+        assert cuda.ensure_loaded() is False
+    assert cuda.ensure_loaded() is False  # once: no second child, no second warning
+    assert built == [] and "exit status" in cuda.extension_info()["error"]

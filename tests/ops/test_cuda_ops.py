@@ -222,6 +222,9 @@ def test_extension_is_built_from_the_imported_package(kernels):
     # built from these very files: the library sits in the directory named by their hash
     assert kernels["source_hash"] == ops.cuda.source_hash()
     assert __import__("pathlib").Path(kernels["library"]).parent.name == ops.cuda.build_tag()
+    # a child process loaded this build first and recorded it (ops/cuda.py:load_check)
+    marker = ops.cuda.load_check()
+    assert marker.is_file() and marker.parent == __import__("pathlib").Path(kernels["library"]).parent
 
 
 def random_codes(shape, dtype, seed: int) -> torch.Tensor:

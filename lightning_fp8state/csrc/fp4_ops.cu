@@ -576,10 +576,10 @@ __global__ void __launch_bounds__(kThreads) quantize_fp4_kernel(const QuantizePa
     if (tr < p.tr) {
 #pragma unroll
       for (int j = 0; j < kQChunk; ++j) {
-        if constexpr (kPacked) {  // the 16-bit key of element j, sign-extended
-          const int sh = 16 * (1 - (j & 1));
-          s_kmax[tr * width + tc * kQChunk + j] = (kmax[j / 2] << sh) >> 16;
-          s_kmin[tr * width + tc * kQChunk + j] = (kmin[j / 2] << sh) >> 16;
+        if constexpr (kPacked) {  // the 16-bit key of element j (half j & 1), sign-extended
+          const int sh = 16 * (j & 1);
+          s_kmax[tr * width + tc * kQChunk + j] = static_cast<int16_t>(static_cast<uint32_t>(kmax[j / 2]) >> sh);
+          s_kmin[tr * width + tc * kQChunk + j] = static_cast<int16_t>(static_cast<uint32_t>(kmin[j / 2]) >> sh);
         } else {
           s_kmax[tr * width + tc * kQChunk + j] = kmax[j];
           s_kmin[tr * width + tc * kQChunk + j] = kmin[j];

@@ -378,7 +378,20 @@ struct QuantizeParams {
 // complement per half: the same map as order_key, on 16 bits), for SIMD max/min.
 __device__ __forceinline__ uint32_t order_key16x2(uint32_t w) { return w ^ (((w >> 15) & 0x00010001u) * 0x7fffu); }
 
-// The float32 order key of the 16-bit type's value whose 16-bit key is k (sign-extended).
+// 16-bit keys of +inf and -inf (sign-extended): a key above the first or below the second
+// is a NaN's. The NaN check happens on these keys, before any conversion: converting a
+// negative fp16 NaN to float32 need not keep its sign, and the check must not depend on it.
+template <typename T>
+constexpr int32_t key16_pos_inf() {
+  return std::is_same_v<T, __nv_bfloat16> ? 0x7f80 : 0x7c00;
+}
+template <typename T>
+constexpr int32_t key16_neg_inf() {
+  return std::is_same_v<T, __nv_bfloat16> ? int32_t(0x807f) - 0x10000 : int32_t(0x83ff) - 0x10000;
+}
+
+// The float32 order key of the 16-bit type's value whose 16-bit key is k (sign-extended;
+// not a NaN's).
 template <typename T>
 __device__ __forceinline__ int32_t key32_of_key16(int32_t k) {
   const uint32_t b = static_cast<uint32_t>(k ^ (k < 0 ? 0x7fff : 0)) & 0xffffu;
@@ -596,11 +609,14 @@ __global__ void __launch_bounds__(kThreads) quantize_fp4_kernel(const QuantizePa
         lo = min(lo, s_kmin[t * width + ch]);
       }
       if (lo > hi) continue;  // no row of this CTA reached the channel
+      bool nan;
       if constexpr (kPacked) {
-        hi = key32_of_key16<T>(hi);
+        nan = hi > key16_pos_inf<T>() || lo < key16_neg_inf<T>();
+        hi = key32_of_key16<T>(hi);  // only used when no NaN was seen
         lo = key32_of_key16<T>(lo);
+      } else {
+        nan = hi > kKeyPosInf || lo < kKeyNegInf;
       }
-      const bool nan = hi > kKeyPosInf || lo < kKeyNegInf;
       fold_stat<true>(p.cmax + channel * p.cmax_stride, hi, nan, p.atomic_stats);
       fold_stat<false>(p.cmin + channel * p.cmin_stride, lo, nan, p.atomic_stats);
     }

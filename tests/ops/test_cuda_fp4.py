@@ -294,13 +294,21 @@ def test_quantize_rounding_of_every_e2m1_value_and_tie(layout):
     run_all_quantize_ops(x, scalar(1.0), layout, torch.zeros(x.shape[-1], device="cuda"), "ties", 0)
 
 
-def test_centered_record_statistics_with_many_rows_and_contention():
+# a negative NaN of each 16-bit type (the min's side of the NaN check): 0xFFC0, 0xFE00
+NEG_NAN_BITS = {torch.bfloat16: -64, torch.float16: -512}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_centered_record_statistics_with_many_rows_and_contention(dtype):
     """20000 rows of 16 channels: hundreds of CTAs fold the same 32 statistics (CAS loop), and
-    +-0 / NaN in single channels; 1 row: one CTA, no atomics."""
+    +-0 / NaN in single channels; 1 row: one CTA, no atomics. (16-bit inputs keep 16-bit
+    statistics keys in registers: both types' NaN, +-0 and extremes go through them.)"""
     for rows in (20000, 1):
-        x = fresh((rows, 16), torch.bfloat16, rows)
+        x = fresh((rows, 16), dtype, rows)
         x[rows // 2, 3] = math.nan
-        x.view(torch.int16)[rows // 3, 4] = -64  # 0xFFC0: a negative NaN (the min's side of the NaN check)
+        x.view(torch.int16)[rows // 3, 4] = NEG_NAN_BITS[dtype]
+        x[rows // 4, 7] = torch.finfo(dtype).max
+        x[rows // 5, 8] = -torch.finfo(dtype).max
         x[:, 5] = -0.0
         x[: rows // 2, 6] = 0.0
         x[rows // 2 :, 6] = -0.0

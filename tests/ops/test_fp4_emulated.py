@@ -252,12 +252,15 @@ def test_emulated_mxfp4_subnormal_product_on_a_tie(emulator, tmp_path):
     check_all_quantize_ops(emulator, tmp_path, x, s, "mxfp4", torch.zeros(32), 3, "subnormal tie")
 
 
-def test_emulated_center_statistics_contention(emulator, tmp_path):
-    """3000 rows of 16 channels: 12 row groups fold the same channels (CAS loop); +-0 and a
-    NaN in single channels."""
-    x = fresh((3000, 16), torch.bfloat16, 2)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_emulated_center_statistics_contention(emulator, tmp_path, dtype):
+    """3000 rows of 16 channels: 12 row groups fold the same channels (CAS loop); +-0, a
+    NaN of each sign and the type's extremes in single channels (16-bit statistics keys)."""
+    x = fresh((3000, 16), dtype, 2)
     x[1500, 3] = math.nan
-    x.view(torch.int16)[10, 4] = -64  # 0xFFC0: a negative NaN (the min's side of the NaN check)
+    x.view(torch.int16)[10, 4] = {torch.bfloat16: -64, torch.float16: -512}[dtype]  # negative NaN
+    x[700, 7] = torch.finfo(dtype).max
+    x[900, 8] = -torch.finfo(dtype).max
     x[:, 5] = -0.0
     x[:1500, 6] = 0.0
     x[1500:, 6] = -0.0

@@ -19,7 +19,7 @@ import torch
 
 import lightning_fp8state as f8s
 from lightning_fp8state import ops
-from tests.ops.fp4_data import FULL_RANGE_SCALES, full_range, subnormal_tie_block
+from tests.ops.kernel_data import FULL_RANGE_SCALES, full_range, put_negative_nan, subnormal_tie_block
 
 pytestmark = [
     pytest.mark.gpu,
@@ -124,7 +124,8 @@ def edge_values(dtype: torch.dtype) -> list[float]:
 def with_edges(x: torch.Tensor, layout: str) -> torch.Tensor:
     """x with edge blocks spliced in: one block holding every edge value (NaN included), one
     with an infinity among ordinary values, one all +-0, one of input-dtype subnormals, one
-    at the block-scale maximum (NVFP4 scale saturates at 448, elements at 6 * sb)."""
+    at the block-scale maximum (NVFP4 scale saturates at 448, elements at 6 * sb), one with
+    a NaN among ordinary values, one all -6, one with a negative NaN."""
     x = x.clone()
     flat = x.reshape(-1)
     b = BLOCK[layout]
@@ -138,6 +139,7 @@ def with_edges(x: torch.Tensor, layout: str) -> torch.Tensor:
         lambda blk: blk.__setitem__(0, 2688.0 * 4),  # NVFP4 with S = 1: v = 1792 -> sb 448
         lambda blk: blk.__setitem__(1, math.nan),
         lambda blk: blk.__setitem__(slice(None), -6.0),
+        lambda blk: put_negative_nan(blk, 3),
     ]
     for i, plan in enumerate(plans):
         if 2 * i + 1 < n_blocks:

@@ -11,6 +11,7 @@ import torch
 
 import lightning_fp8state as f8s
 from lightning_fp8state import ops
+from tests.ops.kernel_data import put_negative_nan
 
 pytestmark = [
     pytest.mark.gpu,
@@ -61,8 +62,11 @@ def edge_values(dtype: torch.dtype, fmt) -> torch.Tensor:
         1.0,
         -1.0,
         0.5,
+        0.0,  # replaced below by a negative NaN (its bits: arithmetic may not keep the sign)
     ]
-    return torch.tensor(vals, dtype=torch.float32).to(dtype)
+    t = torch.tensor(vals, dtype=torch.float32).to(dtype)
+    put_negative_nan(t, len(vals) - 1)
+    return t
 
 
 def fresh(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

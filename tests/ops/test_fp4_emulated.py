@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lightning_fp8state.ops.cuda import source_dir
-from tests.ops.fp4_data import FULL_RANGE_SCALES, full_range, subnormal_tie_block
+from tests.ops.kernel_data import FULL_RANGE_SCALES, full_range, put_negative_nan, subnormal_tie_block
 
 OPS = torch.ops.fp8state
 SRC = Path(__file__).with_name("fp4_emulate.cpp")
@@ -155,6 +155,7 @@ def with_edges(x, layout):
         lambda blk: blk.__setitem__(0, 2688.0 * 4),
         lambda blk: blk.__setitem__(1, math.nan),
         lambda blk: blk.fill_(-6.0),
+        lambda blk: put_negative_nan(blk, 3),
     ]
     for i, plan in enumerate(plans):
         if 2 * i + 1 < n_blocks:

@@ -1,4 +1,4 @@
-"""Test data shared by the FP4 kernel tests on the GPU and in the host emulation."""
+"""Test data shared by the kernel tests (FP8 and FP4) on the GPU and in the host emulation."""
 
 from __future__ import annotations
 
@@ -35,3 +35,18 @@ def subnormal_tie_block() -> tuple[torch.Tensor, float]:
     x[0, 0] = 699051 * 2.0**-149
     x[0, 1] = -x[0, 0]
     return x, 1.5
+
+
+# Bits of a negative quiet NaN, by input dtype (viewed as the signed integer of its width).
+_NEG_NAN = {
+    torch.float32: (torch.int32, -4194304),
+    torch.bfloat16: (torch.int16, -64),
+    torch.float16: (torch.int16, -512),
+}
+
+
+def put_negative_nan(block: torch.Tensor, index: int) -> None:
+    """Write a NaN with its sign bit set (0xFFC00000 / 0xFFC0 / 0xFE00) at block[index]: the
+    bit pattern exactly, since arithmetic may not keep a NaN's sign."""
+    int_dtype, bits = _NEG_NAN[block.dtype]
+    block.view(int_dtype)[index] = bits

@@ -478,8 +478,7 @@ __global__ void __launch_bounds__(kThreads) quantize_fp4_kernel(const QuantizePa
     const int64_t o_step = p.rstride * p.k / 16;                          // in uint2
     const int64_t s_step = p.rstride * row_blocks;                        // in bytes
     // Software pipelining: the loads of the next step's rows are in flight while this step's
-    // rows are converted, packed and stored (+10 to +15 points of the copy bandwidth on the
-    // H200 against loading at the top of each step: docs/PERFORMANCE.md).
+    // rows are converted, packed and stored (the H200 measurements: docs/PERFORMANCE.md).
     uint4 raw[U][W], next[U][W];
     auto load_rows = [&](uint4 (*dst)[W], int64_t r, const uint4* src) {
 #pragma unroll

@@ -156,10 +156,12 @@ def load_check(timeout_s: float = 3600.0) -> Path:
     marker = _load_marker()
     if marker.is_file():
         return marker
+    # the child imports the package from where this process does (sys.path, not only the
+    # environment's PYTHONPATH: a script may have extended sys.path itself)
+    env = os.environ.copy()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     try:
-        child = subprocess.run(
-            _load_check_command(), capture_output=True, text=True, timeout=timeout_s, env=os.environ.copy()
-        )
+        child = subprocess.run(_load_check_command(), capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired as exc:
         raise RuntimeError(
             f"building and loading the extension in a child process took over {timeout_s:.0f} s"

@@ -146,3 +146,15 @@ def test_ensure_loaded_falls_back_to_the_reference_when_the_child_dies(csrc, mon
         assert cuda.ensure_loaded() is False
     assert cuda.ensure_loaded() is False  # once: no second child, no second warning
     assert built == [] and "exit status" in cuda.extension_info()["error"]
+
+
+def test_the_child_imports_from_this_process_sys_path(csrc, monkeypatch, tmp_path):
+    """A script that put the package on sys.path itself (not on PYTHONPATH) still gets a child
+    that finds it."""
+    extra = tmp_path / "only_on_sys_path"
+    extra.mkdir()
+    (extra / "f8s_probe_module.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(extra))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    _child(monkeypatch, "import f8s_probe_module")
+    assert cuda.load_check().is_file()

@@ -22,6 +22,7 @@ verification table and, with ``--json``, writes the per-step series.
 
     python benchmarks/evidence.py --threads 1           # tiny preset on the CPU (minutes)
     python benchmarks/evidence.py --preset gpu --json evidence.json   # GPT-2 small shape, H200
+    python benchmarks/evidence.py --preset gpu_1b --runs bf16 fp8_safe --steps 300   # 1.2B, H200
     python benchmarks/evidence.py model.n_layers=2 --steps 50 --runs bf16 fp8_safe fp8_naive
 
 ``key=value`` arguments override the preset's recipe (as ``fp8state audit`` does); put them
@@ -69,6 +70,12 @@ RUNS: dict[str, list[str]] = {
 PRESETS: dict[str, tuple[str, list[str]]] = {
     "tiny": ("tiny_gpt_cpu", []),
     "gpu": ("gpt_124m_h200", ["data.batch_size=8"]),
+    # the 1.2B shape of train_step.py (d 2048, 20 layers, seq 2048, batch 8): the loss check of
+    # the end-to-end issue at the size it measures speed
+    "gpu_1b": (
+        "gpt_124m_h200",
+        ["data.batch_size=8", "model.d_model=2048", "model.n_layers=20", "model.n_heads=16", "model.seq_len=2048"],
+    ),
 }
 AUDITS = ("auto", "host", "device", "both")
 

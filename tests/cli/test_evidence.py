@@ -85,3 +85,17 @@ def test_table_lists_every_run(evidence, capsys):
     assert f"| fp8_safe | {STEPS} | 0 of " in table
     assert "| bf16 |" in table and "+0.0000 (+0.0%)" in table
     assert module._exit_code(doc) == 0
+
+
+def test_every_preset_gives_a_valid_config_for_every_run():
+    """The GPU presets never run in CI: their recipes and overrides must at least compose and
+    validate (a wrong key fails here, not after a device machine has started)."""
+    from lightning_fp8state.cli.config import load_config
+
+    module = _load()
+    for preset, (recipe, overrides) in module.PRESETS.items():
+        for run, extra in module.RUNS.items():
+            cfg = load_config(recipe, [*overrides, *extra])
+            assert cfg.model.d_model > 0, (preset, run)
+    big = load_config(*module.PRESETS["gpu_1b"])
+    assert (big.model.d_model, big.model.n_layers, big.model.seq_len) == (2048, 20, 2048)

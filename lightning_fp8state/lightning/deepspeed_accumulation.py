@@ -32,6 +32,7 @@ __all__ = [
     "ACCUMULATION_FORMAT_VERSION",
     "ACCUMULATION_KEY",
     "capture_window",
+    "check_format_version",
     "rank_file",
     "restore_window",
     "unsupported_reason",
@@ -44,6 +45,14 @@ __all__ = [
 ACCUMULATION_KEY = "fp8state_deepspeed"
 ACCUMULATION_FORMAT_VERSION = 1
 LIGHTNING_TAG = "checkpoint"  # DeepSpeedStrategy.save_checkpoint's tag
+
+
+def check_format_version(found: Any, what: str) -> None:
+    """StateLoadError unless ``found`` is ACCUMULATION_FORMAT_VERSION (``what``: where it was read)."""
+    if found != ACCUMULATION_FORMAT_VERSION:
+        raise StateLoadError(
+            f"{what} format_version {found!r} is not supported: expected {ACCUMULATION_FORMAT_VERSION}"
+        )
 
 
 def rank_file(checkpoint_dir: str, rank: int) -> str:
@@ -163,11 +172,7 @@ def restore_window(engine: Any, saved: dict, rank: int, world_size: int, device:
             f"the checkpoint holds a ZeRO-2 gradient-accumulation window, but this run uses {reason}: "
             "resume with the configuration that saved it"
         )
-    if saved.get("format_version") != ACCUMULATION_FORMAT_VERSION:
-        raise StateLoadError(
-            f"accumulated-gradient file format_version {saved.get('format_version')!r} is not supported: "
-            f"expected {ACCUMULATION_FORMAT_VERSION}"
-        )
+    check_format_version(saved.get("format_version"), "accumulated-gradient file")
     optimizer = engine.optimizer
     micro_steps, gas = window_position(engine)
     expected = {

@@ -29,6 +29,7 @@ from .deepspeed_accumulation import (
     ACCUMULATION_FORMAT_VERSION,
     ACCUMULATION_KEY,
     capture_window,
+    check_format_version,
     rank_file,
     restore_window,
     unsupported_reason,
@@ -255,11 +256,7 @@ class Fp8StateDeepSpeedStrategy(DeepSpeedStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if entry is None or not fitting or (self.load_full_weights and self.zero_stage_3):
             return checkpoint
-        if entry.get("format_version") != ACCUMULATION_FORMAT_VERSION:
-            raise StateLoadError(
-                f"checkpoint['{ACCUMULATION_KEY}'] format_version {entry.get('format_version')!r} is not "
-                f"supported: expected {ACCUMULATION_FORMAT_VERSION}"
-            )
+        check_format_version(entry.get("format_version"), f"checkpoint['{ACCUMULATION_KEY}']")
         engine = self.deepspeed_engine
         _, gas = window_position(engine)
         if entry["mid_window"] and (

@@ -2,9 +2,10 @@
 # One device call: install the carried wheels and this checkout (plain, non-editable install),
 # then run the given commands with logs under $OUT. Usage on the device machine:
 #   bash benchmarks/device_run.sh 'cmd1' 'cmd2' ...
-# Each command runs from /tmp/t (a copy of tests/ and benchmarks/) with PYTHONPATH set.
+# Each command runs from /tmp/t (a copy of tests/ and benchmarks/) with PYTHONPATH set and
+# $REPO naming the checkout.
 set -u
-REPO=$(pwd)
+export REPO=$(pwd)
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl >/dev/null 2>&1
 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/f8s . >/dev/null 2>&1
 rm -rf /tmp/t && mkdir -p /tmp/t && cp -r tests benchmarks /tmp/t/

@@ -17,7 +17,9 @@ DeepSpeed would), the ledger's violations and how many checkpointed calls were r
 and how many of those differed from their true forward. The comparison is bitwise: the
 project's ``RecomputeAuditor`` (host digests: output bytes, finite mask, consumed descales
 and centers, stamps) and/or a device-side twin (the same comparisons on the device, no
-host copies: for big models). Prints a markdown table in the manner of the seed's
+host copies: for big models). After training, each run's loss on ``--eval-batches`` held-out
+batches (the ones after the training batches, the same for every run) is the loss
+comparison against bf16 that one training batch's noise does not decide. Prints a markdown table in the manner of the seed's
 verification table and, with ``--json``, writes the per-step series.
 
     python benchmarks/evidence.py --threads 1           # tiny preset on the CPU (minutes)
@@ -98,6 +100,7 @@ class RunResult:
     seconds: float
     series: dict[str, list] = field(default_factory=dict)
     audits_agree: bool | None = None
+    eval_loss: float = float("nan")  # mean loss on the held-out batches after training
 
     @property
     def steps(self) -> int:
@@ -117,32 +120,54 @@ class RunResult:
             "nonfinite_grad_steps": sum(not math.isfinite(g) for g in s["grad_norm"]),
             "skipped_steps": sum(s["skipped"]),
             "final_loss": sum(tail) / len(tail) if tail else float("nan"),
+            "eval_loss": self.eval_loss,
             "seconds": self.seconds,
             "audits_agree": self.audits_agree,
         }
 
 
-def _batches(cfg, steps: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``steps`` batches of the recipe's data, made once and shared by every run."""
+def _batches(cfg, steps: int, device: torch.device, skip: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``steps`` batches of the recipe's data, after the first ``skip`` batches; made once and
+    shared by every run. The held-out batches are those after the training batches (for a
+    token file they wrap around it: held out only when the file outlasts training)."""
     batch = cfg.data.batch_size
     data = make_dataset(
         cfg.data.source,
         vocab_size=cfg.model.vocab_size,
         seq_len=cfg.model.seq_len,
-        length=steps * batch,
+        length=(skip + steps) * batch,
         seed=cfg.data.seed,
         path=cfg.data.path,
     )
-    items = [data[i % len(data)] for i in range(steps * batch)]
+    items = [data[i % len(data)] for i in range(skip * batch, (skip + steps) * batch)]
     x = torch.stack([a for a, _ in items]).reshape(steps, batch, -1)
     y = torch.stack([b for _, b in items]).reshape(steps, batch, -1)
     return x.to(device), y.to(device)
 
 
+def eval_loss(model, x: torch.Tensor, y: torch.Tensor, autocast: bool) -> float:
+    """Mean loss over the held-out batches ``x``, ``y`` (no grad: the quantizers read their
+    current scales and record nothing). One number per run, the same batches for every run:
+    the loss comparison that a single training batch's noise does not decide."""
+    losses = []
+    with torch.no_grad(), torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+        for xb, yb in zip(x, y, strict=True):
+            losses.append(model.loss(xb, yb).float())
+    return torch.stack(losses).mean().item() if losses else float("nan")
+
+
 def train_run(
-    name: str, cfg, x: torch.Tensor, y: torch.Tensor, device: torch.device, audit: str, early_stop: bool = False
+    name: str,
+    cfg,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    device: torch.device,
+    audit: str,
+    early_stop: bool = False,
+    held_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> RunResult:
-    """Train one run for ``len(x)`` steps (AdamW, warmup, clipping, non-finite guard) under the audit.
+    """Train one run for ``len(x)`` steps (AdamW, warmup, clipping, non-finite guard) under the
+    audit, then evaluate the loss on ``held_out`` batches (when given).
 
     Without ``early_stop`` the recompute runs every block to its end, so every checkpointed
     call is compared (torch's default early stop skips what follows a block's last saved
@@ -197,6 +222,8 @@ def train_run(
         "skipped": skipped,
         "ledger_violations": [violations[s] for s in range(steps)],
     }
+    if held_out is not None:
+        result.eval_loss = eval_loss(model, *held_out, autocast)
     primary = _host_series(host, steps) if host is not None else dev.series(steps)
     result.series["mismatching_calls"], result.series["recomputed_calls"] = primary
     if host is not None and dev is not None:
@@ -216,11 +243,14 @@ def _fmt_loss_delta(loss: float, base: float | None) -> str:
 
 def format_table(results: list[RunResult]) -> str:
     """The seed-style markdown table, one line per run."""
-    base = next((r.summary()["final_loss"] for r in results if r.name == "bf16"), None)
+    baseline = next((r.summary() for r in results if r.name == "bf16"), None)
+    base = baseline["final_loss"] if baseline else None
+    base_eval = baseline["eval_loss"] if baseline else None
     lines = [
         "| run | steps | fwd-vs-recompute mismatching calls (events affected) | ledger violations "
-        "| max grad norm | skipped steps | final loss (mean of last 10) | loss vs bf16 |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "| max grad norm | skipped steps | final loss (mean of last 10) | loss vs bf16 "
+        "| held-out loss | held-out vs bf16 |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         s = r.summary()
@@ -232,7 +262,8 @@ def format_table(results: list[RunResult]) -> str:
             mismatch += " [host/device audits DISAGREE]"
         lines.append(
             f"| {r.name} | {s['steps']} | {mismatch} | {s['ledger_violations']} | {s['max_grad_norm']:.4g} "
-            f"| {s['skipped_steps']} | {s['final_loss']:.4f} | {_fmt_loss_delta(s['final_loss'], base)} |"
+            f"| {s['skipped_steps']} | {s['final_loss']:.4f} | {_fmt_loss_delta(s['final_loss'], base)} "
+            f"| {s['eval_loss']:.4f} | {_fmt_loss_delta(s['eval_loss'], base_eval)} |"
         )
     return "\n".join(lines)
 
@@ -258,6 +289,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep torch's checkpoint early stop (fewer recomputed calls are compared; same training arithmetic)",
     )
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        default=8,
+        help="held-out batches (after the training ones) each run is evaluated on at the end; 0: none",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write per-step series and summaries here")
     p.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. model.n_layers=2")
     return p
@@ -268,6 +305,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = _parser().parse_args(argv)
     if args.steps < 1:
         raise SystemExit(f"--steps={args.steps}: expected an integer >= 1")
+    if args.eval_batches < 0:
+        raise SystemExit(f"--eval-batches={args.eval_batches}: expected an integer >= 0")
     threads = torch.get_num_threads()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -291,6 +330,7 @@ def _run(args) -> dict:
     cfgs = {name: load_config(recipe, common + RUNS[name]) for name in runs}  # validate all before running
     first = cfgs[runs[0]]
     x, y = _batches(first, args.steps, device)
+    held_out = _batches(first, args.eval_batches, device, skip=args.steps) if args.eval_batches else None
     m = first.model
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(
@@ -304,11 +344,11 @@ def _run(args) -> dict:
     )
     results = []
     for name in runs:
-        result = train_run(name, cfgs[name], x, y, device, audit, args.early_stop)
+        result = train_run(name, cfgs[name], x, y, device, audit, args.early_stop, held_out)
         s = result.summary()
         print(
             f"  {name}: {s['seconds']:.1f}s, {s['mismatching_calls']} mismatching calls, "
-            f"{s['skipped_steps']} skipped, final loss {s['final_loss']:.4f}",
+            f"{s['skipped_steps']} skipped, final loss {s['final_loss']:.4f}, held-out loss {s['eval_loss']:.4f}",
             flush=True,
         )
         results.append(result)
@@ -327,6 +367,7 @@ def _run(args) -> dict:
         "audit": audit,
         "cpu_threads": torch.get_num_threads(),
         "early_stop": args.early_stop,
+        "eval_batches": args.eval_batches,
         "overrides": args.overrides,
         "runs": {r.name: {"overrides": r.overrides, "summary": r.summary(), "series": r.series} for r in results},
     }

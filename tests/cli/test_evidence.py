@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "evidence.py"
 STEPS = 3
@@ -69,6 +70,7 @@ def test_json_has_the_per_step_series(evidence):
             assert len(series[key]) == STEPS, (name, key)
         assert all(math.isfinite(v) for v in series["loss"])
         assert run["summary"]["skipped_steps"] == sum(series["skipped"])
+        assert math.isfinite(run["summary"]["eval_loss"]), name
     safe, base = written["runs"]["fp8_safe"]["series"], written["runs"]["bf16"]["series"]
     assert safe["loss"][0] == pytest.approx(base["loss"][0], rel=0.05)  # same weights and data
 
@@ -79,12 +81,58 @@ def test_table_lists_every_run(evidence, capsys):
     for name, run in doc["runs"].items():
         r = module.RunResult(name, run["overrides"], run["summary"]["seconds"], run["series"])
         r.audits_agree = run["summary"]["audits_agree"]
+        r.eval_loss = run["summary"]["eval_loss"]
         results.append(r)
     table = module.format_table(results)
     assert table.splitlines()[0].startswith("| run | steps | fwd-vs-recompute mismatching calls")
     assert f"| fp8_safe | {STEPS} | 0 of " in table
     assert "| bf16 |" in table and "+0.0000 (+0.0%)" in table
+    assert table.splitlines()[0].endswith("| held-out loss | held-out vs bf16 |")
+    assert table.splitlines()[2].endswith("| +0.0000 (+0.0%) |")  # bf16 against itself, held out
     assert module._exit_code(doc) == 0
+
+
+def test_held_out_batches_follow_the_training_batches():
+    """The held-out batches are the data's next items: disjoint from the training ones, the
+    same for every run."""
+    from lightning_fp8state.cli.config import load_config
+
+    module = _load()
+    cfg = load_config(*module.PRESETS["tiny"])
+    x, y = module._batches(cfg, 5, torch.device("cpu"))
+    hx, hy = module._batches(cfg, 2, torch.device("cpu"), skip=3)
+    assert torch.equal(hx, x[3:]) and torch.equal(hy, y[3:])
+    tx, _ = module._batches(cfg, 3, torch.device("cpu"))
+    assert not any(torch.equal(h, t) for h in hx for t in tx)
+
+
+def test_eval_loss_reads_no_state_and_matches_the_training_loss_of_the_same_weights():
+    """A no-grad evaluation of an FP8 model outside any event is allowed, records nothing and
+    gives the loss that the model's forward computes on those batches."""
+    from lightning_fp8state import Fp8State
+    from lightning_fp8state.cli.config import load_config
+    from lightning_fp8state.models import GPT
+
+    module = _load()
+    cfg = load_config(module.PRESETS["tiny"][0], [*module.PRESETS["tiny"][1], "model.n_layers=1"])
+    x, y = module._batches(cfg, 2, torch.device("cpu"))
+    torch.manual_seed(0)
+    state = Fp8State(module.quant_config(cfg))
+    model = state.convert(GPT(module.model_config(cfg)))
+    with state.step(0):  # one training step, so the bank holds state to be left alone
+        loss = model.loss(x[0], y[0])
+        state.commit_forward()
+        loss.backward()
+    before = state.bank.state_dict()
+    value = module.eval_loss(model, x, y, autocast=False)
+    with torch.no_grad():
+        expected = torch.stack([model.loss(a, b) for a, b in zip(x, y, strict=True)]).mean().item()
+    assert value == pytest.approx(expected, rel=1e-6) and math.isfinite(value)
+    after = state.bank.state_dict()
+    assert before.keys() == after.keys()
+    for key, val in before.items():
+        if isinstance(val, torch.Tensor):
+            assert torch.equal(val, after[key]), key
 
 
 def test_every_preset_gives_a_valid_config_for_every_run():

@@ -8,7 +8,7 @@ set -u
 export REPO=$(pwd)
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl >/dev/null 2>&1
 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/f8s . >/dev/null 2>&1
-rm -rf /tmp/t && mkdir -p /tmp/t && cp -r tests benchmarks /tmp/t/
+rm -rf /tmp/t && mkdir -p /tmp/t && cp -r tests benchmarks pyproject.toml /tmp/t/
 export PYTHONPATH=/tmp/f8s:$REPO/.site FP8STATE_CACHE_DIR=/tmp/f8c WANDB_MODE=offline
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd /tmp/t

@@ -6,7 +6,16 @@ from dataclasses import dataclass, field, fields
 
 from .errors import ConfigError
 
-__all__ = ["AMAX_ALGOS", "AMAX_REDUCTIONS", "FP4_LAYOUT_NAMES", "MODES", "OWNERSHIP_SCOPES", "RECIPES", "QuantConfig"]
+__all__ = [
+    "AMAX_ALGOS",
+    "AMAX_REDUCTIONS",
+    "FP4_LAYOUT_NAMES",
+    "INITIAL_SCALES",
+    "MODES",
+    "OWNERSHIP_SCOPES",
+    "RECIPES",
+    "QuantConfig",
+]
 
 RECIPES = ("fp8_delayed", "bf16")
 # safe: the protocol. naive and naive_snapshot reproduce the seed's defects on purpose.
@@ -25,6 +34,9 @@ AMAX_REDUCTIONS = ("none", "data_parallel")
 # rank's data best, so reducing them is opt-in.
 DEFAULT_AMAX_REDUCTION = (("weight", "data_parallel"),)
 FP4_LAYOUT_NAMES = ("nvfp4", "mxfp4")
+# The scale of an owner that has none yet (its first event). calibrate: from that call's own
+# amax; one: 1.0 until the first commit.
+INITIAL_SCALES = ("calibrate", "one")
 
 
 def _choice(key: str, value: object, allowed: tuple) -> None:
@@ -70,6 +82,14 @@ class QuantConfig:
     margin: int = 0
     # max: the history's maximum; most_recent: the newest entry.
     amax_algo: str = "max"
+    # The scale of an owner's first event, before any amax is in its history (safe mode).
+    # calibrate: the first true-forward call (or backward quantize) computes it from its own
+    # tensor, fmax / amax / 2**margin, one extra read of that tensor in the first event only;
+    # it is frozen in that event's snapshot like any scale, so recompute reads it back. one:
+    # scale 1 until the first commit (TransformerEngine's start): small tensors, gradients
+    # above all, then flush to zero in the first step (E5M2's smallest subnormal is 2**-16).
+    # The naive modes keep the seed's start (one) whatever this says.
+    initial_scale: str = "calibrate"
     # safe: the protocol. naive: reproduces the seed's defects on purpose (advance before
     # consume, record in recompute) so the audit can prove it catches them. naive_snapshot:
     # the seed's first attempted fix, also on purpose: advance after every call, but keep one
@@ -113,6 +133,7 @@ class QuantConfig:
         _choice("recipe", self.recipe, RECIPES)
         _choice("mode", self.mode, MODES)
         _choice("amax_algo", self.amax_algo, AMAX_ALGOS)
+        _choice("initial_scale", self.initial_scale, INITIAL_SCALES)
         _choice("ownership", self.ownership, OWNERSHIP_SCOPES)
         _choice("forward_format", self.forward_format, FP8_NAMES)
         _choice("backward_format", self.backward_format, FP8_NAMES)

@@ -68,6 +68,7 @@ class _OpenEvent:
     committed: set = field(default_factory=set)
     forward_committed: bool = False  # commit_forward() ran in this event
     owner_snapshots: dict = field(default_factory=dict)  # naive_snapshot: OwnerKey -> last snapshot
+    calibrated: set = field(default_factory=set)  # bank indices whose frozen scale this event calibrated
 
 
 class QuantProtocol:
@@ -403,7 +404,9 @@ class QuantProtocol:
         owner = record.owners[role]
         index = record.indices[role]
         if phase is Phase.INFERENCE:
-            snap = record.snapshots[role]
+            snap = record.snapshots[role]  # a private copy of the live state
+            if self.config.mode == "safe":
+                self._calibrate_first_use(None, index, x, snap)
             return self._encode(x, snap), snap
         ev = self._open
         event = (ev if ev is not None else self._require_open(f"quantizing {owner}")).event
@@ -416,7 +419,23 @@ class QuantProtocol:
             self.ledger.recompute_read(event, owner)
             return self._encode(x, snap), snap
         self._observe(record, role, event, recompute=False)
+        self._calibrate_first_use(ev.calibrated, index, x, snap)
         return self._encode_record(index, x, snap), snap
+
+    def _calibrate_first_use(self, calibrated: set | None, index: int, x: torch.Tensor, snap: QuantSnapshot) -> None:
+        """``initial_scale="calibrate"``: an owner with no delayed scale yet gets one from this
+        call's own tensor, written into the frozen cells its snapshot views before anything
+        reads them (once per event: every later call of the owner in the event, and every
+        recompute, reads the same value). Host-side check; the calibration runs on the device."""
+        if index not in self.bank.fresh or self.config.initial_scale != "calibrate":
+            return
+        if calibrated is not None:
+            if index in calibrated:
+                return
+            calibrated.add(index)
+        with self._lock:
+            self.stream_order.use(x.device, snap.scale)
+            self.bank.calibrate(index, x, snap.scale, snap.descale, self.config.margin, snap.center)
 
     def _observe(self, record: CallRecord, role: str, event: Event, *, recompute: bool) -> None:
         owner = record.owners[role]

@@ -28,6 +28,7 @@ class QuantCfg:
     history_len: int = 16
     margin: int = 0
     amax_algo: str = "max"  # max | most_recent
+    initial_scale: str = "calibrate"  # calibrate (first event: from the call's own amax) | one
     mode: str = "safe"  # safe | naive | naive_snapshot
     ownership: str = "per_layer_rank"  # per_model | per_layer | per_layer_rank | per_layer_rank_stream
     strict: bool = False  # raise at the first protocol violation (else count it)

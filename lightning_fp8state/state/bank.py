@@ -74,6 +74,10 @@ class StateBank:
         self.version = 0
         self._lock = threading.RLock()
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+        # Owners with no delayed scale yet: registered and never committed since, or loaded
+        # with an empty history. Kept on the host, so the protocol knows which calls may
+        # calibrate (QuantConfig.initial_scale) without reading the device.
+        self.fresh: set[int] = set()
         self._alloc(torch.device("cpu"), 0)
 
     def _alloc(self, device: torch.device, n: int) -> None:
@@ -171,6 +175,7 @@ class StateBank:
                 if t.is_cuda:  # the copy may run on another stream than t's allocation
                     t.record_stream(torch.cuda.current_stream(t.device))
             self.index[owner] = n
+            self.fresh.add(n)
             self._masks.clear()
             self.version += 1
             return n
@@ -183,6 +188,31 @@ class StateBank:
             self.version,
             self.center.clone() if self.centered else None,
         )
+
+    def calibrate(
+        self,
+        index: int,
+        x: torch.Tensor,
+        scale: torch.Tensor,
+        descale: torch.Tensor,
+        margin: int,
+        center: torch.Tensor | None = None,
+    ) -> None:
+        """Set one call's frozen ``scale``/``descale`` cells from ``x``'s own amax (of
+        ``x - center`` for a centered owner): ``fmax / amax / 2**margin``, what a commit
+        computes from a one-entry history. They stay as they are when that amax is zero or
+        non-finite (a non-finite tensor calibrates nothing). For the first call of a fresh
+        owner; on the tensor's device, no host sync; the bank itself is not touched (its
+        scale advances at the commit, from the recorded amax, as always).
+        """
+        if x.numel() == 0:
+            return
+        lo, hi = torch.aminmax(x if center is None else x.float() - center)
+        amax = torch.maximum(lo.abs(), hi.abs()).float()
+        candidate = self.fmax[index] / amax / float(2**margin)
+        ok = torch.isfinite(amax) & (amax > 0) & torch.isfinite(candidate) & (candidate > 0)
+        scale.copy_(torch.where(ok, candidate, scale))
+        descale.copy_(torch.where(ok, torch.reciprocal(candidate), descale))
 
     def mask(self, indices: tuple[int, ...]) -> torch.Tensor:
         """A device bool mask selecting ``indices`` (cached: the same set recurs every step)."""
@@ -198,6 +228,7 @@ class StateBank:
         their running centers in one more, if any owner is centered)."""
         if not indices:
             return
+        self.fresh.difference_update(indices)
         mask = self.mask(indices)
         ops.update_scales(
             self.amax_history,
@@ -314,6 +345,8 @@ class StateBank:
             device = self.device or torch.device("cpu")
             self.owners, self.formats, self.center_width = list(owners), list(formats), list(widths)
             self.index = {o: i for i, o in enumerate(owners)}
+            recorded = (sd["amax_history"] != 0).any(dim=0).tolist()  # the saved (host) copy
+            self.fresh = {i for i, r in enumerate(recorded) if not r}
             self._alloc(device, len(owners))
             self.amax_history.copy_(sd["amax_history"])
             self.scale.copy_(sd["scale"])

@@ -8,6 +8,7 @@ import torch
 
 import lightning_fp8state as f8s
 from lightning_fp8state.nn import gemm
+from lightning_fp8state.state.bank import StateBank
 from tests.conftest import bitwise_equal, make_stack
 
 pytestmark = [
@@ -128,3 +129,59 @@ def test_no_host_sync_inside_a_training_step():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert state.ledger.ok
+
+
+def test_first_event_calibration_runs_on_the_device_without_a_host_sync():
+    """StateBank.calibrate (an owner's first event, initial_scale="calibrate") for FP8, FP4 and
+    centered FP4 owners, finite and non-finite tensors: no host sync, the reference formula."""
+    bank = StateBank(4)
+    owners = [f8s.OwnerKey(f"l{i}", "input") for i in range(3)]
+    dev = torch.device("cuda")
+    idx = [bank.register(owners[0], "e4m3", dev), bank.register(owners[1], "nvfp4", dev)]
+    idx.append(bank.register(owners[2], "nvfp4", dev, center_width=D))
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(64, D, device="cuda", generator=g, dtype=torch.bfloat16) * 3
+    center = torch.randn(D, device="cuda", generator=g)
+    bad = x.clone()
+    bad[3, 7] = float("nan")
+    cells = torch.ones(2, 4, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        bank.calibrate(idx[0], x, cells[0, 0], cells[1, 0], margin=0)
+        bank.calibrate(idx[1], x, cells[0, 1], cells[1, 1], margin=1)
+        bank.calibrate(idx[2], x, cells[0, 2], cells[1, 2], margin=0, center=center)
+        bank.calibrate(idx[0], bad, cells[0, 3], cells[1, 3], margin=0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    amax = x.float().abs().max()
+    expected = torch.stack(
+        [
+            bank.fmax[idx[0]] / amax,  # (fmax = 448 for E4M3; a tensor division, as the bank does)
+            bank.fmax[idx[1]] / amax / 2.0,
+            bank.fmax[idx[2]] / (x.float() - center).abs().max(),
+            torch.tensor(1.0, device="cuda"),
+        ]
+    )
+    assert bitwise_equal(cells[0], expected.float())
+    assert bitwise_equal(cells[1], torch.reciprocal(expected.float()))
+
+
+def test_first_event_flushes_no_gradient_on_gpu():
+    """bf16 on the GPU with _scaled_mm: a first-step output gradient of ~1e-7 reaches the
+    weight gradient with initial_scale="calibrate"; with "one" it flushes to zero."""
+    grads = {}
+    for initial in ("calibrate", "one"):
+        torch.manual_seed(0)
+        state = f8s.Fp8State(f8s.QuantConfig(initial_scale=initial))
+        model = state.convert(torch.nn.Sequential(torch.nn.Linear(D, D, bias=False))).cuda().bfloat16()
+        x = cuda_inputs(1, seed=2)[0]
+        w = torch.randn(64, D, device="cuda", dtype=torch.bfloat16) * 1e-7
+        with state.step(0):
+            loss = (model(x).float() * w.float()).sum()
+            state.commit_forward()
+            loss.backward()
+        grads[initial] = model[0].weight.grad.float()
+        exact = w.float().t() @ x.float()
+    assert torch.count_nonzero(grads["one"]) == 0
+    assert ((grads["calibrate"] - exact).norm() / exact.norm()) < 0.1

@@ -21,32 +21,44 @@ def one_linear(mode="safe", **cfg):
 
 
 def expected_linear_event(x, w, scale_x, scale_w, scale_g):
-    """The FP8 linear computed by hand from known scales, with the paired descales."""
+    """The FP8 linear computed by hand from known scales, with the paired descales. A scale
+    of None is calibrated from the tensor itself (fmax / its amax: an owner's first event)."""
     one = lambda v: torch.tensor([v], dtype=torch.float32)  # noqa: E731
+    own = lambda fmax, t: (torch.tensor(fmax) / t.float().abs().max()).item()  # noqa: E731
+    scale_x = own(448.0, x) if scale_x is None else scale_x
+    scale_w = own(448.0, w) if scale_w is None else scale_w
     xq = ops.quantize_fp8_reference(x, one(scale_x), E4M3)
     wq = ops.quantize_fp8_reference(w, one(scale_w), E4M3)
     dx, dw = 1 / one(scale_x), 1 / one(scale_w)
     y = ((xq.float() @ wq.float().t()) * (dx * dw)).to(x.dtype)
     g = (2 * y.float() / y.numel()).to(y.dtype)  # d mean(y^2) / dy
+    scale_g = own(57344.0, g) if scale_g is None else scale_g
     gq = ops.quantize_fp8_reference(g, one(scale_g), E5M2)
     dg = 1 / one(scale_g)
     grad_w = ((gq.float().t() @ xq.float()) * (dg * dx)).to(w.dtype)
     return y, grad_w
 
 
-@pytest.mark.parametrize("mode", ["safe", "naive"])
+@pytest.mark.parametrize("mode", ["safe", "safe_initial_one", "naive"])
 def test_consumer_reads_the_descale_paired_with_its_data(mode):
     """quantize -> commit -> GEMM consumer: commit_forward moves live state before the
     backward GEMMs run; the consumer must still use the descale the data was encoded with.
     The expected output and weight gradient are computed by hand from the delayed-scaling
-    definition (scale = fmax / max of earlier amaxes; 1 before any history)."""
-    state, model = one_linear(mode)
+    definition (scale = fmax / max of earlier amaxes; before any history: fmax / the call's
+    own amax with initial_scale="calibrate", 1 with "one" and in the naive mode)."""
+    calibrate = mode == "safe"
+    if mode == "safe_initial_one":
+        state, model = one_linear("safe", initial_scale="one")
+    else:
+        state, model = one_linear(mode)
     w = model[0].weight.detach().clone()
     xs = event_inputs(4, d=32)
     amax = {"x": [], "g": []}
 
     def scale(fmax, hist):
-        return 1.0 if not hist else (torch.tensor(fmax) / torch.stack(hist).max()).item()
+        if not hist:
+            return None if calibrate else 1.0
+        return (torch.tensor(fmax) / torch.stack(hist).max()).item()
 
     matches = []
     for step, x in enumerate(xs):
@@ -60,13 +72,13 @@ def test_consumer_reads_the_descale_paired_with_its_data(mode):
             x,
             w,
             scale(448.0, amax["x"]),
-            (torch.tensor(448.0) / w.abs().max()).item() if step else 1.0,
+            (torch.tensor(448.0) / w.abs().max()).item() if step or calibrate else 1.0,
             scale(57344.0, amax["g"]),
         )
         matches.append(bitwise_equal(y.detach(), exp_y) and bitwise_equal(model[0].weight.grad, exp_gw))
         amax["x"].append(x.abs().max())
         amax["g"].append((2 * exp_y / exp_y.numel()).abs().max())
-    if mode == "safe":
+    if mode != "naive":
         assert all(matches), matches
     else:
         assert not any(matches), "naive mode must consume the descale advanced for the next call"

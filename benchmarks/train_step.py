@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from fnmatch import fnmatch
 
 import torch
 import torch.nn.functional as F
@@ -43,18 +44,20 @@ def batches(cfg: GPTConfig, batch: int, n: int, device) -> list[tuple[torch.Tens
     return out
 
 
-def build(variant: str, cfg: GPTConfig, compile_blocks: bool):
+def build(variant: str, cfg: GPTConfig, compile_blocks: bool, exclude: tuple[str, ...] = ()):
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
     state = None
     if variant in ("safe", "naive"):
         # naive mode violates the ledger on purpose (that is the defect): count, do not raise
-        state = f8s.Fp8State(f8s.QuantConfig(mode=variant, ownership="per_layer", strict=variant == "safe"))
+        state = f8s.Fp8State(
+            f8s.QuantConfig(mode=variant, ownership="per_layer", strict=variant == "safe", exclude=exclude)
+        )
         state.convert(model)
     elif variant == "torchao":
         from torchao.float8 import convert_to_float8_training  # noqa: PLC0415  (optional peer)
 
-        convert_to_float8_training(model)
+        convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: not any(fnmatch(fqn, p) for p in exclude))
     if compile_blocks:
         for block in model.blocks:
             block.compile()
@@ -90,7 +93,7 @@ def make_step(model, state, opt, data):
 def measure(variant: str, cfg: GPTConfig, args, data) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model, state, opt = build(variant, cfg, args.compile)
+    model, state, opt = build(variant, cfg, args.compile, ("*head",) if args.exclude_head else ())
     step = make_step(model, state, opt, data)
     for _ in range(args.warmup):
         step()
@@ -143,6 +146,11 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--compile", action="store_true")
+    p.add_argument(
+        "--exclude-head",
+        action="store_true",
+        help="keep the output head in bf16 in the FP8 variants (ours and torchao), as the recipes do",
+    )
     p.add_argument("--sync-check", action="store_true")
     p.add_argument("--profile", nargs="*", default=[], choices=VARIANTS, help="print a kernel table for these")
     p.add_argument("--json", default=None)
@@ -166,7 +174,7 @@ def main(argv=None) -> list[dict]:
     print(
         f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, torchao {ao_version}; "
         f"GPT d={args.d_model} layers={args.layers} seq={args.seq} batch={args.batch} "
-        f"(~{n_params / 1e9:.2f}B params), compile={args.compile}"
+        f"(~{n_params / 1e9:.2f}B params), compile={args.compile}, FP8 head={not args.exclude_head}"
     )
     data = batches(cfg, args.batch, 4, "cuda")
     results = [measure(v, cfg, args, data) for v in args.variants]

@@ -158,11 +158,16 @@ def _wandb_chunks(data: bytes):
             pos += left
             continue
         crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        chunk = data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
+        end = pos + 7 + length
+        if end > len(data):
+            return  # the writer is still writing this record: the caller reads again
+        chunk = data[pos + 7 : end]
+        pos = end
         if kind == 0 and length == 0:
             continue
         if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc:
+            if not any(data[end:]):
+                return  # the last record, not fully on disk yet (seen in CI): read again
             raise ValueError(f"corrupt W&B record at byte {pos}")
         if kind == 1:
             yield chunk

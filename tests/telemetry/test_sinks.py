@@ -64,3 +64,25 @@ def test_a_broken_sink_warns_and_the_jsonl_is_still_written(tmp_path):
     fan.write([{"step": 2}])  # warned once per sink
     fan.close()
     assert [r["step"] for r in read_jsonl(tmp_path / "t.jsonl")] == [1, 2]
+
+
+def test_the_wandb_log_reader_waits_for_a_record_still_being_written_and_refuses_a_corrupt_one():
+    """The test helper that reads W&B's offline log: a last record not (fully) on disk yet
+    ends the read (the caller reads again until the run's exit record); a bad record with
+    more data after it is corruption."""
+    import struct
+    import zlib
+
+    from tests.telemetry.helpers import _wandb_chunks
+
+    def record(payload: bytes, kind: int = 1, crc: int | None = None) -> bytes:
+        crc = zlib.crc32(payload, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF if crc is None else crc
+        return struct.pack("<IHB", crc, len(payload), kind) + payload
+
+    header = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
+    first, second = record(b"first"), record(b"second")
+    assert list(_wandb_chunks(header + first + second)) == [b"first", b"second"]
+    assert list(_wandb_chunks(header + first + second[:-3])) == [b"first"]  # still being written
+    assert list(_wandb_chunks(header + first + second[:-3] + b"\0\0\0")) == [b"first"]  # zero-filled tail
+    with pytest.raises(ValueError, match="corrupt W&B record"):
+        list(_wandb_chunks(header + record(b"first", crc=1) + second))

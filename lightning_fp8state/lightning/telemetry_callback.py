@@ -31,9 +31,15 @@ def wandb_logger(save_dir: str | os.PathLike, *, project: str = "lightning_fp8st
 
     The run lands in ``<save_dir>/wandb/offline-run-*``; ``wandb sync`` uploads it later.
     ``kwargs`` go to ``WandbLogger`` (name, tags, log_model, ...).
+
+    The mode also goes to ``wandb.init`` itself: ``WandbLogger(offline=True)`` only sets
+    ``WANDB_MODE`` in the environment, which W&B reads once per process, so after any earlier
+    W&B run in the process (a :class:`~lightning_fp8state.telemetry.WandbSink`, another
+    logger) it would go online and ask for an API key.
     """
     os.makedirs(save_dir, exist_ok=True)
-    return WandbLogger(save_dir=str(save_dir), project=project, offline=not online, **kwargs)
+    mode = kwargs.pop("mode", "online" if online else "offline")
+    return WandbLogger(save_dir=str(save_dir), project=project, offline=mode == "offline", mode=mode, **kwargs)
 
 
 class LightningLoggerSink:

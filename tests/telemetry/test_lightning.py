@@ -112,6 +112,22 @@ def test_nan_step_is_skipped_counted_and_leaves_params_and_adamw_state_bitwise(t
     assert not list(tmp_path.rglob("*.wandb"))
 
 
+def test_wandb_logger_stays_offline_after_another_wandb_run_in_the_process(tmp_path, monkeypatch):
+    """W&B reads WANDB_MODE once per process, so a logger that only set the environment went
+    online (and asked for an API key) after an earlier run in the process; found when the
+    sink's test ran first. The helper passes the mode to wandb.init itself."""
+    from lightning_fp8state.telemetry import WandbSink
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    sink = WandbSink(tmp_path / "sink", project="first-run")
+    sink.write([{"step": 0, "x": 1.0}])
+    sink.close()
+    logger = wandb_logger(tmp_path / "logger", name="second-run")
+    trainer(tmp_path, [TelemetryCallback(log_every_n_steps=3)], logger=logger).fit(TinyModule())
+    logger.experiment.finish()
+    assert len(list((tmp_path / "logger" / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
+
+
 def test_wandb_offline_run_holds_the_metrics(tmp_path):
     module = TinyModule(nan_at={2})
     logger = wandb_logger(tmp_path, name="telemetry-test")

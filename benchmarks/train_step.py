@@ -15,6 +15,8 @@ Blocks always run through ``lightning_fp8state.checkpoint`` (non-reentrant torch
 
 Prints tokens/s, ms per step, peak memory and the ratios to bf16; ``--json`` writes them.
 With ``--sync-check`` one extra safe step runs under ``torch.cuda.set_sync_debug_mode("error")``.
+With ``--saturation`` the FP8 variants also print, per step and role, the share of elements
+that encoding clamped to the format's max (a diagnostic run: its timings include the count).
 
     python benchmarks/train_step.py [--d-model 2048 --layers 20 --heads 16 --seq 2048 --batch 8]
 """
@@ -90,19 +92,48 @@ def make_step(model, state, opt, data):
     return step
 
 
+ROLES = ("input", "weight", "grad_output")
+
+
+def saturation_by_role(state, probe) -> dict[str, float]:
+    """Share of the elements the probe counted since its last take, per role, that encoding
+    clamped to the format's max (one host read: a diagnostic, not for timed steps)."""
+    saturated, elements = probe.take()
+    hits = dict.fromkeys(ROLES, 0)
+    totals = dict.fromkeys(ROLES, 0)
+    for index, n in elements.items():
+        role = state.bank.owners[index].role
+        totals[role] += n
+        hits[role] += int(saturated[index])
+    return {r: hits[r] / totals[r] for r in ROLES if totals[r]}
+
+
 def measure(variant: str, cfg: GPTConfig, args, data) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model, state, opt = build(variant, cfg, args.compile, ("*head",) if args.exclude_head else ())
     step = make_step(model, state, opt, data)
+    probe, saturation = None, []
+    if args.saturation and state is not None:
+        from lightning_fp8state.telemetry import SaturationProbe  # noqa: PLC0415  (diagnostic only)
+
+        probe = SaturationProbe(state, model)
+        probe.armed = True
+
+    def run_step(quant=state):  # (bound now: ``state`` is deleted at the end)
+        loss = step()
+        if probe is not None:
+            saturation.append(saturation_by_role(quant, probe))
+        return loss
+
     for _ in range(args.warmup):
-        step()
+        run_step()
     torch.cuda.synchronize()
     times, losses = [], []
     for _ in range(args.steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        losses.append(step())
+        losses.append(run_step())
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -113,6 +144,12 @@ def measure(variant: str, cfg: GPTConfig, args, data) -> dict:
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "final_loss": torch.stack(losses)[-5:].mean().item(),
     }
+    if probe is not None:
+        probe.close()
+        result["saturation"] = saturation
+        print(f"--- {variant}: share of elements clamped to the format's max, per step (warm-up included)")
+        for i, row in enumerate(saturation):
+            print(f"  step {i:>3}: " + "  ".join(f"{r} {v:.2e}" for r, v in row.items()))
     if variant in args.profile:
         from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
@@ -152,6 +189,12 @@ def main(argv=None) -> list[dict]:
         help="keep the output head in bf16 in the FP8 variants (ours and torchao), as the recipes do",
     )
     p.add_argument("--sync-check", action="store_true")
+    p.add_argument(
+        "--saturation",
+        action="store_true",
+        help="count, per step and role, the FP8 elements clamped to the format's max (a diagnostic: it adds "
+        "work and a host read to every step, so the timings are not the benchmark's)",
+    )
     p.add_argument("--profile", nargs="*", default=[], choices=VARIANTS, help="print a kernel table for these")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

@@ -27,3 +27,35 @@ def test_benchmark_script_imports_and_parses_help(script, monkeypatch, capsys):
         runpy.run_path(str(script), run_name="__main__")
     assert exit_info.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+def test_train_step_saturation_diagnostic_counts_clamped_elements_per_role(monkeypatch):
+    """train_step.py --saturation (the open loss question's check): per role, the share of
+    elements that encoding clamped. An input 100x above its history saturates almost all of
+    it; the weights, whose scale fits them, do not."""
+    import importlib
+
+    import torch
+    from torch import nn
+
+    import lightning_fp8state as f8s
+    from lightning_fp8state.telemetry import SaturationProbe
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    train_step = importlib.import_module("train_step")
+    torch.manual_seed(0)
+    state = f8s.Fp8State(f8s.QuantConfig())
+    model = state.convert(nn.Sequential(nn.Linear(32, 16, bias=False)))
+    probe = SaturationProbe(state, model)
+    probe.armed = True
+    rows = []
+    for step, gain in enumerate((1.0, 100.0)):
+        with state.step(step):
+            loss = model(torch.randn(64, 32) * gain).float().pow(2).mean()
+            state.commit_forward()
+            loss.backward()
+        rows.append(train_step.saturation_by_role(state, probe))
+    probe.close()
+    assert set(rows[1]) == {"input", "weight", "grad_output"}
+    assert rows[1]["input"] > 0.9
+    assert rows[1]["weight"] < 0.01 and rows[0]["input"] < 0.01

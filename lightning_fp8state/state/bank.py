@@ -207,12 +207,13 @@ class StateBank:
         """
         if x.numel() == 0:
             return
-        lo, hi = torch.aminmax(x if center is None else x.float() - center)
-        amax = torch.maximum(lo.abs(), hi.abs()).float()
-        candidate = self.fmax[index] / amax / float(2**margin)
-        ok = torch.isfinite(amax) & (amax > 0) & torch.isfinite(candidate) & (candidate > 0)
-        scale.copy_(torch.where(ok, candidate, scale))
-        descale.copy_(torch.where(ok, torch.reciprocal(candidate), descale))
+        with torch.no_grad():  # x may require grad (an attention operand): the scale must not
+            lo, hi = torch.aminmax(x if center is None else x.float() - center)
+            amax = torch.maximum(lo.abs(), hi.abs()).float()
+            candidate = self.fmax[index] / amax / float(2**margin)
+            ok = torch.isfinite(amax) & (amax > 0) & torch.isfinite(candidate) & (candidate > 0)
+            scale.copy_(torch.where(ok, candidate, scale))
+            descale.copy_(torch.where(ok, torch.reciprocal(candidate), descale))
 
     def mask(self, indices: tuple[int, ...]) -> torch.Tensor:
         """A device bool mask selecting ``indices`` (cached: the same set recurs every step)."""

@@ -170,3 +170,15 @@ def test_loaded_state_is_not_fresh_unless_its_history_is_empty():
 def test_initial_scale_is_validated():
     with pytest.raises(ConfigError, match="initial_scale='amax' is not allowed: expected one of"):
         f8s.QuantConfig(initial_scale="amax")
+
+
+def test_calibrating_from_a_tensor_that_requires_grad_keeps_the_cells_out_of_autograd():
+    from lightning_fp8state.state.bank import StateBank
+
+    bank = StateBank(4)
+    index = bank.register(f8s.OwnerKey("l", "input"), "e4m3", torch.device("cpu"))
+    cells = torch.ones(2)
+    x = (torch.randn(8, 8) * 3).requires_grad_(True)
+    bank.calibrate(index, x * 2, cells[0], cells[1], margin=0)
+    assert not cells.requires_grad and cells.grad_fn is None
+    assert cells[0] == torch.tensor(448.0) / (x.detach() * 2).abs().max()

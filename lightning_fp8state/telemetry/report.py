@@ -124,6 +124,20 @@ def _mark_skipped(ax, rows: list[dict]) -> None:
         ax.axvline(step, color="tab:red", alpha=0.35, linewidth=1, label="skipped step" if i == 0 else None)
 
 
+def _save(plt, fig, ax, path: Path, *, ylabel: str, title: str, xlabel: str = "optimizer step", legend=None) -> bool:
+    """Label the axes, add the legend (``legend``: its keyword arguments; ``False``: none) and
+    write the figure to ``path``."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if legend is not False:
+        ax.legend(**(legend or {"loc": "best"}))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def _plot_loss(plt, rows, path: Path) -> bool:
     xs, ys = _series(rows, "train/loss")
     if not xs:
@@ -131,14 +145,7 @@ def _plot_loss(plt, rows, path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot(xs, ys, color="tab:blue", linewidth=1.2, label="loss")
     _mark_skipped(ax, rows)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
-    ax.set_title("Loss (red: skipped steps)")
-    ax.legend(loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, ax, path, ylabel="loss", title="Loss (red: skipped steps)")
 
 
 def _plot_grad_norm(plt, rows, path: Path) -> bool:
@@ -154,14 +161,7 @@ def _plot_grad_norm(plt, rows, path: Path) -> bool:
     if clipped:
         ax.scatter(*zip(*clipped, strict=True), s=12, color="tab:orange", label="clipped", zorder=3)
     _mark_skipped(ax, rows)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("total gradient norm")
-    ax.set_title("Gradient norm (red: skipped steps)")
-    ax.legend(loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, ax, path, ylabel="total gradient norm", title="Gradient norm (red: skipped steps)")
 
 
 def _plot_scales(plt, rows, path: Path) -> bool:
@@ -176,15 +176,9 @@ def _plot_scales(plt, rows, path: Path) -> bool:
         xs, ys = _series(rows, key)
         ax.plot(xs, ys, marker=".", linewidth=1, color=colors(i % 20), label=key.removeprefix("fp8state/scale/"))
     ax.set_yscale("log")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("scale (fmax / amax)")
-    ax.set_title(f"Delayed scales per owner ({len(keys)})")
-    if len(keys) <= 16:
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    legend = {"fontsize": 7, "loc": "center left", "bbox_to_anchor": (1.0, 0.5)} if len(keys) <= 16 else False
+    title = f"Delayed scales per owner ({len(keys)})"
+    return _save(plt, fig, ax, path, ylabel="scale (fmax / amax)", title=title, legend=legend)
 
 
 def _plot_throughput(plt, rows, path: Path) -> bool:
@@ -200,14 +194,16 @@ def _plot_throughput(plt, rows, path: Path) -> bool:
     ax.plot(xs, eff, marker="o", color="tab:blue", label=f"effective {unit} (applied steps only)")
     ax.fill_between(xs, eff, raw, color="tab:red", alpha=0.15, label="lost to skipped steps")
     ax.set_ylim(bottom=0)
-    ax.set_xlabel("optimizer step (end of window)")
-    ax.set_ylabel(unit)
-    ax.set_title("Throughput: raw vs effective")
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return _save(
+        plt,
+        fig,
+        ax,
+        path,
+        ylabel=unit,
+        title="Throughput: raw vs effective",
+        xlabel="optimizer step (end of window)",
+        legend={"loc": "lower right"},
+    )
 
 
 def format_summary(summary: dict[str, Any]) -> str:

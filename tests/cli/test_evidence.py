@@ -147,3 +147,16 @@ def test_every_preset_gives_a_valid_config_for_every_run():
             assert cfg.model.d_model > 0, (preset, run)
     big = load_config(*module.PRESETS["gpu_1b"])
     assert (big.model.d_model, big.model.n_layers, big.model.seq_len) == (2048, 20, 2048)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "0"], "--steps=0: expected an integer >= 1"),
+        (["--eval-batches", "-1"], "--eval-batches=-1: expected an integer >= 0"),
+    ],
+)
+def test_bad_counts_are_refused_with_the_argument_named(argv, message):
+    module = _load()
+    with pytest.raises(SystemExit, match=message):
+        module.main([*argv, "--device", "cpu"])

@@ -199,21 +199,29 @@ class StateBank:
         center: torch.Tensor | None = None,
     ) -> None:
         """Set one call's frozen ``scale``/``descale`` cells from ``x``'s own amax (of
-        ``x - center`` for a centered owner): ``fmax / amax / 2**margin``, what a commit
-        computes from a one-entry history. They stay as they are when that amax is zero or
-        non-finite (a non-finite tensor calibrates nothing). For the first call of a fresh
-        owner; on the tensor's device, no host sync; the bank itself is not touched (its
-        scale advances at the commit, from the recorded amax, as always).
+        ``x - center`` for a centered owner): exactly what a commit computes from a one-entry
+        history, by the same op (``fmax / amax / 2**margin``; the cells stay as they are when
+        that amax is zero or non-finite, so a non-finite tensor calibrates nothing). For the
+        first call of a fresh owner; on the tensor's device, no host sync; the bank itself is
+        not touched (its scale advances at the commit, from the recorded amax, as always).
         """
         if x.numel() == 0:
             return
         with torch.no_grad():  # x may require grad (an attention operand): the scale must not
             lo, hi = torch.aminmax(x if center is None else x.float() - center)
-            amax = torch.maximum(lo.abs(), hi.abs()).float()
-            candidate = self.fmax[index] / amax / float(2**margin)
-            ok = torch.isfinite(amax) & (amax > 0) & torch.isfinite(candidate) & (candidate > 0)
-            scale.copy_(torch.where(ok, candidate, scale))
-            descale.copy_(torch.where(ok, torch.reciprocal(candidate), descale))
+            pending = torch.maximum(lo.abs(), hi.abs()).float().reshape(1)
+            device = pending.device
+            ops.update_scales(
+                torch.zeros(1, 1, dtype=torch.float32, device=device),  # an empty one-entry history
+                scale.view(1),
+                descale.view(1),
+                pending,
+                torch.zeros(1, dtype=torch.int32, device=device),
+                torch.ones(1, dtype=torch.bool, device=device),
+                self.fmax[index : index + 1],
+                "max",
+                margin,
+            )
 
     def mask(self, indices: tuple[int, ...]) -> torch.Tensor:
         """A device bool mask selecting ``indices`` (cached: the same set recurs every step)."""

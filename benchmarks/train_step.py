@@ -99,12 +99,14 @@ def saturation_by_role(state, probe) -> dict[str, float]:
     """Share of the elements the probe counted since its last take, per role, that encoding
     clamped to the format's max (one host read: a diagnostic, not for timed steps)."""
     saturated, elements = probe.take()
+    indices = list(elements)
+    counts = torch.stack([saturated[i] for i in indices]).tolist() if indices else []  # the one read
     hits = dict.fromkeys(ROLES, 0)
     totals = dict.fromkeys(ROLES, 0)
-    for index, n in elements.items():
+    for index, count in zip(indices, counts, strict=True):
         role = state.bank.owners[index].role
-        totals[role] += n
-        hits[role] += int(saturated[index])
+        totals[role] += elements[index]
+        hits[role] += int(count)
     return {r: hits[r] / totals[r] for r in ROLES if totals[r]}
 
 

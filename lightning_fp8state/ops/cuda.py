@@ -145,6 +145,13 @@ def _load_marker() -> Path:
     return _build_dir() / f"load-ok-{_schema_hash()}"
 
 
+def _write_load_marker() -> Path:
+    """Record that this build, with these op schemas, loaded cleanly once."""
+    marker = _load_marker()
+    marker.write_text(f"{build_tag()} {_schema_hash()}\n")
+    return marker
+
+
 def _load_check_command() -> list[str]:
     return [sys.executable, "-c", "from lightning_fp8state.ops import cuda; cuda.build()"]
 
@@ -172,8 +179,7 @@ def load_check(timeout_s: float = 3600.0) -> Path:
             f"building and loading the extension in a child process failed (exit status {child.returncode}); "
             f"its output ends with:\n{tail}"
         )
-    marker.write_text(f"{build_tag()} {_schema_hash()}\n")
-    return marker
+    return _write_load_marker()
 
 
 def ensure_loaded() -> bool:
@@ -227,7 +233,7 @@ def extension_info() -> dict:
 
 if __name__ == "__main__":
     path = build(verbose=True)  # loads it here: a rejected registration aborts this command
-    _load_marker().write_text(f"{build_tag()} {_schema_hash()}\n")
+    _write_load_marker()
     _state.update(tried=True, loaded=True, library=path)
     info = extension_info()
     print(f"built {info['library']}\nsha256 {info['sha256']}\nsources {info['source_hash']}")

@@ -19,8 +19,9 @@ project's ``RecomputeAuditor`` (host digests: output bytes, finite mask, consume
 and centers, stamps) and/or a device-side twin (the same comparisons on the device, no
 host copies: for big models). After training, each run's loss on ``--eval-batches`` held-out
 batches (the ones after the training batches, the same for every run) is the loss
-comparison against bf16 that one training batch's noise does not decide. Prints a markdown table in the manner of the seed's
-verification table and, with ``--json``, writes the per-step series.
+comparison against bf16 that one training batch's noise does not decide. Prints a markdown
+table in the manner of the seed's verification table and, with ``--json``, writes the
+per-step series.
 
     python benchmarks/evidence.py --threads 1           # tiny preset on the CPU (minutes)
     python benchmarks/evidence.py --preset gpu --json evidence.json   # GPT-2 small shape, H200

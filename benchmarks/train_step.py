@@ -7,7 +7,9 @@ optimizer step; medians). Variants:
 - ``bf16``: plain ``nn.Linear`` under bf16 autocast (the baseline);
 - ``safe`` / ``naive``: our Fp8Linear (FP8 delayed scaling) in the protocol's safe mode and
   in the seed's defective naive mode;
-- ``torchao``: torchao's float8 training with tensorwise dynamic scaling (the peer).
+- ``torchao``: torchao's float8 training with tensorwise dynamic scaling (the peer);
+- ``safe_unfused`` (on request): ``safe`` with ``fuse_prologues=false``, the LayerNorm and
+  GELU running on their own before the input's quantize (the A/B of the fusion).
 
 With ``--compile`` every block is compiled (``Block.compile()``); our Fp8Linear calls stay
 eager (graph breaks at the protocol's bookkeeping), everything between them is compiled.
@@ -35,6 +37,7 @@ import lightning_fp8state as f8s
 from lightning_fp8state.models import GPT, GPTConfig, MarkovTokens
 
 VARIANTS = ("bf16", "safe", "naive", "torchao")
+EXTRA_VARIANTS = ("safe_unfused",)  # safe with fuse_prologues=false (LayerNorm / GELU not fused)
 
 
 def batches(cfg: GPTConfig, batch: int, n: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -50,11 +53,17 @@ def build(variant: str, cfg: GPTConfig, compile_blocks: bool, exclude: tuple[str
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
     state = None
-    if variant in ("safe", "naive"):
+    if variant in ("safe", "naive", "safe_unfused"):
         # naive mode violates the ledger on purpose (that is the defect): count, do not raise
-        state = f8s.Fp8State(
-            f8s.QuantConfig(mode=variant, ownership="per_layer", strict=variant == "safe", exclude=exclude)
+        mode = "safe" if variant == "safe_unfused" else variant
+        config = f8s.QuantConfig(
+            mode=mode,
+            ownership="per_layer",
+            strict=mode == "safe",
+            exclude=exclude,
+            fuse_prologues=variant != "safe_unfused",
         )
+        state = f8s.Fp8State(config)
         state.convert(model)
     elif variant == "torchao":
         from torchao.float8 import convert_to_float8_training  # noqa: PLC0415  (optional peer)
@@ -183,7 +192,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + EXTRA_VARIANTS)
     p.add_argument("--compile", action="store_true")
     p.add_argument(
         "--exclude-head",
@@ -197,7 +206,9 @@ def main(argv=None) -> list[dict]:
         help="count, per step and role, the FP8 elements clamped to the format's max (a diagnostic: it adds "
         "work and a host read to every step, so the timings are not the benchmark's)",
     )
-    p.add_argument("--profile", nargs="*", default=[], choices=VARIANTS, help="print a kernel table for these")
+    p.add_argument(
+        "--profile", nargs="*", default=[], choices=VARIANTS + EXTRA_VARIANTS, help="print a kernel table for these"
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     cfg = GPTConfig(

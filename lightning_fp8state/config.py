@@ -111,6 +111,10 @@ class QuantConfig:
     backward_format: str = "e5m2"
     # GEMM backend: auto uses torch._scaled_mm where the GPU has it, else the emulation.
     gemm: str = "auto"
+    # Fuse the op that produces a Linear's input (a LayerNorm or a GELU, where the model asks
+    # for it through ``linear_after``) into the input's quantize: one pass writes the FP8
+    # codes and records their amax. false: the prologue runs on its own, then the quantize.
+    fuse_prologues: bool = True
     # How many events of per-event ledger detail to keep (totals are always kept).
     ledger_window: int = 64
     # Per role, how pending amaxes are combined across the data-parallel group before each
@@ -143,7 +147,7 @@ class QuantConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{key}={value!r} is not allowed: expected an integer >= {low}")
-        for key in ("strict", "attn_centered", "attn_quantize_v"):
+        for key in ("strict", "attn_centered", "attn_quantize_v", "fuse_prologues"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}={getattr(self, key)!r} is not allowed: expected true or false")
         m = self.attn_center_momentum

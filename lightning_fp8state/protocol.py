@@ -364,26 +364,34 @@ class QuantProtocol:
         return self._snapshot(owner, role, scale, descale, center, event, region, ordinal)
 
     # -- quantize ------------------------------------------------------------------
-    def quantize(self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase) -> tuple[object, QuantSnapshot]:
+    def quantize(
+        self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase, prologue=None
+    ) -> tuple[object, QuantSnapshot]:
         """Quantize ``x`` for ``role`` of ``record``; returns the data and its paired snapshot.
 
         The data is an FP8 tensor, or for FP4 roles the pair ``(packed uint8, block_scales)``
         (decode it with ``ops.dequantize_fp4(..., snap.descale, snap.layout, dtype, snap.center)``).
         ``phase`` is the call's phase for forward roles and FORWARD for backward roles
         (a backward pass runs once per event; checkpointing re-runs only forwards).
+        With a :class:`~lightning_fp8state.nn.Prologue`, what is quantized (and recorded) is
+        the prologue's output on ``x``, fused into one pass where a kernel takes it.
         """
-        q, snap = self._quantize(record, role, x, phase)
+        q, snap = self._quantize(record, role, x, phase, prologue)
         record.used[role] = snap
         return q, snap
 
-    def _encode(self, x: torch.Tensor, snap: QuantSnapshot):
+    def _encode(self, x: torch.Tensor, snap: QuantSnapshot, prologue=None):
         """Quantize with ``snap``, recording nothing."""
         self.stream_order.use(x.device, snap.scale)
+        if prologue is not None:
+            if snap.layout is None:
+                return prologue.quantize(x, snap.scale, snap.dtype)
+            x = prologue.apply(x)
         if snap.layout is None:
             return ops.quantize_fp8(x, snap.scale, snap.dtype)
         return ops.quantize_fp4(x, snap.scale, snap.layout, snap.center)
 
-    def _encode_record(self, index: int, x: torch.Tensor, snap: QuantSnapshot):
+    def _encode_record(self, index: int, x: torch.Tensor, snap: QuantSnapshot, prologue=None):
         """Quantize with ``snap`` and record into owner ``index``'s pending statistics.
 
         Under the lock: a registration on another thread must not swap the pending buffers
@@ -392,6 +400,10 @@ class QuantProtocol:
         with self._lock:
             bank = self.bank
             self.stream_order.use(x.device, bank.amax_pending, snap.scale)
+            if prologue is not None:
+                if snap.layout is None:
+                    return prologue.quantize(x, snap.scale, snap.dtype, bank.amax_pending, index)
+                x = prologue.apply(x)
             if snap.layout is None:
                 return ops.quantize_fp8_record_amax(x, snap.scale, bank.amax_pending, index, snap.dtype)
             if snap.center is None:
@@ -400,29 +412,31 @@ class QuantProtocol:
                 x, snap.scale, snap.center, bank.amax_pending, bank.center_max, bank.center_min, index, snap.layout
             )
 
-    def _quantize(self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase):
+    def _quantize(self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase, prologue=None):
         owner = record.owners[role]
         index = record.indices[role]
         if phase is Phase.INFERENCE:
             snap = record.snapshots[role]  # a private copy of the live state
             if self.config.mode == "safe":
-                self._calibrate_first_use(None, index, x, snap)
-            return self._encode(x, snap), snap
+                self._calibrate_first_use(None, index, x, snap, prologue)
+            return self._encode(x, snap, prologue), snap
         ev = self._open
         event = (ev if ev is not None else self._require_open(f"quantizing {owner}")).event
         if self.config.mode == "naive":
-            return self._quantize_naive(record, role, x, phase, event)
+            return self._quantize_naive(record, role, x, phase, event, prologue)
         if self.config.mode == "naive_snapshot":
-            return self._quantize_owner_snapshot(record, role, x, phase, event)
+            return self._quantize_owner_snapshot(record, role, x, phase, event, prologue)
         snap = record.snapshots[role]
         if phase is Phase.RECOMPUTE:
             self.ledger.recompute_read(event, owner)
-            return self._encode(x, snap), snap
+            return self._encode(x, snap, prologue), snap
         self._observe(record, role, event, recompute=False)
-        self._calibrate_first_use(ev.calibrated, index, x, snap)
-        return self._encode_record(index, x, snap), snap
+        self._calibrate_first_use(ev.calibrated, index, x, snap, prologue)
+        return self._encode_record(index, x, snap, prologue), snap
 
-    def _calibrate_first_use(self, calibrated: set | None, index: int, x: torch.Tensor, snap: QuantSnapshot) -> None:
+    def _calibrate_first_use(
+        self, calibrated: set | None, index: int, x: torch.Tensor, snap: QuantSnapshot, prologue=None
+    ) -> None:
         """``initial_scale="calibrate"``: an owner with no delayed scale yet gets one from this
         call's own tensor, written into the frozen cells its snapshot views before anything
         reads them (once per event: every later call of the owner in the event, and every
@@ -433,6 +447,8 @@ class QuantProtocol:
             if index in calibrated:
                 return
             calibrated.add(index)
+        if prologue is not None:
+            x = prologue.apply(x)  # the first event only: the prologue's output, materialized
         with self._lock:
             self.stream_order.use(x.device, snap.scale)
             self.bank.calibrate(index, x, snap.scale, snap.descale, self.config.margin, snap.center)
@@ -457,7 +473,7 @@ class QuantProtocol:
             self._open.committed.add(owner)
         self.ledger.commit(event, [owner])
 
-    def _quantize_naive(self, record, role, x, phase, event):
+    def _quantize_naive(self, record, role, x, phase, event, prologue=None):
         """The seed's defect, reproduced on purpose: quantize with live state, record even
         in recompute, advance at once, and hand the consumer the *live* descale (and center),
         which now belong to the next call."""
@@ -465,13 +481,13 @@ class QuantProtocol:
         recompute = phase is Phase.RECOMPUTE
         self._observe(record, role, event, recompute=recompute)
         live = self._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=True)
-        q = self._encode_record(index, x, live)
+        q = self._encode_record(index, x, live, prologue)
         self._advance_now(owner, index, event)
         # the consumer gets the live descale (and center), already advanced for the next call
         # (copies only so that GEMMs get aligned scale pointers; the values are the defect's)
         return q, self._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=True)
 
-    def _quantize_owner_snapshot(self, record, role, x, phase, event):
+    def _quantize_owner_snapshot(self, record, role, x, phase, event, prologue=None):
         """The seed's first attempted fix, reproduced on purpose: the true forward snapshots
         the owner's live state before advancing it after the call, and pairs its data with
         that snapshot; recompute replays *the owner's* latest snapshot, read-only. Correct
@@ -484,11 +500,11 @@ class QuantProtocol:
             if snap is None:
                 raise StateTransitionError(f"{owner} is being recomputed in event {event} but ran no true forward")
             self.ledger.recompute_read(event, owner)
-            return self._encode(x, snap), snap
+            return self._encode(x, snap, prologue), snap
         self._observe(record, role, event, recompute=False)
         snap = self._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=True)
         ev.owner_snapshots[owner] = snap
-        q = self._encode_record(index, x, snap)
+        q = self._encode_record(index, x, snap, prologue)
         self._advance_now(owner, index, event)
         return q, snap
 

@@ -37,6 +37,7 @@ class QuantCfg:
     forward_format: str = "e4m3"
     backward_format: str = "e5m2"
     gemm: str = "auto"  # auto | emulated | scaled_mm
+    fuse_prologues: bool = True  # LayerNorm / GELU written straight as the next Linear's FP8 input
     # role -> none | data_parallel: MAX of pending amaxes across data-parallel ranks
     amax_reduction: dict[str, str] = field(default_factory=lambda: {"weight": "data_parallel"})
     attn_format: str = "nvfp4"  # packed-FP4 attention operands (model.fp4_attention): nvfp4 | mxfp4

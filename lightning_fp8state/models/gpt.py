@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn import Fp4AttentionQuantizer
+from ..nn import Fp4AttentionQuantizer, linear_after
 from ..recompute import checkpoint
 
 __all__ = ["GPT", "GPTConfig"]
@@ -46,14 +46,15 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        # linear_after: the LayerNorm (and below the GELU) fused into an Fp8Linear's input quantize
+        q, k, v = linear_after(self.qkv, x, norm=self.ln1).split(d, dim=-1)
         q, k, v = (z.reshape(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
         if self.attn_quant is not None:  # only the packed codes are saved for backward
             att = self.attn_quant.attention(q, k, v, is_causal=True)
         else:
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return x + linear_after(self.out, linear_after(self.fc, x, norm=self.ln2), activation="gelu")
 
 
 class GPT(nn.Module):

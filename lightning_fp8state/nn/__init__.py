@@ -4,13 +4,17 @@ from .attention import Fp4AttentionQuantizer
 from .convert import ConversionReport, convert_model
 from .gemm import scaled_matmul, scaled_mm_available
 from .linear import LINEAR_ROLES, Fp8Linear
+from .prologue import ACTIVATIONS, Prologue, linear_after
 
 __all__ = [
+    "ACTIVATIONS",
     "LINEAR_ROLES",
     "ConversionReport",
     "Fp4AttentionQuantizer",
     "Fp8Linear",
+    "Prologue",
     "convert_model",
+    "linear_after",
     "scaled_matmul",
     "scaled_mm_available",
 ]

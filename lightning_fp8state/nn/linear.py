@@ -9,6 +9,7 @@ from torch import nn
 from ..protocol import QuantProtocol
 from ..recompute import Phase
 from .gemm import scaled_matmul
+from .prologue import ACTIVATIONS, Prologue
 
 __all__ = ["Fp8Linear", "LINEAR_ROLES"]
 
@@ -22,17 +23,32 @@ def _consume(snap, record, role, protocol):
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, protocol: QuantProtocol, record, phase: Phase, out_dtype, backend):
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias,
+        norm_weight,
+        norm_bias,
+        protocol: QuantProtocol,
+        record,
+        phase: Phase,
+        out_dtype,
+        backend,
+        prologue: Prologue | None,
+    ):
         x2 = x.reshape(-1, x.shape[-1])
-        xq, sx = protocol.quantize(record, "input", x2, phase)
+        xq, sx = protocol.quantize(record, "input", x2, phase, prologue)
         wq, sw = protocol.quantize(record, "weight", weight, phase)
         if phase is not Phase.INFERENCE:
             _consume(sx, record, "input", protocol)
             _consume(sw, record, "weight", protocol)
         y = scaled_matmul(xq, wq.t(), sx.descale, sw.descale, out_dtype, backend, bias)
-        ctx.save_for_backward(xq, wq)
+        # with a prologue, its input is kept for its backward (as the unfused op would keep it)
+        saved = (xq, wq) if prologue is None else (xq, wq, x2, *(prologue.stats or ()))
+        ctx.save_for_backward(*saved)
         ctx.snaps = (sx, sw)
-        ctx.protocol, ctx.record, ctx.backend = protocol, record, backend
+        ctx.protocol, ctx.record, ctx.backend, ctx.prologue = protocol, record, backend, prologue
         ctx.x_dtype, ctx.x_shape, ctx.w_dtype = x.dtype, x.shape, weight.dtype
         ctx.has_bias = bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -40,23 +56,30 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        xq, wq = ctx.saved_tensors
+        xq, wq, *prologue_saved = ctx.saved_tensors
         sx, sw = ctx.snaps
-        protocol, record = ctx.protocol, ctx.record
+        protocol, record, prologue = ctx.protocol, ctx.record, ctx.prologue
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         if not g2.is_contiguous():
             g2 = g2.contiguous()
         gq, sg = protocol.quantize(record, "grad_output", g2, Phase.FORWARD)
         for snap, role in ((sx, "input"), (sw, "weight"), (sg, "grad_output")):
             _consume(snap, record, role, protocol)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = scaled_matmul(gq, wq, sg.descale, sw.descale, ctx.x_dtype, ctx.backend).reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
+        grad_x = grad_w = grad_b = grad_nw = grad_nb = None
+        needs = ctx.needs_input_grad
+        if needs[0] or needs[3] or needs[4]:
+            grad_x = scaled_matmul(gq, wq, sg.descale, sw.descale, ctx.x_dtype, ctx.backend)
+            if prologue is not None:
+                x2, *stats = prologue_saved
+                if stats:
+                    prologue.stats = tuple(stats)
+                grad_x, grad_nw, grad_nb = prologue.backward(grad_x, x2, (needs[0], needs[3], needs[4]))
+            grad_x = None if grad_x is None else grad_x.reshape(ctx.x_shape)
+        if needs[1]:
             grad_w = scaled_matmul(gq.t(), xq, sg.descale, sx.descale, ctx.w_dtype, ctx.backend)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.has_bias and needs[2]:
             grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)  # no float32 copy of g2
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, grad_nw, grad_nb, None, None, None, None, None, None
 
 
 class Fp8Linear(nn.Linear):
@@ -104,9 +127,18 @@ class Fp8Linear(nn.Linear):
     # The protocol's bookkeeping is Python with side effects: under torch.compile the call is
     # a graph break and runs eager; the code around it compiles.
     @torch.compiler.disable
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, *, prologue: str | None = None, norm: nn.LayerNorm | None = None
+    ) -> torch.Tensor:
+        """``self(x)``; with ``prologue="layer_norm"`` (and ``norm``) or ``prologue="gelu"``,
+        ``self(norm(x))`` or ``self(gelu(x))`` with that op fused into the input's quantize
+        (:func:`~lightning_fp8state.nn.linear_after` is the caller's entry point)."""
         protocol = self.protocol
         config = protocol.config
+        fused = self._prologue(prologue, norm)
+        if fused is not None and not (config.quantized and config.fuse_prologues):
+            x = norm(x) if prologue == "layer_norm" else F.gelu(x)  # the same op, unfused
+            fused = None
         roles = LINEAR_ROLES if config.quantized else ()
         phase, record = protocol.enter_call(self.layer_name, roles, x.device)
         if not config.quantized:
@@ -115,11 +147,30 @@ class Fp8Linear(nn.Linear):
             return out
         if not x.is_contiguous():
             x = x.contiguous()
-        args = (x, self.weight, self.bias, protocol, record, phase)
+        nw, nb = (norm.weight, norm.bias) if fused is not None and fused.kind == "layer_norm" else (None, None)
+        args = (x, self.weight, self.bias, nw, nb, protocol, record, phase)
         if torch.is_autocast_enabled(x.device.type):
             with torch.autocast(x.device.type, enabled=False):
-                out = _Fp8LinearFn.apply(*args, torch.get_autocast_dtype(x.device.type), config.gemm)
+                out = _Fp8LinearFn.apply(*args, torch.get_autocast_dtype(x.device.type), config.gemm, fused)
         else:
-            out = _Fp8LinearFn.apply(*args, x.dtype, config.gemm)
+            out = _Fp8LinearFn.apply(*args, x.dtype, config.gemm, fused)
         protocol.observe_output(record, phase, out, record.used)
         return out
+
+    @staticmethod
+    def _prologue(prologue: str | None, norm: nn.LayerNorm | None) -> Prologue | None:
+        if prologue is None:
+            if norm is not None:
+                raise ValueError('Fp8Linear: norm is only taken with prologue="layer_norm"')
+            return None
+        if prologue == "layer_norm":
+            if not isinstance(norm, nn.LayerNorm):
+                raise ValueError(
+                    f'Fp8Linear: prologue="layer_norm" needs norm=<nn.LayerNorm>, got {type(norm).__name__}'
+                )
+            return Prologue.layer_norm(norm)
+        if prologue in ACTIVATIONS:
+            return Prologue(prologue)
+        raise ValueError(
+            f"Fp8Linear: prologue={prologue!r} is not allowed: expected None, 'layer_norm' or one of {ACTIVATIONS}"
+        )

@@ -11,6 +11,7 @@ import torch
 from . import cuda
 from . import library as _library  # noqa: F401  (defines the schemas and kernels)
 from . import library_fp4 as _library_fp4  # noqa: F401  (the FP4 schemas and kernels)
+from . import library_fused as _library_fused  # noqa: F401  (the fused prologue + quantize ops)
 from .reference import (
     amax_reference,
     dequantize_fp8_reference,
@@ -45,6 +46,8 @@ __all__ = [
     "e2m1_encode_reference",
     "fold_center_stats_reference",
     "fp4_amax_reference",
+    "gelu_quantize_fp8",
+    "layer_norm_quantize_fp8",
     "pack_fp4_reference",
     "quantize_fp4",
     "quantize_fp4_centered_record",
@@ -83,6 +86,40 @@ def quantize_fp8_record_amax(
     """Encode ``x`` as FP8 and fold ``max|x|`` into ``amax_pending[slot]`` (NaN sticks)."""
     _on_cuda(x)
     return _ops.quantize_fp8_record_amax(x, scale, amax_pending, slot, dtype)
+
+
+def gelu_quantize_fp8(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    amax_pending: torch.Tensor | None = None,
+    slot: int = 0,
+) -> torch.Tensor:
+    """``quantize_fp8(F.gelu(x), scale, dtype)`` in one pass (bit for bit the same codes);
+    with ``amax_pending``, ``max|gelu(x)|`` is folded into ``amax_pending[slot]``."""
+    _on_cuda(x)
+    if amax_pending is None:
+        return _ops.gelu_quantize_fp8(x, scale, dtype)
+    return _ops.gelu_quantize_fp8_record_amax(x, scale, amax_pending, slot, dtype)
+
+
+def layer_norm_quantize_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    amax_pending: torch.Tensor | None = None,
+    slot: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm over the last dim (numerics: :mod:`.reference_fused`) written straight as FP8
+    codes: ``(codes, mean, rstd)``; with ``amax_pending``, ``max|y|`` is folded into
+    ``amax_pending[slot]``."""
+    _on_cuda(x)
+    if amax_pending is None:
+        return _ops.layer_norm_quantize_fp8(x, weight, bias, eps, scale, dtype)
+    return _ops.layer_norm_quantize_fp8_record_amax(x, weight, bias, eps, scale, amax_pending, slot, dtype)
 
 
 def dequantize_fp8(q: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -68,7 +68,7 @@ class SaturationProbe:
         self._elements: defaultdict[int, int] = defaultdict(int)
         self._hooked: dict[int, CallRecord] = {}  # id -> record (kept alive while armed)
         self._hooks = [
-            m.register_forward_hook(self._after_forward)
+            m.register_forward_hook(self._after_forward, with_kwargs=True)
             for m in model.modules()
             if isinstance(m, Fp8Linear) and m.protocol is protocol
         ]
@@ -86,7 +86,7 @@ class SaturationProbe:
         if self.armed:
             self._tls.last = (record, phase)
 
-    def _after_forward(self, module, args, output) -> None:
+    def _after_forward(self, module, args, kwargs, output) -> None:
         last = getattr(self._tls, "last", None)
         self._tls.last = None
         if not self.armed or last is None:
@@ -95,7 +95,11 @@ class SaturationProbe:
         if record.layer != module.layer_name or not record.owners:
             return
         if phase is Phase.FORWARD:
-            self._count(record, "input", args[0])
+            x = args[0]
+            prologue = module._prologue(kwargs.get("prologue"), kwargs.get("norm"))
+            if prologue is not None:  # what was quantized: the fused prologue's output
+                x = prologue.apply(x)
+            self._count(record, "input", x)
             self._count(record, "weight", module.weight)
         # The output that receives the gradient: the true forward's (no checkpoint,
         # non-reentrant) or the recompute's (reentrant engines run the first forward under

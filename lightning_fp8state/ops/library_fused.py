@@ -1,0 +1,125 @@
+"""The fused prologue + FP8 quantize ops of the ``fp8state`` library: schemas, checks,
+reference and fake kernels (numerics: :mod:`.reference_fused`; CUDA: ``csrc/fused_ops.cu``).
+
+Same conventions as :mod:`.library`. The LayerNorm ops return ``(codes, mean, rstd)``; the
+statistics feed ``aten.native_layer_norm_backward``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference_fused as ref
+from .library import LIB, _check_pending, _expect, check_quantize_args
+from .reference import canonical_nan
+
+__all__ = ["check_layer_norm_args", "layer_norm_max_width"]
+
+LIB.define("gelu_quantize_fp8(Tensor x, Tensor scale, ScalarType dtype) -> Tensor")
+LIB.define(
+    "gelu_quantize_fp8_record_amax(Tensor x, Tensor scale, Tensor(a!) amax_pending, int slot, ScalarType dtype) "
+    "-> Tensor"
+)
+LIB.define(
+    "layer_norm_quantize_fp8(Tensor x, Tensor? weight, Tensor? bias, float eps, Tensor scale, ScalarType dtype) "
+    "-> (Tensor, Tensor, Tensor)"
+)
+LIB.define(
+    "layer_norm_quantize_fp8_record_amax(Tensor x, Tensor? weight, Tensor? bias, float eps, Tensor scale, "
+    "Tensor(a!) amax_pending, int slot, ScalarType dtype) -> (Tensor, Tensor, Tensor)"
+)
+
+_MAX_CHUNKS_PER_THREAD = 8  # the kernel keeps a row in registers: at most 8 chunks of 16 bytes a thread
+
+
+def layer_norm_max_width(dtype: torch.dtype) -> int:
+    """The widest row the fused LayerNorm takes for ``dtype`` (8192 float32, 16384 16-bit)."""
+    return _MAX_CHUNKS_PER_THREAD * ref.LN_THREADS * ref._chunk_width(dtype)
+
+
+def check_layer_norm_args(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, scale, dtype
+) -> None:
+    """Validate the fused LayerNorm's arguments (the quantize ones, the row width, the affine)."""
+    check_quantize_args(x, scale, dtype)
+    _expect(x.dim() >= 1, "x.dim()", ">= 1", x.dim())
+    d = x.shape[-1]
+    width = ref._chunk_width(x.dtype)
+    limit = layer_norm_max_width(x.dtype)
+    _expect(
+        d % width == 0 and 0 < d <= limit,
+        "x.shape[-1]",
+        f"a positive multiple of {width} up to {limit} for {x.dtype}",
+        d,
+    )
+    _expect(eps >= 0, "eps", ">= 0", eps)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        _expect(t.dtype == torch.float32, f"{name}.dtype", "torch.float32", t.dtype)
+        _expect(tuple(t.shape) == (d,), f"{name}.shape", f"({d},) (one value per channel of x)", tuple(t.shape))
+        _expect(t.device == x.device, f"{name}.device", str(x.device), t.device)
+
+
+def _fold(amax_pending: torch.Tensor, slot: int, amax: torch.Tensor) -> None:
+    cell = amax_pending.narrow(0, slot, 1)
+    cell.copy_(canonical_nan(torch.maximum(cell, amax.reshape(1))))
+
+
+@torch.library.impl(LIB, "gelu_quantize_fp8", "CompositeExplicitAutograd")
+def _gelu_quantize_fp8(x, scale, dtype):
+    check_quantize_args(x, scale, dtype)
+    return ref.gelu_quantize_fp8_reference(x, scale, dtype)[0]
+
+
+@torch.library.impl(LIB, "gelu_quantize_fp8_record_amax", "CompositeExplicitAutograd")
+def _gelu_quantize_fp8_record_amax(x, scale, amax_pending, slot, dtype):
+    check_quantize_args(x, scale, dtype)
+    _check_pending(amax_pending, slot, x.device)
+    q, amax = ref.gelu_quantize_fp8_reference(x, scale, dtype)
+    _fold(amax_pending, slot, amax)
+    return q
+
+
+@torch.library.impl(LIB, "layer_norm_quantize_fp8", "CompositeExplicitAutograd")
+def _layer_norm_quantize_fp8(x, weight, bias, eps, scale, dtype):
+    check_layer_norm_args(x, weight, bias, eps, scale, dtype)
+    return ref.layer_norm_quantize_fp8_reference(x, weight, bias, eps, scale, dtype)[:3]
+
+
+@torch.library.impl(LIB, "layer_norm_quantize_fp8_record_amax", "CompositeExplicitAutograd")
+def _layer_norm_quantize_fp8_record_amax(x, weight, bias, eps, scale, amax_pending, slot, dtype):
+    check_layer_norm_args(x, weight, bias, eps, scale, dtype)
+    _check_pending(amax_pending, slot, x.device)
+    q, mean, rstd, amax = ref.layer_norm_quantize_fp8_reference(x, weight, bias, eps, scale, dtype)
+    _fold(amax_pending, slot, amax)
+    return q, mean, rstd
+
+
+def _codes_like(x, dtype):
+    return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+
+
+def _ln_fake(x, dtype):
+    stats = x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+    return _codes_like(x, dtype), stats, torch.empty_like(stats)
+
+
+@torch.library.register_fake("fp8state::gelu_quantize_fp8")
+def _gelu_quantize_fp8_fake(x, scale, dtype):
+    return _codes_like(x, dtype)
+
+
+@torch.library.register_fake("fp8state::gelu_quantize_fp8_record_amax")
+def _gelu_quantize_fp8_record_amax_fake(x, scale, amax_pending, slot, dtype):
+    return _codes_like(x, dtype)
+
+
+@torch.library.register_fake("fp8state::layer_norm_quantize_fp8")
+def _layer_norm_quantize_fp8_fake(x, weight, bias, eps, scale, dtype):
+    return _ln_fake(x, dtype)
+
+
+@torch.library.register_fake("fp8state::layer_norm_quantize_fp8_record_amax")
+def _layer_norm_quantize_fp8_record_amax_fake(x, weight, bias, eps, scale, amax_pending, slot, dtype):
+    return _ln_fake(x, dtype)

@@ -7,6 +7,9 @@
 set -u
 export REPO=$(pwd)
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl >/dev/null 2>&1
+# pip --target keeps a package already in the target (a warm machine has the last call's):
+# start from an empty target so that this checkout is what runs
+rm -rf /tmp/f8s
 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/f8s . >/dev/null 2>&1
 rm -rf /tmp/t && mkdir -p /tmp/t && cp -r tests benchmarks pyproject.toml /tmp/t/
 export PYTHONPATH=/tmp/f8s:$REPO/.site FP8STATE_CACHE_DIR=/tmp/f8c WANDB_MODE=offline

@@ -15,7 +15,10 @@ With ``--compile`` every block is compiled (``Block.compile()``); our Fp8Linear 
 eager (graph breaks at the protocol's bookkeeping), everything between them is compiled.
 Blocks always run through ``lightning_fp8state.checkpoint`` (non-reentrant torch engine).
 
-Prints tokens/s, ms per step, peak memory and the ratios to bf16; ``--json`` writes them.
+Prints tokens/s, ms per step (median of steps timed one by one), peak memory and the ratios
+to bf16, and the mean ms of the same number of steps run back to back (``b2b``: one
+synchronization at the end, as a training loop that does not wait for each step runs);
+``--json`` writes them.
 With ``--sync-check`` one extra safe step runs under ``torch.cuda.set_sync_debug_mode("error")``.
 With ``--saturation`` the FP8 variants also print, per step and role, the share of elements
 that encoding clamped to the format's max (a diagnostic run: its timings include the count).
@@ -148,8 +151,17 @@ def measure(variant: str, cfg: GPTConfig, args, data) -> dict:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    # the same steps back to back, one synchronization at the end: what a loop that does not
+    # wait for each step sees (the per-step timing above also pays the restart of the queue)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.steps):
+        run_step()
+    end.record()
+    end.synchronize()
     result = {
         "variant": variant,
+        "ms_back_to_back": start.elapsed_time(end) / args.steps,
         "ms": statistics.median(times),
         "tokens_per_s": args.batch * cfg.seq_len / (statistics.median(times) / 1e3),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -236,14 +248,19 @@ def main(argv=None) -> list[dict]:
     results = [measure(v, cfg, args, data) for v in args.variants]
     base = next((r for r in results if r["variant"] == "bf16"), None)
     naive = next((r for r in results if r["variant"] == "naive"), None)
-    print(f"{'variant':>8} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'loss':>7} {'speed/bf16':>11}")
+    print(
+        f"{'variant':>12} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'loss':>7} {'speed/bf16':>11} "
+        f"{'b2b ms':>8} {'b2b/bf16':>9}"
+    )
     for r in results:
         rel = base["ms"] / r["ms"] if base else None  # no bf16 run: no ratio
-        r["speed_vs_bf16"] = rel
+        rel_b2b = base["ms_back_to_back"] / r["ms_back_to_back"] if base else None
+        r["speed_vs_bf16"], r["speed_vs_bf16_back_to_back"] = rel, rel_b2b
         shown = f"{rel:>10.2f}x" if rel is not None else f"{'-':>11}"
+        shown_b2b = f"{rel_b2b:>8.2f}x" if rel_b2b is not None else f"{'-':>9}"
         print(
-            f"{r['variant']:>8} {r['ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['peak_gib']:>9.1f} "
-            f"{r['final_loss']:>7.3f} {shown}"
+            f"{r['variant']:>12} {r['ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['peak_gib']:>9.1f} "
+            f"{r['final_loss']:>7.3f} {shown} {r['ms_back_to_back']:>8.1f} {shown_b2b}"
         )
     safe = next((r for r in results if r["variant"] == "safe"), None)
     if safe and naive:

@@ -719,8 +719,8 @@ __global__ void __launch_bounds__(kLnThreads)
     const float var = __fdiv_rn(ln_block_sum(acc2, s_part), fd);
     const float rstd = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps)));
     if (threadIdx.x == 0) {
-      mean_out[row] = mean;
-      rstd_out[row] = rstd;
+      mean_out[row] = from_f32<float>(mean);  // a NaN row: the canonical NaN
+      rstd_out[row] = from_f32<float>(rstd);
     }
 #pragma unroll
     for (int k = 0; k < K; ++k) {

@@ -23,7 +23,8 @@ reproduced here operation for operation, so that kernel and reference agree bit 
   correctly rounded IEEE float32 operation (``eps`` rounded to float32 first);
 - ``y = ((x - mean) * rstd) * weight + bias`` (each step rounded), rounded to ``x``'s dtype.
 
-The statistics (``mean``, ``rstd``, float32, shape ``x.shape[:-1] + (1,)``) are what
+The statistics (``mean``, ``rstd``, float32, shape ``x.shape[:-1] + (1,)``, the canonical NaN
+for a row holding a NaN) are what
 ``aten.native_layer_norm_backward`` takes; it differs from torch's own LayerNorm only in the
 last bits of the float32 results (torch reduces in another order).
 """
@@ -33,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .reference import amax_reference, quantize_fp8_reference
+from .reference import amax_reference, canonical_nan, quantize_fp8_reference
 
 __all__ = [
     "LN_THREADS",
@@ -100,7 +101,8 @@ def layer_norm_reference(
     if bias is not None:
         y = y + bias.detach().to(torch.float32)
     stats_shape = (*x.shape[:-1], 1)
-    return y.to(x.dtype).reshape(x.shape), mean.reshape(stats_shape), rstd.reshape(stats_shape)
+    mean, rstd = (canonical_nan(t).reshape(stats_shape) for t in (mean, rstd))
+    return y.to(x.dtype).reshape(x.shape), mean, rstd
 
 
 def layer_norm_quantize_fp8_reference(

@@ -55,24 +55,30 @@ def _row_sum(v: torch.Tensor, width: int) -> torch.Tensor:
     """Float32 sum over the last dim of ``v [M, d]`` in the kernel's order (module docstring)."""
     m, d = v.shape
     nchunks = d // width
-    rounds = -(-nchunks // LN_THREADS)
+    # Threads without a chunk hold +0.0, and adding +0.0 changes no sum here (a sum from +0.0
+    # is never -0.0): with fewer chunks than threads, only the first power of two of threads
+    # that covers them takes part, and butterfly offsets past it add zeros.
+    threads = LN_THREADS if nchunks >= LN_THREADS else 1 << (nchunks - 1).bit_length()
+    rounds = -(-nchunks // threads)
     chunks = v.reshape(m, nchunks, width)
-    pad = rounds * LN_THREADS - nchunks
+    pad = rounds * threads - nchunks
     if pad:
         chunks = torch.cat([chunks, chunks.new_zeros(m, pad, width)], dim=1)
-    chunks = chunks.reshape(m, rounds, LN_THREADS, width)
-    thread = torch.arange(LN_THREADS, device=v.device)
-    acc = v.new_zeros(m, LN_THREADS)
+    chunks = chunks.reshape(m, rounds, threads, width)
+    thread = torch.arange(threads, device=v.device)
+    acc = v.new_zeros(m, threads)
     for k in range(rounds):
-        valid = (thread + k * LN_THREADS) < nchunks
+        valid = (thread + k * threads) < nchunks
         for e in range(width):
             acc = torch.where(valid, acc + chunks[:, k, :, e], acc)
-    warps = acc.reshape(m, LN_THREADS // _WARP, _WARP)
-    lane = torch.arange(_WARP, device=v.device)
+    lanes = min(threads, _WARP)
+    warps = acc.reshape(m, threads // lanes, lanes)
+    lane = torch.arange(lanes, device=v.device)
     for off in (16, 8, 4, 2, 1):
-        warps = warps + warps[..., lane ^ off]
+        if off < lanes:
+            warps = warps + warps[..., lane ^ off]
     total = warps[:, 0, 0]
-    for w in range(1, LN_THREADS // _WARP):
+    for w in range(1, threads // lanes):
         total = total + warps[:, w, 0]
     return total
 

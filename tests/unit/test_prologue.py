@@ -46,10 +46,13 @@ def scalar_row_sum(row: np.ndarray, width: int) -> np.float32:
     return total
 
 
-@pytest.mark.parametrize("d,width", [(4, 4), (96, 4), (2048, 4), (2052, 4), (4096, 8), (64, 8)])
+@pytest.mark.parametrize(
+    "d,width", [(4, 4), (12, 4), (96, 4), (260, 4), (1028, 4), (2048, 4), (2052, 4), (4096, 8), (64, 8), (24, 8)]
+)
 def test_reference_reduction_order_is_the_kernels(d, width):
     g = torch.Generator().manual_seed(d)
     x = torch.randn(3, d, generator=g) * torch.tensor([[1.0], [1e3], [1e-3]])
+    x[0, : d // 2] = -x[0, d // 2 : 2 * (d // 2)]  # exact cancellations: zero partial sums
     got = ref._row_sum(x, width)
     for r in range(3):
         want = scalar_row_sum(x[r].numpy().astype(np.float32), width)

@@ -265,3 +265,16 @@ def test_saturation_probe_counts_the_prologues_output():
     (index,) = [i for i, o in enumerate(state.protocol.bank.owners) if o.role == "input"]
     assert elements[index] == x.numel()
     assert int(saturated[index]) <= x.numel() // 16  # the LayerNorm's output, not x, was counted
+
+
+def test_opcheck_on_cpu():
+    x = torch.randn(8, 64)
+    w, b = torch.randn(64), torch.randn(64)
+    s = torch.tensor([2.0])
+    pending = torch.zeros(2)
+    torch.library.opcheck(torch.ops.fp8state.gelu_quantize_fp8.default, (x, s, E4M3))
+    torch.library.opcheck(torch.ops.fp8state.gelu_quantize_fp8_record_amax.default, (x, s, pending, 1, E4M3))
+    torch.library.opcheck(torch.ops.fp8state.layer_norm_quantize_fp8.default, (x, w, b, 1e-5, s, E4M3))
+    torch.library.opcheck(
+        torch.ops.fp8state.layer_norm_quantize_fp8_record_amax.default, (x, None, b, 1e-5, s, pending, 0, E4M3)
+    )

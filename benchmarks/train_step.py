@@ -23,7 +23,11 @@ With ``--sync-check`` one extra safe step runs under ``torch.cuda.set_sync_debug
 With ``--saturation`` the FP8 variants also print, per step and role, the share of elements
 that encoding clamped to the format's max (a diagnostic run: its timings include the count).
 
-    python benchmarks/train_step.py [--d-model 2048 --layers 20 --heads 16 --seq 2048 --batch 8]
+    python benchmarks/train_step.py [--d-model 2048 --layers 20 --heads 16 --seq 2048 --batch 32]
+
+The default batch, 32 sequences (65,536 tokens a step, ~70 GiB at peak in bf16), sizes the
+step to fill a large part of one H200 as the end-to-end issue asks; runs before the fifth
+session used ``--batch 8`` (16,384 tokens, ~29 GiB), and each recorded run names its batch.
 """
 
 from __future__ import annotations
@@ -200,7 +204,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--layers", type=int, default=20)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=32)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=5)

@@ -47,6 +47,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         # with a prologue, its input is kept for its backward (as the unfused op would keep it)
         saved = (xq, wq) if prologue is None else (xq, wq, x2, *(prologue.stats or ()))
         ctx.save_for_backward(*saved)
+        if prologue is not None:
+            prologue.stats = None  # saved above (through the saved-tensor hooks), not held twice
         ctx.snaps = (sx, sw)
         ctx.protocol, ctx.record, ctx.backend, ctx.prologue = protocol, record, backend, prologue
         ctx.x_dtype, ctx.x_shape, ctx.w_dtype = x.dtype, x.shape, weight.dtype
@@ -71,9 +73,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             grad_x = scaled_matmul(gq, wq, sg.descale, sw.descale, ctx.x_dtype, ctx.backend)
             if prologue is not None:
                 x2, *stats = prologue_saved
-                if stats:
-                    prologue.stats = tuple(stats)
-                grad_x, grad_nw, grad_nb = prologue.backward(grad_x, x2, (needs[0], needs[3], needs[4]))
+                grad_x, grad_nw, grad_nb = prologue.backward(grad_x, x2, tuple(stats), (needs[0], needs[3], needs[4]))
             grad_x = None if grad_x is None else grad_x.reshape(ctx.x_shape)
         if needs[1]:
             grad_w = scaled_matmul(gq.t(), xq, sg.descale, sx.descale, ctx.w_dtype, ctx.backend)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..ops.library_fused import layer_norm_max_width
+from ..ops.library_fused import layer_norm_width_ok
 
 __all__ = ["ACTIVATIONS", "Prologue", "linear_after"]
 
@@ -28,7 +28,7 @@ class Prologue:
     """One call's prologue: ``layer_norm`` (a module's affine and eps) or ``gelu``.
 
     ``stats`` holds the LayerNorm's ``(mean, rstd)`` after :meth:`quantize` or :meth:`apply`
-    ran (for its backward).
+    ran (the caller saves them for :meth:`backward`).
     """
 
     __slots__ = ("bias", "eps", "kind", "stats", "weight")
@@ -44,10 +44,8 @@ class Prologue:
     def _fusable(self, x: torch.Tensor) -> bool:
         if self.kind == "gelu":
             return True
-        d = x.shape[-1]
         affine_ok = all(t is None or t.dtype == torch.float32 for t in (self.weight, self.bias))
-        width = 16 // x.element_size()
-        return affine_ok and d % width == 0 and d <= layer_norm_max_width(x.dtype)
+        return affine_ok and layer_norm_width_ok(x.dtype, x.shape[-1])
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """The prologue's output as a tensor (no autograd): for paths without a fused kernel."""
@@ -76,11 +74,12 @@ class Prologue:
             self.stats = (mean, rstd)
             return q
 
-    def backward(self, grad_y: torch.Tensor, x: torch.Tensor, needs: tuple[bool, bool, bool]):
-        """Gradients of ``(x, weight, bias)`` from the gradient of the prologue's output."""
+    def backward(self, grad_y: torch.Tensor, x: torch.Tensor, stats: tuple, needs: tuple[bool, bool, bool]):
+        """Gradients of ``(x, weight, bias)`` from the gradient of the prologue's output
+        (``stats``: the LayerNorm's saved ``(mean, rstd)``; empty for the GELU)."""
         if self.kind == "gelu":
             return torch.ops.aten.gelu_backward(grad_y, x), None, None
-        mean, rstd = self.stats
+        mean, rstd = stats
         return torch.ops.aten.native_layer_norm_backward(
             grad_y, x, [x.shape[-1]], mean, rstd, self.weight, self.bias, list(needs)
         )

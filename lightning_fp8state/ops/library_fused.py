@@ -13,7 +13,7 @@ from . import reference_fused as ref
 from .library import LIB, _check_pending, _expect, check_quantize_args
 from .reference import canonical_nan
 
-__all__ = ["check_layer_norm_args", "layer_norm_max_width"]
+__all__ = ["check_layer_norm_args", "layer_norm_max_width", "layer_norm_width_ok"]
 
 LIB.define("gelu_quantize_fp8(Tensor x, Tensor scale, ScalarType dtype) -> Tensor")
 LIB.define(
@@ -37,6 +37,12 @@ def layer_norm_max_width(dtype: torch.dtype) -> int:
     return _MAX_CHUNKS_PER_THREAD * ref.LN_THREADS * ref._chunk_width(dtype)
 
 
+def layer_norm_width_ok(dtype: torch.dtype, d: int) -> bool:
+    """Whether the fused LayerNorm takes rows of ``d`` elements of ``dtype`` (whole 16-byte
+    chunks, at most :func:`layer_norm_max_width`)."""
+    return d % ref._chunk_width(dtype) == 0 and 0 < d <= layer_norm_max_width(dtype)
+
+
 def check_layer_norm_args(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, scale, dtype
 ) -> None:
@@ -44,12 +50,10 @@ def check_layer_norm_args(
     check_quantize_args(x, scale, dtype)
     _expect(x.dim() >= 1, "x.dim()", ">= 1", x.dim())
     d = x.shape[-1]
-    width = ref._chunk_width(x.dtype)
-    limit = layer_norm_max_width(x.dtype)
     _expect(
-        d % width == 0 and 0 < d <= limit,
+        layer_norm_width_ok(x.dtype, d),
         "x.shape[-1]",
-        f"a positive multiple of {width} up to {limit} for {x.dtype}",
+        f"a positive multiple of {ref._chunk_width(x.dtype)} up to {layer_norm_max_width(x.dtype)} for {x.dtype}",
         d,
     )
     _expect(eps >= 0, "eps", ">= 0", eps)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from fnmatch import fnmatch
 
 import torch
@@ -56,7 +57,7 @@ def batches(cfg: GPTConfig, batch: int, n: int, device) -> list[tuple[torch.Tens
     return out
 
 
-def build(variant: str, cfg: GPTConfig, compile_blocks: bool, exclude: tuple[str, ...] = ()):
+def build(variant: str, cfg: GPTConfig, compile_blocks: bool, exclude: tuple[str, ...] = (), graphs: bool = False):
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
     state = None
@@ -79,31 +80,48 @@ def build(variant: str, cfg: GPTConfig, compile_blocks: bool, exclude: tuple[str
     if compile_blocks:
         for block in model.blocks:
             block.compile()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    # capturable: the step counter stays on the device, so the optimizer step can be captured
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True, capturable=graphs)
     return model, state, opt
 
 
-def make_step(model, state, opt, data):
+def make_step(model, state, opt, data, graphs: bool = False, warmup: int = 3):
+    """One training step per call: eager, or (``graphs``) from a whole-step CUDA graph
+    (:class:`lightning_fp8state.GraphedStep`: the same capture for every variant, with the
+    protocol's bookkeeping replayed for ours; ``state=None`` captures the peers)."""
     counter = {"n": 0}
+
+    def body(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            if state is not None:
+                state.commit_forward()
+            loss.backward()
+        return loss.detach()
+
+    if graphs:
+        graphed = f8s.GraphedStep(state, body, *data[0], optimizer=opt, warmup=warmup)
+
+        def graph_step():
+            n = counter["n"]
+            counter["n"] += 1
+            return graphed(n, *data[n % len(data)]).clone()
+
+        return graph_step
 
     def step():
         n = counter["n"]
         counter["n"] += 1
         x, y = data[n % len(data)]
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            if state is None:
-                logits = model(x)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-                loss.backward()
-            else:
-                with state.step(n, 0):
-                    logits = model(x)
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-                    state.commit_forward()
-                    loss.backward()
+        if state is None:
+            loss = body(x, y)
+        else:
+            with state.step(n, 0):
+                loss = body(x, y)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss
 
     return step
 
@@ -126,11 +144,15 @@ def saturation_by_role(state, probe) -> dict[str, float]:
     return {r: hits[r] / totals[r] for r in ROLES if totals[r]}
 
 
-def measure(variant: str, cfg: GPTConfig, args, data) -> dict:
+MODES = ("eager", "compile", "graphs", "compile+graphs")
+
+
+def measure(variant: str, cfg: GPTConfig, args, data, mode: str = "eager") -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model, state, opt = build(variant, cfg, args.compile, ("*head",) if args.exclude_head else ())
-    step = make_step(model, state, opt, data)
+    compiled, graphs = mode.startswith("compile"), mode.endswith("graphs")
+    model, state, opt = build(variant, cfg, compiled, ("*head",) if args.exclude_head else (), graphs)
+    step = make_step(model, state, opt, data, graphs, warmup=max(1, args.warmup - 1))
     probe, saturation = None, []
     if args.saturation and state is not None:
         from lightning_fp8state.telemetry import SaturationProbe  # noqa: PLC0415  (diagnostic only)
@@ -156,15 +178,21 @@ def measure(variant: str, cfg: GPTConfig, args, data) -> dict:
         end.synchronize()
         times.append(start.elapsed_time(end))
     # the same steps back to back, one synchronization at the end: what a loop that does not
-    # wait for each step sees (the per-step timing above also pays the restart of the queue)
+    # wait for each step sees (the per-step timing above also pays the restart of the queue);
+    # the host's time to issue them is read before that synchronization (an upper bound when
+    # the launch queue fills up and makes the host wait for the GPU)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    t0 = time.perf_counter()
     for _ in range(args.steps):
         run_step()
+    host_ms = (time.perf_counter() - t0) * 1e3 / args.steps
     end.record()
     end.synchronize()
     result = {
         "variant": variant,
+        "mode": mode,
+        "host_ms": host_ms,
         "ms_back_to_back": start.elapsed_time(end) / args.steps,
         "ms": statistics.median(times),
         "tokens_per_s": args.batch * cfg.seq_len / (statistics.median(times) / 1e3),
@@ -177,6 +205,16 @@ def measure(variant: str, cfg: GPTConfig, args, data) -> dict:
         print(f"--- {variant}: share of elements clamped to the format's max, per step (warm-up included)")
         for i, row in enumerate(saturation):
             print(f"  step {i:>3}: " + "  ".join(f"{r} {v:.2e}" for r, v in row.items()))
+    if args.busy:  # the GPU's busy time per step: the profiler's device total over 3 steps
+        from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        busy = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
+        result["gpu_busy_ms"] = busy / 3 / 1e3
     if variant in args.profile:
         from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
@@ -209,7 +247,23 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + EXTRA_VARIANTS)
-    p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile", action="store_true", help="the same as --modes compile")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        choices=MODES,
+        help="run every variant in each of these modes (eager; compile: every block compiled; graphs: the "
+        "whole step in a CUDA graph; compile+graphs) and rank each variant by its best mode",
+    )
+    p.add_argument(
+        "--peer-modes",
+        nargs="+",
+        default=None,
+        choices=MODES,
+        help="modes for torchao (default: --modes)",
+    )
+    p.add_argument("--busy", action="store_true", help="also measure the GPU's busy time per step (profiler)")
     p.add_argument(
         "--exclude-head",
         action="store_true",
@@ -243,36 +297,60 @@ def main(argv=None) -> list[dict]:
     except ImportError:
         ao_version = None
         args.variants = [v for v in args.variants if v != "torchao"]
+    modes = args.modes or (["compile"] if args.compile else ["eager"])
     print(
         f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, torchao {ao_version}; "
         f"GPT d={args.d_model} layers={args.layers} seq={args.seq} batch={args.batch} "
-        f"(~{n_params / 1e9:.2f}B params), compile={args.compile}, FP8 head={not args.exclude_head}"
+        f"(~{n_params / 1e9:.2f}B params), modes={modes}, FP8 head={not args.exclude_head}"
     )
     data = batches(cfg, args.batch, 4, "cuda")
-    results = [measure(v, cfg, args, data) for v in args.variants]
-    base = next((r for r in results if r["variant"] == "bf16"), None)
-    naive = next((r for r in results if r["variant"] == "naive"), None)
-    print(
-        f"{'variant':>12} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'loss':>7} {'speed/bf16':>11} "
-        f"{'b2b ms':>8} {'b2b/bf16':>9}"
-    )
-    for r in results:
-        rel = base["ms"] / r["ms"] if base else None  # no bf16 run: no ratio
-        rel_b2b = base["ms_back_to_back"] / r["ms_back_to_back"] if base else None
-        r["speed_vs_bf16"], r["speed_vs_bf16_back_to_back"] = rel, rel_b2b
-        shown = f"{rel:>10.2f}x" if rel is not None else f"{'-':>11}"
-        shown_b2b = f"{rel_b2b:>8.2f}x" if rel_b2b is not None else f"{'-':>9}"
-        print(
-            f"{r['variant']:>12} {r['ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['peak_gib']:>9.1f} "
-            f"{r['final_loss']:>7.3f} {shown} {r['ms_back_to_back']:>8.1f} {shown_b2b}"
-        )
-    safe = next((r for r in results if r["variant"] == "safe"), None)
-    if safe and naive:
-        print(f"safe / naive step time: {safe['ms'] / naive['ms']:.3f}")
+    results = []
+    for v in args.variants:
+        for mode in (args.peer_modes or modes) if v == "torchao" else modes:
+            results.append(measure(v, cfg, args, data, mode))
+            r = results[-1]
+            print(f"  measured {v} ({mode}): {r['ms']:.1f} ms/step, b2b {r['ms_back_to_back']:.1f}", flush=True)
+    report(results)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "torchao": ao_version, "results": results}, fh, indent=1)
     return results
+
+
+def report(results: list[dict]) -> None:
+    """Print every (variant, mode) row with its ratio to bf16's best mode, then each
+    variant's best mode against bf16's best (like with like: every variant in its best mode)."""
+
+    def best(variant, key):
+        rows = [r for r in results if r["variant"] == variant]
+        return min(rows, key=lambda r: r[key]) if rows else None
+
+    base, base_b2b = best("bf16", "ms"), best("bf16", "ms_back_to_back")
+    print(
+        f"{'variant':>12} {'mode':>15} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'loss':>7} "
+        f"{'speed/bf16':>11} {'b2b ms':>8} {'b2b/bf16':>9} {'host ms':>8} {'GPU ms':>7}"
+    )
+    for r in results:
+        r["speed_vs_bf16"] = base["ms"] / r["ms"] if base else None  # against bf16's best mode
+        r["speed_vs_bf16_back_to_back"] = base_b2b["ms_back_to_back"] / r["ms_back_to_back"] if base_b2b else None
+        shown = f"{r['speed_vs_bf16']:>10.2f}x" if base else f"{'-':>11}"
+        shown_b2b = f"{r['speed_vs_bf16_back_to_back']:>8.2f}x" if base_b2b else f"{'-':>9}"
+        busy = f"{r['gpu_busy_ms']:>7.1f}" if "gpu_busy_ms" in r else f"{'-':>7}"
+        print(
+            f"{r['variant']:>12} {r['mode']:>15} {r['ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['peak_gib']:>9.1f} "
+            f"{r['final_loss']:>7.3f} {shown} {r['ms_back_to_back']:>8.1f} {shown_b2b} {r['host_ms']:>8.1f} {busy}"
+        )
+    if base:
+        print(f"best mode of each variant against bf16's best ({base['mode']}, {base['ms']:.1f} ms):")
+        for variant in dict.fromkeys(r["variant"] for r in results):
+            b, b2 = best(variant, "ms"), best(variant, "ms_back_to_back")
+            print(
+                f"  {variant:>12}: per step {b['mode']} {base['ms'] / b['ms']:.2f}x, back to back {b2['mode']} "
+                f"{base_b2b['ms_back_to_back'] / b2['ms_back_to_back']:.2f}x"
+            )
+    safe, naive = best("safe", "ms"), best("naive", "ms")
+    if safe and naive:
+        print(f"safe / naive step time (best modes): {safe['ms'] / naive['ms']:.3f}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from .errors import (
 )
 from .formats import E4M3, E5M2, MXFP4, NVFP4, Fp4Layout, Fp8Format
 from .fp8state import STATE_FORMAT_VERSION, Fp8State
+from .graphs import GraphedStep
 from .nn import Fp4AttentionQuantizer, Fp8Linear, convert_model
 from .recompute import Phase, checkpoint
 from .state import OwnerKey, QuantSnapshot
@@ -57,6 +58,7 @@ __all__ = [
     "Fp8Format",
     "Fp8Linear",
     "Fp8State",
+    "GraphedStep",
     "OwnerAlignmentError",
     "OwnerKey",
     "Phase",

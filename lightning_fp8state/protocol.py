@@ -213,7 +213,7 @@ class QuantProtocol:
         """The entrant's identity (``current_stream_ident``), noting its CUDA stream for the
         cross-stream ordering; the current stream is looked up once."""
         if device.type == "cuda":
-            current = torch.cuda.current_stream(device)
+            current = self.stream_order.resolve(torch.cuda.current_stream(device))
             self.stream_order.enter(device, current)
             return current_stream_ident(device, current)
         return current_stream_ident(device)
@@ -299,6 +299,12 @@ class QuantProtocol:
                 width = int(channels[role])
             owners[role] = owner
             if self.bank.device is None or owner not in self.bank.index:
+                if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    raise StateTransitionError(
+                        f"{owner} is first seen during a CUDA graph capture: registering it reallocates "
+                        "the state bank and its first event calibrates on the host, which a replay cannot "
+                        "repeat. Run every layer in an eager event first (GraphedStep's warmup)"
+                    )
                 self.stream_order.structural(device)  # registration reallocates the bank
             indices[role] = self.bank.register(owner, self.role_format(role), device, width)
         return owners, indices

@@ -115,6 +115,20 @@ class Ledger:
                         "exactly once per owner per logical event",
                     )
 
+    def replay(self, event: Event, template: dict[OwnerKey, EventRecord]) -> None:
+        """Count ``event`` as a replay of a captured event whose per-owner records are
+        ``template`` (a CUDA graph runs the captured device work again: the same recordings,
+        recompute reads and commits, with no Python per call; see ``graphs.py``)."""
+        with self._lock:
+            if event in self._events:
+                raise StateTransitionError(f"event {event} was already counted: a replay is a new logical event")
+            for owner, rec in template.items():
+                mine = self._record(event, owner)
+                mine.observations, mine.commits = rec.observations, rec.commits
+                mine.recompute_reads, mine.sites = rec.recompute_reads, set(rec.sites)
+                self._commits[owner] += rec.commits
+                self._observations[owner] += rec.observations
+
     def check_event(self, event: Event) -> None:
         """At an event's end: every owner that observed was committed exactly once."""
         for owner, rec in list(self._events.get(event, {}).items()):

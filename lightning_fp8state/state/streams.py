@@ -28,6 +28,24 @@ class StreamOrder:
         self._streams: dict[tuple[int, int], torch.cuda.Stream] = {}
         self._struct: torch.cuda.Stream | None = None
         self._lock = threading.Lock()
+        # (device, stream handle) -> the stream it stands for: a CUDA-graph capture (or its
+        # warm-up) runs on a side stream on behalf of the training stream (graphs.py)
+        self._alias: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+    def alias(self, stream: torch.cuda.Stream, as_stream: torch.cuda.Stream) -> None:
+        """Treat work on ``stream`` as work of ``as_stream`` (one entrant, not a second stream)."""
+        with self._lock:
+            self._alias[(stream.device_index, stream.cuda_stream)] = as_stream
+
+    def unalias(self, stream: torch.cuda.Stream) -> None:
+        with self._lock:
+            self._alias.pop((stream.device_index, stream.cuda_stream), None)
+
+    def resolve(self, stream: torch.cuda.Stream) -> torch.cuda.Stream:
+        """The stream ``stream`` stands for (itself unless aliased)."""
+        if not self._alias:
+            return stream
+        return self._alias.get((stream.device_index, stream.cuda_stream), stream)
 
     @property
     def active(self) -> bool:
@@ -35,14 +53,16 @@ class StreamOrder:
         return len(self._streams) > 1
 
     def _current(self, device: torch.device | None, stream: torch.cuda.Stream | None = None):
+        """The current stream (registered under the stream it stands for)."""
         if device is None or device.type != "cuda":
             return None
         if stream is None:
             stream = torch.cuda.current_stream(device)
-        key = (stream.device_index, stream.cuda_stream)
+        entrant = self.resolve(stream)
+        key = (entrant.device_index, entrant.cuda_stream)
         if key not in self._streams:
             with self._lock:
-                self._streams.setdefault(key, stream)
+                self._streams.setdefault(key, entrant)
         return stream
 
     def enter(self, device: torch.device | None, stream: torch.cuda.Stream | None = None) -> None:
@@ -55,11 +75,12 @@ class StreamOrder:
         cur = self._current(device)
         if cur is None:
             return
+        entrant = self.resolve(cur)
         if self.active:
             for key, stream in list(self._streams.items()):
-                if key != (cur.device_index, cur.cuda_stream):
+                if key != (entrant.device_index, entrant.cuda_stream):
                     cur.wait_stream(stream)
-        self._struct = cur
+        self._struct = entrant
 
     def use(self, device: torch.device | None, *shared: torch.Tensor) -> None:
         """Call right before reading or writing bank (or frozen) tensors on the current stream."""
@@ -67,7 +88,7 @@ class StreamOrder:
             return
         cur = torch.cuda.current_stream(device)
         struct = self._struct
-        if struct is not None and struct.cuda_stream != cur.cuda_stream:
+        if struct is not None and struct.cuda_stream != self.resolve(cur).cuda_stream:
             cur.wait_stream(struct)
             for t in shared:
                 if t.is_cuda:

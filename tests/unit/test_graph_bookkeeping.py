@@ -1,0 +1,43 @@
+"""The host side of CUDA-graph replays (no GPU needed): the ledger counts a replayed event
+like its captured template, refuses to count one event twice, and GraphedStep refuses
+inputs it cannot capture with a message naming the argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_fp8state as f8s
+from tests.conftest import make_stack, run_events
+
+
+def test_ledger_replay_counts_the_template_once_per_event():
+    state = f8s.Fp8State(f8s.QuantConfig())
+    model = state.convert(make_stack(n=2, d=16))
+    run_events(state, model, [torch.randn(8, 16) for _ in range(2)])
+    template = state.ledger.event((1, 0))
+    owners = list(template)
+    assert owners and all(r.commits == 1 for r in template.values())
+    before = {o: state.ledger.commits(o) for o in owners}
+    state.ledger.replay((2, 0), template)
+    for o in owners:
+        assert state.ledger.commits(o) == before[o] + 1
+        assert state.ledger.commits(o, (2, 0)) == 1
+        assert state.ledger.observations(o, (2, 0)) == template[o].observations
+    with pytest.raises(f8s.StateTransitionError, match="already counted"):
+        state.ledger.replay((2, 0), template)
+    assert state.ledger.ok
+
+
+def test_graphed_step_refuses_what_it_cannot_capture():
+    state = f8s.Fp8State(f8s.QuantConfig())
+    with pytest.raises(f8s.ConfigError, match="state: expected an Fp8State"):
+        f8s.GraphedStep(object(), lambda: None)
+    if not torch.cuda.is_available():
+        with pytest.raises(f8s.ConfigError, match="needs a CUDA device"):
+            f8s.GraphedStep(state, lambda x: x, torch.zeros(2))
+        return
+    with pytest.raises(f8s.ConfigError, match=r"warmup=0 is not allowed"):
+        f8s.GraphedStep(state, lambda x: x, torch.zeros(2, device="cuda"), warmup=0)
+    with pytest.raises(f8s.ConfigError, match=r"sample_inputs\[0\]: expected a CUDA tensor"):
+        f8s.GraphedStep(state, lambda x: x, torch.zeros(2))

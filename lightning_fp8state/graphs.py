@@ -218,7 +218,7 @@ class GraphedStep:
         if self.optimizer is not None:
             # gradients are allocated inside the graph and written afresh by every replay
             self.optimizer.zero_grad(set_to_none=True)
-        before = None if state is None else (state.bank.version, len(state.ledger.violations))
+        version = None if state is None else state.bank.version
         graph = torch.cuda.CUDAGraph()
 
         def capture():
@@ -227,30 +227,23 @@ class GraphedStep:
 
         outputs = self._on_side_stream(capture)
         if state is not None:
-            self._template = self._captured_template(*before)
-            self._captured_version, self._captured_config = before[0], state.config
+            self._template = self._captured_template(version)
+            self._captured_version, self._captured_config = version, state.config
         self.graph, self.outputs = graph, outputs
         graph.replay()  # the capture recorded the work of this call's event; run it
         self.replays += 1
         return outputs
 
-    def _captured_template(self, version: int, violations: int) -> dict:
-        """The captured event's per-owner ledger records, once the capture proved replayable."""
+    def _captured_template(self, version: int) -> dict:
+        """The captured event's per-owner ledger records (what every replay counts again;
+        in strict mode a violation already raised during the capture)."""
         state = self.state
         if state.bank.version != version:
             raise StateTransitionError(
                 "GraphedStep: an owner registered during the capture (the bank was reallocated); "
                 "raise warmup so that every layer runs in an eager event first"
             )
-        if len(state.ledger.violations) != violations:
-            raise StateTransitionError(
-                f"GraphedStep: the captured event broke the protocol: {state.ledger.violations[-1].message}"
-            )
-        template = state.ledger.event(state.clock.last)
-        wrong = [o for o, r in template.items() if r.observations and r.commits != 1]
-        if wrong:
-            raise StateTransitionError(f"GraphedStep: the captured event did not commit {wrong[0]} exactly once")
-        return template
+        return state.ledger.event(state.clock.last)
 
 
 def _describe(x) -> str:

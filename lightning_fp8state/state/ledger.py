@@ -118,16 +118,47 @@ class Ledger:
     def replay(self, event: Event, template: dict[OwnerKey, EventRecord]) -> None:
         """Count ``event`` as a replay of a captured event whose per-owner records are
         ``template`` (a CUDA graph runs the captured device work again: the same recordings,
-        recompute reads and commits, with no Python per call; see ``graphs.py``)."""
+        recompute reads and commits, with no Python per call; see ``graphs.py``).
+
+        What the capture violated, the replay violates again, and is counted (or raised, in
+        strict mode) the same way: a replay of a defect is no less a defect.
+        """
         with self._lock:
             if event in self._events:
                 raise StateTransitionError(f"event {event} was already counted: a replay is a new logical event")
             for owner, rec in template.items():
                 mine = self._record(event, owner)
                 mine.observations, mine.commits = rec.observations, rec.commits
-                mine.recompute_reads, mine.sites = rec.recompute_reads, set(rec.sites)
+                mine.recompute_reads, mine.recompute_records = rec.recompute_reads, rec.recompute_records
+                mine.sites = set(rec.sites)
                 self._commits[owner] += rec.commits
-                self._observations[owner] += rec.observations
+                self._observations[owner] += rec.observations + rec.recompute_records
+        for owner, rec in template.items():
+            if rec.recompute_records:
+                self._violate(
+                    event,
+                    owner,
+                    "record_in_recompute",
+                    f"{owner} recorded an amax during recompute of "
+                    f"event {event} (a CUDA-graph replay of a capture that did)",
+                )
+            if len(rec.sites) > 1:
+                self._violate(
+                    event,
+                    owner,
+                    "shared_owner",
+                    f"{owner} was entered by {len(rec.sites)} call sites "
+                    f"in event {event} (a CUDA-graph replay of a capture that was)",
+                )
+            if rec.commits > 1:
+                self._violate(
+                    event,
+                    owner,
+                    "second_commit",
+                    f"{owner} committed {rec.commits} times in event "
+                    f"{event} (a CUDA-graph replay of a capture that did)",
+                )
+        self.check_event(event)
 
     def check_event(self, event: Event) -> None:
         """At an event's end: every owner that observed was committed exactly once."""

@@ -96,8 +96,12 @@ def test_graphed_naive_mode_still_differs_from_safe():
     """The capture records whatever the mode does: the seed's defect replays too."""
     data = batches(5)
     _, _, l_safe, _ = run_graphed(data, "safe")
-    _, _, l_naive, _ = run_graphed(data, "naive")
+    _, s_naive, l_naive, graphed = run_graphed(data, "naive")
+    assert graphed.replays == 3
     assert not bitwise_equal(l_safe, l_naive)
+    # the ledger counts the replayed defect too: second commits in every replayed event
+    replayed = {v.event for v in s_naive.ledger.violations if v.kind == "second_commit"}
+    assert {(2, 0), (3, 0), (4, 0)} <= replayed
 
 
 def test_a_replay_does_not_sync():

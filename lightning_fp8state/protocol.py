@@ -57,6 +57,12 @@ from .state import (
 
 __all__ = ["QuantProtocol"]
 
+# Roles whose tensor is the same in the true forward and its recompute by construction (a
+# parameter: the optimizer steps between events, never inside one). Their recompute reuses the
+# true forward's encoded tensor (held by the call record until the event ends: 1 byte an
+# element) instead of launching the encode again; the bytes are the same either way.
+REUSED_ROLES = frozenset({"weight"})
+
 
 @dataclass
 class _OpenEvent:
@@ -435,10 +441,16 @@ class QuantProtocol:
         snap = record.snapshots[role]
         if phase is Phase.RECOMPUTE:
             self.ledger.recompute_read(event, owner)
+            encoded = record.encoded.get(role)
+            if encoded is not None:  # the true forward's bytes, encoded with this snapshot
+                return encoded, snap
             return self._encode(x, snap, prologue), snap
         self._observe(record, role, event, recompute=False)
         self._calibrate_first_use(ev.calibrated, index, x, snap, prologue)
-        return self._encode_record(index, x, snap, prologue), snap
+        q = self._encode_record(index, x, snap, prologue)
+        if role in REUSED_ROLES:
+            record.encoded[role] = q
+        return q, snap
 
     def _calibrate_first_use(
         self, calibrated: set | None, index: int, x: torch.Tensor, snap: QuantSnapshot, prologue=None

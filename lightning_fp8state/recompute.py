@@ -169,6 +169,9 @@ class CallRecord:
     snapshots: dict[str, QuantSnapshot]
     recomputes: int = 0
     used: dict = field(default_factory=dict)  # role -> the snapshot the last run consumed
+    # role -> the true forward's encoded tensor, for roles whose input cannot change inside
+    # an event (the weight): its recompute reuses the bytes instead of encoding them again
+    encoded: dict = field(default_factory=dict)
 
 
 class SnapshotStash:

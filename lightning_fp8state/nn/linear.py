@@ -124,15 +124,20 @@ class Fp8Linear(nn.Linear):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, layer={self.layer_name!r}, recipe={self.protocol.config.recipe}"
 
-    # The protocol's bookkeeping is Python with side effects: under torch.compile the call is
-    # a graph break and runs eager; the code around it compiles.
-    @torch.compiler.disable
     def forward(
         self, x: torch.Tensor, *, prologue: str | None = None, norm: nn.LayerNorm | None = None
     ) -> torch.Tensor:
         """``self(x)``; with ``prologue="layer_norm"`` (and ``norm``) or ``prologue="gelu"``,
         ``self(norm(x))`` or ``self(gelu(x))`` with that op fused into the input's quantize
         (:func:`~lightning_fp8state.nn.linear_after` is the caller's entry point)."""
+        # The protocol's bookkeeping is Python with side effects: under torch.compile the call
+        # is a graph break and runs eager (the code around it compiles). Eagerly the call goes
+        # straight in: the disable wrapper's frame handling costs host time on every call.
+        if torch.compiler.is_compiling():
+            return self._forward_outside_graph(x, prologue, norm)
+        return self._forward(x, prologue, norm)
+
+    def _forward(self, x: torch.Tensor, prologue: str | None, norm: nn.LayerNorm | None) -> torch.Tensor:
         protocol = self.protocol
         config = protocol.config
         fused = self._prologue(prologue, norm)
@@ -156,6 +161,8 @@ class Fp8Linear(nn.Linear):
             out = _Fp8LinearFn.apply(*args, x.dtype, config.gemm, fused)
         protocol.observe_output(record, phase, out, record.used)
         return out
+
+    _forward_outside_graph = torch.compiler.disable(_forward)
 
     @staticmethod
     def _prologue(prologue: str | None, norm: nn.LayerNorm | None) -> Prologue | None:

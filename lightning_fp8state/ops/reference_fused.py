@@ -48,7 +48,7 @@ _WARP = 32
 
 
 def _chunk_width(dtype: torch.dtype) -> int:
-    return 16 // torch.empty((), dtype=dtype).element_size()
+    return 16 // dtype.itemsize
 
 
 def _row_sum(v: torch.Tensor, width: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Loading a run configuration: schema defaults <- configs/ pieces <- recipe <- overrides.
 
-A recipe is a YAML file (a path, or a name under the package's ``recipes/``) that may list
-reusable pieces under ``base:`` (paths relative to the package's ``configs/``). Every error —
+A recipe is a YAML file (a path, or a name under ``recipes/``) that may list reusable
+pieces under ``base:`` (paths relative to ``configs/``); both folders ship with the package
+(:mod:`lightning_fp8state.shipped`). Every error —
 unknown key, wrong type, value out of range, missing file — is a ``ConfigError`` whose
 message names the key (or path) and what is allowed.
 """
@@ -16,13 +17,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..config import QuantConfig
 from ..errors import ConfigError
+from ..shipped import shipped_dir
 from .schema import RunCfg
 
 __all__ = ["CONFIGS_DIR", "DEFAULT_RECIPE", "RECIPES_DIR", "load_config", "resolve_recipe", "validate"]
 
-PACKAGE = Path(__file__).resolve().parent.parent
-CONFIGS_DIR = PACKAGE / "configs"
-RECIPES_DIR = PACKAGE / "recipes"
+CONFIGS_DIR = shipped_dir("configs")
+RECIPES_DIR = shipped_dir("recipes")
 DEFAULT_RECIPE = "tiny_gpt_cpu"
 
 _CHOICES = {

@@ -123,7 +123,7 @@ class Fp8StateCallback(Callback):
             )
         # the strategy's choice of engine for unnamed lightning_fp8state.checkpoint calls
         # travels with the state (bound while its events are open), not through a global
-        engine = getattr(trainer.strategy, "fp8state_checkpoint_engine", None)
+        engine = getattr(getattr(trainer, "strategy", None), "fp8state_checkpoint_engine", None)
         if engine is not None:
             self.state.checkpoint_engine = engine
         self._module_id = id(pl_module)

@@ -11,6 +11,7 @@ under (``test_this_checkout_reads_the_root_folders``).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -70,14 +71,33 @@ def _probe(python: Path | str, cwd: Path, env: dict | None = None) -> dict:
     return json.loads(out.stdout)
 
 
+# what pyproject.toml ships of each folder
+_SHIPPED_PATTERNS = {"csrc": ("*.cu", "*.cuh", "*.h"), "configs": ("*/*.yaml",), "recipes": ("*.yaml",)}
+
+
 def _expected_files() -> dict:
-    return {n: sorted(str(p.relative_to(ROOT / n)) for p in (ROOT / n).rglob("*") if p.is_file()) for n in SHIPPED}
+    return {
+        n: sorted(str(p.relative_to(ROOT / n)) for pattern in _SHIPPED_PATTERNS[n] for p in (ROOT / n).glob(pattern))
+        for n in SHIPPED
+    }
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
+def source_tree(tmp_path_factory) -> Path:
+    """A copy of the checkout without build outputs: setuptools packs whatever an earlier build
+    left in ``build/lib`` (files since renamed or removed too) into the next wheel."""
+    copy = tmp_path_factory.mktemp("source") / "lightning_fp8state"
+    skip = shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", "runs", "wandb", ".venv*", ".*_cache", ".hypothesis"
+    )
+    shutil.copytree(ROOT, copy, ignore=skip)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def wheel(source_tree, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(out), str(ROOT))
+    _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(out), str(source_tree))
     return next(out.glob("lightning_fp8state-*.whl"))
 
 
@@ -151,11 +171,11 @@ def test_a_target_install_finds_its_folders(wheel, tmp_path):
         assert found[name] == files, name
 
 
-def test_a_plain_install_from_the_source_tree_finds_its_folders(tmp_path):
+def test_a_plain_install_from_the_source_tree_finds_its_folders(source_tree, tmp_path):
     """``pip install <checkout>`` (not editable): pip builds from the tree itself, not from a
     wheel file (into a ``--target``: the build backend needs this environment's setuptools)."""
     target = tmp_path / "target"
-    _pip("install", "--no-deps", "--no-build-isolation", "--no-index", "--target", str(target), str(ROOT))
+    _pip("install", "--no-deps", "--no-build-isolation", "--no-index", "--target", str(target), str(source_tree))
     found = _probe(sys.executable, tmp_path, {**os.environ, "PYTHONPATH": str(target)})
     assert Path(found["package"]).is_relative_to(target / "lightning_fp8state"), found["package"]
     for name, files in _expected_files().items():

@@ -1,20 +1,35 @@
-"""QuantConfig: the one plain dataclass that configures the quantizer protocol."""
+"""QuantConfig: the one plain dataclass that configures the quantizer protocol.
+
+Every choice and bound of the configuration is a constant here (or in ``formats``), checked
+once, in ``QuantConfig.__post_init__``; the op checks in ``ops/`` read the same constants, and
+``tests/unit/test_config_rules.py`` holds the CUDA kernels' own checks in ``csrc/`` to them.
+The ``require_*`` helpers are how every config dataclass (the model's, the CLI's sections)
+states its rules, so that each error names the key and what is allowed.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
 from .errors import ConfigError
+from .formats import FP4_LAYOUTS, FP8_FORMATS
 
 __all__ = [
     "AMAX_ALGOS",
     "AMAX_REDUCTIONS",
+    "CENTER_MOMENTUM_MAX",
     "FP4_LAYOUT_NAMES",
+    "FP8_NAMES",
     "INITIAL_SCALES",
+    "MARGIN_MAX",
     "MODES",
     "OWNERSHIP_SCOPES",
     "RECIPES",
     "QuantConfig",
+    "require_bool",
+    "require_choice",
+    "require_int",
+    "require_number",
 ]
 
 RECIPES = ("fp8_delayed", "bf16")
@@ -23,7 +38,7 @@ MODES = ("safe", "naive", "naive_snapshot")
 AMAX_ALGOS = ("max", "most_recent")
 # Which OwnerKey fields tell owners apart. per_model exists only to reproduce the defect.
 OWNERSHIP_SCOPES = ("per_model", "per_layer", "per_layer_rank", "per_layer_rank_stream")
-FP8_NAMES = ("e4m3", "e5m2")
+FP8_NAMES = tuple(FP8_FORMATS)  # ("e4m3", "e5m2")
 GEMM_BACKENDS = ("auto", "emulated", "scaled_mm")
 # How a role's pending amax is combined across processes before its commit.
 # none: each rank keeps its own history. data_parallel: MAX over the data-parallel group.
@@ -33,21 +48,56 @@ AMAX_REDUCTIONS = ("none", "data_parallel")
 # per commit. Inputs and gradients depend on each rank's data; a per-rank scale fits that
 # rank's data best, so reducing them is opt-in.
 DEFAULT_AMAX_REDUCTION = (("weight", "data_parallel"),)
-FP4_LAYOUT_NAMES = ("nvfp4", "mxfp4")
+FP4_LAYOUT_NAMES = tuple(FP4_LAYOUTS)  # ("nvfp4", "mxfp4")
+# scale = fmax / amax / 2**margin, margin in [0, MARGIN_MAX]. The CUDA update_scales takes
+# 2**margin as a float32 (ldexpf) and checks margin < MARGIN_MAX + 1 (csrc/fp8state_ops.cu);
+# the reference op and QuantConfig check the same bound.
+MARGIN_MAX = 126
+# The running center's step at a commit: c += momentum * (midrange - c), momentum in
+# (0, CENTER_MOMENTUM_MAX] (update_centers: ops/library_fp4.py, csrc/fp4_ops.cu).
+CENTER_MOMENTUM_MAX = 1.0
 # The scale of an owner that has none yet (its first event). calibrate: from that call's own
 # amax; one: 1.0 until the first commit.
 INITIAL_SCALES = ("calibrate", "one")
 
 
-def _choice(key: str, value: object, allowed: tuple) -> None:
-    if value not in allowed:
+def require_choice(key: str, value: object, allowed: tuple) -> None:
+    """Raise ``ConfigError`` naming ``key`` unless ``value`` is one of ``allowed``."""
+    if isinstance(value, bool) or value not in allowed:
         raise ConfigError(f"{key}={value!r} is not allowed: expected one of {list(allowed)}")
+
+
+def require_int(key: str, value: object, low: int, high: int | None = None) -> None:
+    """Raise ``ConfigError`` naming ``key`` unless ``value`` is an integer in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f">= {low} and <= {high}"
+        raise ConfigError(f"{key}={value!r} is not allowed: expected an integer {bound}")
+
+
+def require_number(key: str, value: object, low: float, high: float | None = None, *, low_open: bool = False) -> float:
+    """``value`` as a float; ``ConfigError`` naming ``key`` unless it is a number in the range
+    (``low`` excluded when ``low_open``, ``high`` included)."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    ok = ok and (value > low if low_open else value >= low) and (high is None or value <= high)
+    if not ok:
+        if high is None:
+            bound = f"> {low:g}" if low_open else f">= {low:g}"
+        else:
+            bound = f"in ({low:g}, {high:g}]" if low_open else f"in [{low:g}, {high:g}]"
+        raise ConfigError(f"{key}={value!r} is not allowed: expected a number {bound}")
+    return float(value)
+
+
+def require_bool(key: str, value: object) -> None:
+    """Raise ``ConfigError`` naming ``key`` unless ``value`` is a bool."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} is not allowed: expected true or false")
 
 
 def _reduction_pairs(value: object) -> tuple[tuple[str, str], ...]:
     """Normalize ``amax_reduction`` (a mode, a mapping or (role, mode) pairs) to sorted pairs."""
     if isinstance(value, str):
-        _choice("amax_reduction", value, AMAX_REDUCTIONS)
+        require_choice("amax_reduction", value, AMAX_REDUCTIONS)
         return (("*", value),)
     try:
         items = list(value.items()) if hasattr(value, "items") else [tuple(p) for p in value]
@@ -61,7 +111,7 @@ def _reduction_pairs(value: object) -> tuple[tuple[str, str], ...]:
         if len(item) != 2 or not isinstance(item[0], str) or not item[0]:
             raise ConfigError(f"amax_reduction entry {item!r} is not allowed: expected role -> mode")
         role, mode = item
-        _choice(f"amax_reduction[{role!r}]", mode, AMAX_REDUCTIONS)
+        require_choice(f"amax_reduction[{role!r}]", mode, AMAX_REDUCTIONS)
         pairs[role] = mode
     return tuple(sorted(pairs.items()))
 
@@ -134,26 +184,22 @@ class QuantConfig:
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        _choice("recipe", self.recipe, RECIPES)
-        _choice("mode", self.mode, MODES)
-        _choice("amax_algo", self.amax_algo, AMAX_ALGOS)
-        _choice("initial_scale", self.initial_scale, INITIAL_SCALES)
-        _choice("ownership", self.ownership, OWNERSHIP_SCOPES)
-        _choice("forward_format", self.forward_format, FP8_NAMES)
-        _choice("backward_format", self.backward_format, FP8_NAMES)
-        _choice("gemm", self.gemm, GEMM_BACKENDS)
-        _choice("attn_format", self.attn_format, FP4_LAYOUT_NAMES)
-        for key, low in (("history_len", 1), ("margin", 0), ("ledger_window", 1)):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{key}={value!r} is not allowed: expected an integer >= {low}")
+        require_choice("recipe", self.recipe, RECIPES)
+        require_choice("mode", self.mode, MODES)
+        require_choice("amax_algo", self.amax_algo, AMAX_ALGOS)
+        require_choice("initial_scale", self.initial_scale, INITIAL_SCALES)
+        require_choice("ownership", self.ownership, OWNERSHIP_SCOPES)
+        require_choice("forward_format", self.forward_format, FP8_NAMES)
+        require_choice("backward_format", self.backward_format, FP8_NAMES)
+        require_choice("gemm", self.gemm, GEMM_BACKENDS)
+        require_choice("attn_format", self.attn_format, FP4_LAYOUT_NAMES)
+        require_int("history_len", self.history_len, 1)
+        require_int("margin", self.margin, 0, MARGIN_MAX)
+        require_int("ledger_window", self.ledger_window, 1)
         for key in ("strict", "attn_centered", "attn_quantize_v", "fuse_prologues"):
-            if not isinstance(getattr(self, key), bool):
-                raise ConfigError(f"{key}={getattr(self, key)!r} is not allowed: expected true or false")
-        m = self.attn_center_momentum
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 < m <= 1.0:
-            raise ConfigError(f"attn_center_momentum={m!r} is not allowed: expected a number in (0, 1]")
-        object.__setattr__(self, "attn_center_momentum", float(m))
+            require_bool(key, getattr(self, key))
+        m = require_number("attn_center_momentum", self.attn_center_momentum, 0, CENTER_MOMENTUM_MAX, low_open=True)
+        object.__setattr__(self, "attn_center_momentum", m)
         for key in ("include", "exclude"):
             value = getattr(self, key)
             if isinstance(value, str):

@@ -7,10 +7,11 @@ from dataclasses import fields
 import torch
 from torch import nn
 
-from .config import QuantConfig
+from .config import QuantConfig, require_choice
 from .errors import StateLoadError, StateTransitionError
 from .nn import ConversionReport, convert_model
 from .protocol import QuantProtocol
+from .recompute import ENGINES, bind_event_engine, unbind_event_engine
 
 __all__ = ["STATE_FORMAT_VERSION", "Fp8State"]
 
@@ -51,9 +52,53 @@ class Fp8State(QuantProtocol):
                 loss.backward()
     """
 
-    def __init__(self, config: QuantConfig | None = None, *, rank: int = 0) -> None:
+    def __init__(self, config: QuantConfig | None = None, *, rank: int = 0, checkpoint_engine: str = "torch") -> None:
+        """
+        Args:
+            config: the quantization configuration (default: ``QuantConfig()``).
+            rank: this process's rank (part of every owner's key under per_layer_rank*).
+            checkpoint_engine: what ``lightning_fp8state.checkpoint(fn, *args)`` runs when it
+                names no engine, while an event of this state is open: ``"torch"`` or
+                ``"deepspeed"`` (the fp8state_deepspeed strategy sets it on the callback's
+                state when DeepSpeed's activation checkpointing features are on).
+        """
         super().__init__(config if config is not None else QuantConfig(), rank=rank)
         self.last_conversion: ConversionReport | None = None
+        self.checkpoint_engine = checkpoint_engine
+        self._engine_binding = None
+
+    @property
+    def checkpoint_engine(self) -> str:
+        """The engine of unnamed ``checkpoint()`` calls inside this state's events."""
+        return self._checkpoint_engine
+
+    @checkpoint_engine.setter
+    def checkpoint_engine(self, engine: str) -> None:
+        require_choice("checkpoint_engine", engine, ENGINES)
+        self._checkpoint_engine = engine
+
+    # -- events: the checkpoint engine is bound while one is open ------------------
+    def begin_event(self, step: int | None = None, microbatch: int = 0):
+        event = super().begin_event(step, microbatch)
+        self._engine_binding = bind_event_engine(self._checkpoint_engine)
+        return event
+
+    def end_event(self) -> None:
+        try:
+            super().end_event()
+        finally:
+            self._unbind_engine()
+
+    def abort_event(self) -> None:
+        try:
+            super().abort_event()
+        finally:
+            self._unbind_engine()
+
+    def _unbind_engine(self) -> None:
+        if self._engine_binding is not None and self.clock.event is None:
+            unbind_event_engine(self._engine_binding)
+            self._engine_binding = None
 
     @property
     def protocol(self) -> QuantProtocol:

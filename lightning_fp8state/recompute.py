@@ -8,6 +8,7 @@ call inside finds exactly the snapshot its true forward made, in any traversal o
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import itertools
 import threading
@@ -23,36 +24,58 @@ from .errors import AmbiguousRecomputeError, ConfigError
 from .state import Event, OwnerKey, QuantSnapshot
 
 __all__ = [
+    "ENGINES",
     "CallRecord",
     "Phase",
     "RegionFrame",
     "SnapshotStash",
+    "bind_event_engine",
     "checkpoint",
     "current_frame",
     "default_engine",
     "in_backward",
-    "set_default_engine",
+    "unbind_event_engine",
 ]
 
 ENGINES = ("torch", "deepspeed")
-# The engine ``checkpoint(fn, *args)`` uses when none is named. The fp8state_deepspeed
-# strategy sets "deepspeed" while DeepSpeed's activation checkpointing features
-# (partitioned activations, CPU checkpointing, contiguous memory) are configured.
-_default_engine = "torch"
+# The engine of ``checkpoint(fn, *args)`` calls that name none travels with the state, not
+# through a process-wide default: an Fp8State binds its ``checkpoint_engine`` here while its
+# logical event is open (in this thread's context), and unbinds it when the event closes.
+_event_engine: contextvars.ContextVar[str | None] = contextvars.ContextVar("fp8state_event_engine", default=None)
+
+
+def _check_engine(engine: str) -> None:
+    if engine not in ENGINES:
+        raise ConfigError(f"engine={engine!r} is not allowed: expected one of {list(ENGINES)}")
 
 
 def default_engine() -> str:
-    """The engine :func:`checkpoint` uses when called without ``engine``."""
-    return _default_engine
+    """The engine :func:`checkpoint` uses here when called without ``engine``.
+
+    The ``checkpoint_engine`` of the Fp8State whose event is open in this context; inside a
+    region where that binding is not visible (a recompute run by the autograd engine's device
+    thread), the one its enclosing region's call resolved; else ``"torch"``.
+    """
+    bound = _event_engine.get()
+    if bound is not None:
+        return bound
+    frame = current_frame()
+    return frame.default_engine if frame is not None else "torch"
 
 
-def set_default_engine(engine: str) -> str:
-    """Make ``engine`` the default of :func:`checkpoint`; returns the previous default."""
-    global _default_engine
-    if engine not in ENGINES:
-        raise ConfigError(f"engine={engine!r} is not allowed: expected one of {list(ENGINES)}")
-    previous, _default_engine = _default_engine, engine
-    return previous
+def bind_event_engine(engine: str) -> contextvars.Token:
+    """Make ``engine`` the default of :func:`checkpoint` in this context until
+    :func:`unbind_event_engine` (called by a state at its event's open and close)."""
+    _check_engine(engine)
+    return _event_engine.set(engine)
+
+
+def unbind_event_engine(token: contextvars.Token) -> None:
+    """Undo :func:`bind_event_engine`."""
+    try:
+        _event_engine.reset(token)
+    except ValueError:  # closed from another context than it was opened in
+        _event_engine.set(None)
 
 
 class Phase(enum.Enum):
@@ -69,6 +92,7 @@ class RegionFrame:
     phase: Phase
     layer_calls: defaultdict = field(default_factory=lambda: defaultdict(int))
     child_regions: int = 0
+    default_engine: str = "torch"  # what an unnamed checkpoint() nested in this region runs
 
     def next_ordinal(self, layer: str) -> int:
         n = self.layer_calls[layer]
@@ -115,9 +139,9 @@ def checkpoint(fn: Callable, *args: Any, engine: str | None = None, use_reentran
         *args: its positional inputs.
         engine: ``"torch"`` (``torch.utils.checkpoint.checkpoint``) or ``"deepspeed"``
             (``deepspeed.checkpointing.checkpoint``, always reentrant; no ``configure``
-            needed on the CPU). ``None``: :func:`default_engine` (``"torch"`` unless a
-            strategy routed checkpointing to DeepSpeed), or ``"torch"`` when torch-only
-            keyword arguments are given.
+            needed on the CPU). ``None``: :func:`default_engine` (the open event's state's
+            ``checkpoint_engine``: ``"torch"`` unless set, e.g. by the fp8state_deepspeed
+            strategy), or ``"torch"`` when torch-only keyword arguments are given.
         use_reentrant: torch engine only: the reentrant (True) or non-reentrant variant.
         **kwargs: passed to the engine (torch: ``preserve_rng_state``, ``context_fn``,
             ``determinism_check``, ``debug``, ``early_stop``; region keyword inputs are
@@ -126,10 +150,10 @@ def checkpoint(fn: Callable, *args: Any, engine: str | None = None, use_reentran
     Returns:
         Whatever ``fn`` returns.
     """
+    nested_default = default_engine()
     if engine is None:  # torch-only keywords keep the torch engine
-        engine = "torch" if kwargs else _default_engine
-    if engine not in ENGINES:
-        raise ConfigError(f"engine={engine!r} is not allowed: expected one of {list(ENGINES)}")
+        engine = "torch" if kwargs else nested_default
+    _check_engine(engine)
     key = _new_region_key()
     calls = itertools.count()
 
@@ -137,7 +161,7 @@ def checkpoint(fn: Callable, *args: Any, engine: str | None = None, use_reentran
         first = next(calls) == 0
         phase = Phase.FORWARD if first and not in_backward() else Phase.RECOMPUTE
         stack = _stack()
-        stack.append(RegionFrame(key, phase))
+        stack.append(RegionFrame(key, phase, default_engine=nested_default))
         try:
             return fn(*inner_args, **inner_kwargs)
         finally:

@@ -1,13 +1,89 @@
-"""The run configuration schema: plain (non-frozen) dataclasses that omegaconf types and
-validates. Each field's comment is its documentation."""
+"""The run configuration schema: plain (non-frozen) dataclasses that omegaconf types.
+
+Two sections are the library's own configurations, not restated: ``model`` is ``GPTConfig``
+itself, and ``quant`` is ``QuantCfg``, a non-frozen twin generated from ``QuantConfig``'s
+fields (omegaconf makes a frozen dataclass a read-only node that rejects merges), with the
+same names and defaults in types omegaconf can hold (tuples as lists, ``amax_reduction``'s
+(role, mode) pairs as a mapping). Their documentation is the comment on each field in
+``config.py`` and ``models/gpt.py``. The other sections belong to the CLI and are defined
+here. Every section checks its own choices and bounds in ``__post_init__`` (``QuantConfig``
+for ``quant``), which ``cli.config.validate`` runs; a recipe that wants other defaults than
+these says so in its YAML.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import typing
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
+from pathlib import Path
 
+from ..config import QuantConfig, require_bool, require_choice, require_int, require_number
+from ..errors import ConfigError
+from ..models.data import DATA_SOURCES
 from ..models.gpt import GPTConfig
 
-__all__ = ["DataCfg", "GPTConfig", "QuantCfg", "RunCfg", "StrategyCfg", "TelemetryCfg", "TrainerCfg"]
+__all__ = [
+    "ACCELERATORS",
+    "PRECISIONS",
+    "STRATEGIES",
+    "WANDB_MODES",
+    "DataCfg",
+    "GPTConfig",
+    "QuantCfg",
+    "RunCfg",
+    "StrategyCfg",
+    "TelemetryCfg",
+    "TrainerCfg",
+    "schema_twin",
+]
+
+WANDB_MODES = ("offline", "online", "disabled")
+ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+STRATEGIES = ("auto", "fp8state_ddp", "fp8state_deepspeed")
+ZERO_STAGES = (1, 3)  # lowest and highest DeepSpeed ZeRO stage
+
+
+def _omegaconf_type(tp: object, default: object) -> tuple[object, object]:
+    """The type and default omegaconf can hold for a dataclass field of type ``tp``:
+    ``tuple[X, ...]`` becomes ``list[X]``, a tuple of (key, value) pairs ``dict[K, V]``."""
+    if typing.get_origin(tp) is tuple:
+        item = typing.get_args(tp)[0]
+        if typing.get_origin(item) is tuple and len(typing.get_args(item)) == 2:
+            key, value = typing.get_args(item)
+            return dict[key, value], field(default_factory=lambda d=default: dict(d))
+        return list[item], field(default_factory=lambda d=default: list(d))
+    return tp, default
+
+
+def schema_twin(cls: type, name: str, *, skip: tuple[str, ...] = ()) -> type:
+    """A non-frozen dataclass with ``cls``'s fields (minus ``skip``), defaults and order.
+
+    Args:
+        cls: a dataclass whose field types are scalars, ``tuple[X, ...]`` or tuples of pairs.
+        name: the twin's class name.
+        skip: fields the twin leaves out.
+
+    Returns:
+        The twin class; it checks nothing itself (``cls`` does, when built from its values).
+    """
+    hints = typing.get_type_hints(cls)
+    spec = []
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        if f.default is MISSING:
+            raise TypeError(f"{cls.__name__}.{f.name}: a schema twin needs a default for every field")
+        tp, default = _omegaconf_type(hints[f.name], f.default)
+        spec.append((f.name, tp, default))
+    twin = make_dataclass(name, spec)
+    twin.__module__ = __name__
+    twin.__doc__ = f"The fields of {cls.__module__}.{cls.__qualname__}, for omegaconf (validated by it)."
+    return twin
+
+
+# QuantConfig's fields, for omegaconf: validated by QuantConfig.from_dict (cli.config.quant_config)
+QuantCfg = schema_twin(QuantConfig, "QuantCfg", skip=("extra",))
 
 
 @dataclass
@@ -19,31 +95,15 @@ class DataCfg:
     seed: int = 0
     num_workers: int = 0
 
-
-@dataclass
-class QuantCfg:
-    """The library's QuantConfig, field for field (validated by it)."""
-
-    recipe: str = "fp8_delayed"  # fp8_delayed | bf16
-    history_len: int = 16
-    margin: int = 0
-    amax_algo: str = "max"  # max | most_recent
-    initial_scale: str = "calibrate"  # calibrate (first event: from the call's own amax) | one
-    mode: str = "safe"  # safe | naive | naive_snapshot
-    ownership: str = "per_layer_rank"  # per_model | per_layer | per_layer_rank | per_layer_rank_stream
-    strict: bool = False  # raise at the first protocol violation (else count it)
-    include: list[str] = field(default_factory=lambda: ["*"])
-    exclude: list[str] = field(default_factory=lambda: ["*head"])  # keep the output head in high precision
-    forward_format: str = "e4m3"
-    backward_format: str = "e5m2"
-    gemm: str = "auto"  # auto | emulated | scaled_mm
-    fuse_prologues: bool = True  # LayerNorm / GELU written straight as the next Linear's FP8 input
-    # role -> none | data_parallel: MAX of pending amaxes across data-parallel ranks
-    amax_reduction: dict[str, str] = field(default_factory=lambda: {"weight": "data_parallel"})
-    attn_format: str = "nvfp4"  # packed-FP4 attention operands (model.fp4_attention): nvfp4 | mxfp4
-    attn_centered: bool = False  # centered variant: quantize x - running per-channel center
-    attn_center_momentum: float = 0.5
-    attn_quantize_v: bool = False
+    def __post_init__(self) -> None:
+        require_choice("source", self.source, DATA_SOURCES)
+        require_int("batch_size", self.batch_size, 1)
+        require_int("num_samples", self.num_samples, 1)
+        require_int("num_workers", self.num_workers, 0)
+        if self.source in ("text", "bin") and not self.path:
+            raise ConfigError(f"path is required when data.source={self.source!r}")
+        if self.path and not Path(self.path).is_file():
+            raise ConfigError(f"path={self.path!r}: no such file")
 
 
 @dataclass
@@ -52,6 +112,11 @@ class TelemetryCfg:
     project: str = "fp8state"
     log_every_n_steps: int = 10
     audit: bool = False  # attach the recompute auditor during training (diagnostic, slower)
+
+    def __post_init__(self) -> None:
+        require_choice("wandb", self.wandb, WANDB_MODES)
+        require_int("log_every_n_steps", self.log_every_n_steps, 1)
+        require_bool("audit", self.audit)
 
 
 @dataclass
@@ -73,6 +138,17 @@ class TrainerCfg:
     checkpoint_every_n_steps: int = 100
     deterministic: bool = False
 
+    def __post_init__(self) -> None:
+        require_choice("accelerator", self.accelerator, ACCELERATORS)
+        require_choice("precision", self.precision, PRECISIONS)
+        for key in ("max_steps", "devices", "num_nodes", "accumulate_grad_batches", "checkpoint_every_n_steps"):
+            require_int(key, getattr(self, key), 1)
+        for key in ("warmup_steps", "schedule_steps"):
+            require_int(key, getattr(self, key), 0)
+        for key in ("gradient_clip_val", "lr", "weight_decay"):
+            require_number(key, getattr(self, key), 0)
+        require_bool("deterministic", self.deterministic)
+
 
 @dataclass
 class StrategyCfg:
@@ -82,6 +158,12 @@ class StrategyCfg:
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
 
+    def __post_init__(self) -> None:
+        require_choice("name", self.name, STRATEGIES)
+        require_int("zero_stage", self.zero_stage, *ZERO_STAGES)
+        for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
+            require_bool(key, getattr(self, key))
+
 
 @dataclass
 class RunCfg:
@@ -89,7 +171,7 @@ class RunCfg:
     out_dir: str = "runs"  # the run directory is out_dir/name
     model: GPTConfig = field(default_factory=GPTConfig)  # the model, field for field
     data: DataCfg = field(default_factory=DataCfg)
-    quant: QuantCfg = field(default_factory=QuantCfg)
+    quant: QuantCfg = field(default_factory=QuantCfg)  # QuantConfig, field for field
     telemetry: TelemetryCfg = field(default_factory=TelemetryCfg)
     trainer: TrainerCfg = field(default_factory=TrainerCfg)
     strategy: StrategyCfg = field(default_factory=StrategyCfg)

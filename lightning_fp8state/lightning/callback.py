@@ -121,6 +121,11 @@ class Fp8StateCallback(Callback):
                 f"this Fp8StateCallback's state belongs to rank {self.state.rank}, but it runs on rank "
                 f"{trainer.global_rank}: create a new callback for a run with another process layout"
             )
+        # the strategy's choice of engine for unnamed lightning_fp8state.checkpoint calls
+        # travels with the state (bound while its events are open), not through a global
+        engine = getattr(getattr(trainer, "strategy", None), "fp8state_checkpoint_engine", None)
+        if engine is not None:
+            self.state.checkpoint_engine = engine
         self._module_id = id(pl_module)
         self._convert(pl_module)
         if self.audit and self.auditor is None:

@@ -23,7 +23,6 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from ..errors import StateLoadError
-from ..recompute import set_default_engine
 from .callback import Fp8StateCallback
 from .deepspeed_accumulation import (
     ACCUMULATION_FORMAT_VERSION,
@@ -134,7 +133,6 @@ class Fp8StateDeepSpeedStrategy(DeepSpeedStrategy):
                     "contiguous_memory_optimization=True needs num_checkpoints=<checkpointed regions per "
                     "forward>: DeepSpeed sizes the contiguous buffer from it"
                 )
-        self._previous_engine: str | None = None
 
     @property
     def activation_checkpointing_config(self) -> dict:
@@ -149,6 +147,13 @@ class Fp8StateDeepSpeedStrategy(DeepSpeedStrategy):
         ac = self.activation_checkpointing_config
         features = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
         return "deepspeed" if any(ac.get(k) for k in features) else None
+
+    @property
+    def fp8state_checkpoint_engine(self) -> str | None:
+        """Read by :class:`Fp8StateCallback` at setup: the ``checkpoint_engine`` of its state
+        (the engine of unnamed ``lightning_fp8state.checkpoint`` calls inside its events);
+        ``None`` leaves the state's own."""
+        return self.routed_engine
 
     @property
     def fp8state_process_group(self) -> Any:
@@ -170,9 +175,6 @@ class Fp8StateDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         _require_callback(trainer, self.strategy_name)
-        engine = self.routed_engine
-        if engine is not None and self._previous_engine is None:
-            self._previous_engine = set_default_engine(engine)
         super().setup(trainer)
 
     @override
@@ -282,13 +284,6 @@ class Fp8StateDeepSpeedStrategy(DeepSpeedStrategy):
                     f"the engine's accumulated gradients{why}: the resumed run is not an exact continuation"
                 )
         return checkpoint
-
-    @override
-    def teardown(self) -> None:
-        if self._previous_engine is not None:
-            set_default_engine(self._previous_engine)
-            self._previous_engine = None
-        super().teardown()
 
     @classmethod
     @override

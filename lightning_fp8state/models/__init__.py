@@ -1,6 +1,6 @@
 """Reference models and data for examples, recipes and benchmarks."""
 
-from .data import MarkovTokens, ResumableLoader, TokenFile, make_dataset
+from .data import DATA_SOURCES, MarkovTokens, ResumableLoader, TokenFile, make_dataset
 from .gpt import GPT, GPTConfig
 
-__all__ = ["GPT", "GPTConfig", "MarkovTokens", "ResumableLoader", "TokenFile", "make_dataset"]
+__all__ = ["DATA_SOURCES", "GPT", "GPTConfig", "MarkovTokens", "ResumableLoader", "TokenFile", "make_dataset"]

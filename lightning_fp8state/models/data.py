@@ -10,7 +10,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..errors import ConfigError
 
-__all__ = ["MarkovTokens", "ResumableLoader", "TokenFile", "make_dataset"]
+__all__ = ["DATA_SOURCES", "MarkovTokens", "ResumableLoader", "TokenFile", "make_dataset"]
+
+# markov: generated, seeded; text: a UTF-8 file, bytes as tokens; bin: a uint16 token memmap
+DATA_SOURCES = ("markov", "text", "bin")
 
 
 class MarkovTokens(Dataset):
@@ -77,7 +80,7 @@ def make_dataset(source: str, *, vocab_size: int, seq_len: int, length: int, see
         if not path:
             raise ConfigError(f"data.source={source!r} needs data.path")
         return TokenFile(path, seq_len, vocab_size)
-    raise ConfigError(f"data.source={source!r} is not allowed: expected one of ['markov', 'text', 'bin']")
+    raise ConfigError(f"data.source={source!r} is not allowed: expected one of {list(DATA_SOURCES)}")
 
 
 class ResumableLoader(DataLoader):

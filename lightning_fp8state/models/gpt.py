@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import require_bool, require_choice, require_int
+from ..errors import ConfigError
 from ..nn import Fp4AttentionQuantizer, linear_after
-from ..recompute import checkpoint
+from ..recompute import ENGINES, checkpoint
 
 __all__ = ["GPT", "GPTConfig"]
 
@@ -29,6 +31,16 @@ class GPTConfig:
     # q and k (and v, if the QuantConfig says so) through a packed-FP4 operand quantizer;
     # head_dim = d_model / n_heads must be a multiple of the FP4 block (16 NVFP4, 32 MXFP4)
     fp4_attention: bool = False
+
+    def __post_init__(self) -> None:
+        require_int("vocab_size", self.vocab_size, 2)
+        for key in ("seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
+            require_int(key, getattr(self, key), 1)
+        for key in ("checkpoint", "use_reentrant", "fp4_attention"):
+            require_bool(key, getattr(self, key))
+        require_choice("checkpoint_engine", self.checkpoint_engine, ENGINES)
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"d_model={self.d_model} is not allowed: expected a multiple of n_heads={self.n_heads}")
 
 
 class Block(nn.Module):

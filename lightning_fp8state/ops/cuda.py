@@ -1,4 +1,4 @@
-"""Lazy build and load of the CUDA kernels in ``lightning_fp8state/csrc/``.
+"""Lazy build and load of the CUDA kernels in ``csrc/`` (see :mod:`lightning_fp8state.shipped`).
 
 The first op called on a CUDA tensor builds the extension with
 ``torch.utils.cpp_extension`` (cached on disk: later processes load it in well under a
@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from ..shipped import shipped_dir
+
 __all__ = [
     "HEADERS",
     "SOURCES",
@@ -62,8 +64,8 @@ _state: dict = {"tried": False, "loaded": False, "error": None, "library": None}
 
 
 def source_dir() -> Path:
-    """The csrc/ folder shipped inside the installed package."""
-    return Path(__file__).resolve().parent.parent / "csrc"
+    """The ``csrc/`` folder: inside the installed package, or at the root of a source checkout."""
+    return shipped_dir("csrc")
 
 
 def _archs() -> str:

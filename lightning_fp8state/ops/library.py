@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import AMAX_ALGOS
+from ..config import AMAX_ALGOS, MARGIN_MAX
 from ..formats import FP8_FORMATS
 from . import reference as ref
 
@@ -89,7 +89,7 @@ def check_update_args(
         if name != "amax_history":
             _expect(tuple(t.shape) == (n,), f"{name}.shape", f"({n},)", tuple(t.shape))
     _expect(amax_algo in AMAX_ALGOS, "amax_algo", f"one of {list(AMAX_ALGOS)}", repr(amax_algo))
-    _expect(margin >= 0, "margin", "an integer >= 0", margin)
+    _expect(0 <= margin <= MARGIN_MAX, "margin", f"an integer >= 0 and <= {MARGIN_MAX}", margin)
 
 
 @torch.library.impl(LIB, "quantize_fp8", "CompositeExplicitAutograd")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import CENTER_MOMENTUM_MAX
 from ..formats import FP4_LAYOUTS
 from . import reference_fp4 as ref
 from .library import LIB, _check_pending, _check_scalar, _expect
@@ -83,7 +84,7 @@ def check_update_centers_args(center, center_max, center_min, commit_mask, momen
     _expect(commit_mask.dtype == torch.bool, "commit_mask.dtype", "torch.bool", commit_mask.dtype)
     _expect(tuple(commit_mask.shape) == (n,), "commit_mask.shape", f"({n},)", tuple(commit_mask.shape))
     _expect(commit_mask.device == device, "commit_mask.device", str(device), commit_mask.device)
-    _expect(0.0 < momentum <= 1.0, "momentum", "0 < momentum <= 1", momentum)
+    _expect(0.0 < momentum <= CENTER_MOMENTUM_MAX, "momentum", f"0 < momentum <= {CENTER_MOMENTUM_MAX:g}", momentum)
 
 
 def _record_stats(x, center, amax_pending, slot, center_max=None, center_min=None) -> None:

@@ -47,6 +47,19 @@ def test_kernels_loaded_and_scaled_mm_available():
     assert gemm.scaled_mm_available(torch.device("cuda")), torch.cuda.get_device_capability()
 
 
+def test_scaled_mm_takes_scales_from_16_byte_cells_of_one_buffer():
+    """What the frozen snapshot layout relies on (state/bank.py: one 16-byte cell per value):
+    _scaled_mm accepts scale pointers at 16-byte offsets into one buffer, as in every event
+    (found by hand on the H200, 2026-11-30: a 4-byte offset fails with CUBLAS_STATUS_NOT_SUPPORTED)."""
+    a = torch.randn(64, 256, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(512, 256, device="cuda").to(torch.float8_e4m3fn).t()
+    cells = torch.ones(64, device="cuda")
+    reference = torch._scaled_mm(a, b, scale_a=cells[0], scale_b=cells[8], out_dtype=torch.bfloat16)
+    for offset in (4, 12):  # 16 and 48 bytes
+        out = torch._scaled_mm(a, b, scale_a=cells[offset], scale_b=cells[offset + 8], out_dtype=torch.bfloat16)
+        assert bitwise_equal(out, reference)
+
+
 def test_scaled_mm_path_is_taken(monkeypatch):
     calls = []
     real = torch._scaled_mm

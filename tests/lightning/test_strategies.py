@@ -109,37 +109,54 @@ def test_deepspeed_strategy_arguments_are_validated(kwargs, match):
 
 
 def test_routing_sends_the_wrapper_through_deepspeeds_engine_and_stays_exact(monkeypatch):
-    """With the default engine set to DeepSpeed (what the strategy does in setup),
-    lightning_fp8state.checkpoint(fn, x) runs deepspeed.checkpointing.checkpoint, and the
-    result equals the torch engine's bitwise; torch-only keywords keep the torch engine."""
+    """With the state's checkpoint engine set to DeepSpeed (what the callback does at setup
+    with the strategy's routed engine), lightning_fp8state.checkpoint(fn, x) inside its events
+    runs deepspeed.checkpointing.checkpoint, and the result equals the torch engine's bitwise;
+    torch-only keywords keep the torch engine. No process-wide default changes."""
     calls = []
     real = deepspeed.checkpointing.checkpoint
     monkeypatch.setattr(deepspeed.checkpointing, "checkpoint", lambda fn, *a: calls.append(fn) or real(fn, *a))
     results = {}
     for engine in ("torch", "deepspeed"):
-        previous = f8s.recompute.set_default_engine(engine)
-        try:
-            state = f8s.Fp8State(f8s.QuantConfig())
-            torch.manual_seed(0)
-            block = state.convert(torch.nn.Sequential(Block(16)))
-            x = torch.randn(4, 16, requires_grad=True)
-            with f8s.RecomputeAuditor(state) as auditor, state.step(0):
-                y = f8s.checkpoint(block, x)
-                state.commit_forward()
-                y.float().pow(2).mean().backward()
-            assert auditor.report().ok and auditor.report().recomputed >= 1
-            results[engine] = (y.detach(), x.grad)
-        finally:
-            f8s.recompute.set_default_engine(previous)
+        state = f8s.Fp8State(f8s.QuantConfig(), checkpoint_engine=engine)
+        torch.manual_seed(0)
+        block = state.convert(torch.nn.Sequential(Block(16)))
+        x = torch.randn(4, 16, requires_grad=True)
+        with f8s.RecomputeAuditor(state) as auditor, state.step(0):
+            assert f8s.recompute.default_engine() == engine
+            y = f8s.checkpoint(block, x)
+            state.commit_forward()
+            y.float().pow(2).mean().backward()
+        assert auditor.report().ok and auditor.report().recomputed >= 1
+        results[engine] = (y.detach(), x.grad)
+        assert f8s.recompute.default_engine() == "torch"  # outside the event: the state's engine is not bound
     assert len(calls) == 1  # only the deepspeed-routed run went through DeepSpeed
     assert all(bitwise_equal(a, b) for a, b in zip(results["torch"], results["deepspeed"], strict=True))
     assert f8s.recompute.default_engine() == "torch"
-    previous = f8s.recompute.set_default_engine("deepspeed")
-    try:
-        with torch.no_grad():
-            f8s.checkpoint(torch.nn.Identity(), torch.ones(2), preserve_rng_state=False)
-    finally:
-        f8s.recompute.set_default_engine(previous)
+    state = f8s.Fp8State(f8s.QuantConfig(), checkpoint_engine="deepspeed")
+    with torch.no_grad(), state.step(0):
+        f8s.checkpoint(torch.nn.Identity(), torch.ones(2), preserve_rng_state=False)
     assert len(calls) == 1
-    with pytest.raises(f8s.ConfigError, match="engine='jax' is not allowed"):
-        f8s.recompute.set_default_engine("jax")
+    with pytest.raises(f8s.ConfigError, match="checkpoint_engine='jax' is not allowed"):
+        f8s.Fp8State(f8s.QuantConfig(), checkpoint_engine="jax")
+
+
+def test_the_callback_takes_the_strategys_engine_for_its_state_s_events(monkeypatch):
+    """The engine a strategy routes to reaches unnamed checkpoint calls through the callback's
+    state (a CPU stand-in for fp8state_deepspeed, which refuses the CPU); outside the run's
+    events nothing is left changed."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    class RoutingStrategy(SingleDeviceStrategy):
+        fp8state_checkpoint_engine = "deepspeed"
+
+    calls = []
+    real = deepspeed.checkpointing.checkpoint
+    monkeypatch.setattr(deepspeed.checkpointing, "checkpoint", lambda fn, *a: calls.append(fn) or real(fn, *a))
+    cb = Fp8StateCallback(config=f8s.QuantConfig(), audit=True)
+    trainer = make_trainer(cb, strategy=RoutingStrategy(device=torch.device("cpu")), max_steps=2)
+    trainer.fit(make_model(ckpt="f8s_default"))
+    assert cb.state.checkpoint_engine == "deepspeed"
+    assert len(calls) == 2 * 2  # two blocks, two steps: every unnamed call went through DeepSpeed
+    assert cb.audit_report().ok and cb.audit_report().recomputed >= 1
+    assert f8s.recompute.default_engine() == "torch"

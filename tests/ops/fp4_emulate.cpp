@@ -1,4 +1,4 @@
-// Runs the FP4 CUDA kernels of lightning_fp8state/csrc/fp4_ops.cu on the host: the source's
+// Runs the FP4 CUDA kernels of csrc/fp4_ops.cu on the host: the source's
 // kernel section (compiled with -DFP8STATE_FP4_NO_TORCH by a plain C++ compiler) with one
 // std::thread per CUDA thread, a barrier for __syncthreads, lane groups for warp shuffles and
 // std::atomic_ref for the atomics. The launch plans (tiles, row groups, the CAS path for the
@@ -154,7 +154,7 @@ static inline unsigned atomicCAS(unsigned* p, unsigned expected, unsigned desire
 }
 
 #define FP8STATE_FP4_NO_TORCH
-#include "fp4_ops.cu"  // found through -I <the imported package>/csrc
+#include "fp4_ops.cu"  // found through -I <ops.cuda.source_dir()>
 
 using namespace fp4kernels;
 

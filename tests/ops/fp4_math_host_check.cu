@@ -1,4 +1,4 @@
-// Host check of the scalar FP4 rules in lightning_fp8state/csrc/fp4_ops.cu (the same source,
+// Host check of the scalar FP4 rules in csrc/fp4_ops.cu (the same source,
 // compiled with -DFP8STATE_FP4_MATH_ONLY), against direct definitions written here:
 //   * e2m1_mag / e2m1_code: every float32 in [0, 16] and a spread of others, against
 //     "count the decision thresholds 0.25 0.75 1.25 1.75 2.5 3.5 5 (ties to the even code)";
@@ -15,7 +15,7 @@
 #include <cstring>
 #include <random>
 
-#include "fp4_ops.cu"  // found through -I <the imported package>/csrc
+#include "fp4_ops.cu"  // found through -I <ops.cuda.source_dir()>
 
 using namespace fp4math;
 

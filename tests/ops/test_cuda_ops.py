@@ -160,8 +160,9 @@ def test_kernel_input_checks_name_the_argument():
         ops.quantize_fp8(x, torch.ones(1, device="cuda", dtype=torch.float64), E4M3)
     with pytest.raises(ValueError, match=r"scale.device"):
         ops.quantize_fp8(x, torch.ones(1), E4M3)
-    with pytest.raises(ValueError, match=r"slot: expected 0 <= slot < 2"):
-        ops.quantize_fp8_record_amax(x, torch.ones(1, device="cuda"), torch.zeros(2, device="cuda"), 2, E4M3)
+    for slot in (2, -1):
+        with pytest.raises(ValueError, match=r"slot: expected 0 <= slot < 2"):
+            ops.quantize_fp8_record_amax(x, torch.ones(1, device="cuda"), torch.zeros(2, device="cuda"), slot, E4M3)
     with pytest.raises(ValueError, match=r"x.dtype"):
         ops.quantize_fp8(x.int(), torch.ones(1, device="cuda"), E4M3)
 

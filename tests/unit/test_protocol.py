@@ -157,6 +157,24 @@ def test_snapshots_never_change_after_commit():
         assert snap.scale.data_ptr() != state.bank.scale.data_ptr()
 
 
+def test_every_snapshot_scale_sits_at_a_16_byte_aligned_address():
+    """cuBLASLt's FP8 GEMM (torch._scaled_mm) refuses scale pointers that are not 16-byte
+    aligned (CUBLAS_STATUS_NOT_SUPPORTED on the H200 at a 4-byte offset), and the GEMM reads
+    the snapshots' cells directly; tests/gpu/test_linear_cuda.py runs _scaled_mm on them."""
+    state, model = one_linear()
+    snaps = []
+
+    class Grab:
+        def observe(self, record, phase, output, snaps_of_call):
+            snaps.extend(snaps_of_call.values())
+
+    state.auditors.append(Grab())
+    run_events(state, model, event_inputs(2, d=32))
+    assert len(snaps) >= 4
+    for snap in snaps:
+        assert snap.scale.data_ptr() % 16 == 0 and snap.descale.data_ptr() % 16 == 0
+
+
 def test_nonfinite_input_does_not_poison_history_and_is_flagged():
     state, model = one_linear()
     xs = event_inputs(6, d=32)

@@ -165,3 +165,35 @@ def test_device_auditor_agrees_with_the_host_auditor(mode):
         assert sum(mismatching) == 0
     else:
         assert all(m > 0 for m in mismatching)  # the defect shows in every event
+
+
+def test_the_checkpoint_engine_travels_with_the_state_s_event():
+    """An unnamed checkpoint() runs the engine of the state whose event is open; outside it,
+    torch's. A region remembers what it resolved, so a recompute run where the binding is not
+    visible (the autograd engine's device thread: a fresh context) resolves the same."""
+    import contextvars
+
+    import torch
+
+    from lightning_fp8state.recompute import default_engine
+
+    state = f8s.Fp8State(f8s.QuantConfig(), checkpoint_engine="deepspeed")
+    other = f8s.Fp8State(f8s.QuantConfig())
+    seen = []
+
+    def body(x):
+        seen.append((default_engine(), contextvars.Context().run(default_engine)))
+        return x * 2
+
+    assert default_engine() == "torch"
+    with torch.no_grad():
+        with state.step(0):
+            f8s.checkpoint(body, torch.ones(2), engine="torch")
+        with other.step(0):
+            f8s.checkpoint(body, torch.ones(2))
+        f8s.checkpoint(body, torch.ones(2))
+    assert seen == [("deepspeed", "deepspeed"), ("torch", "torch"), ("torch", "torch")]
+    assert default_engine() == "torch"
+    with pytest.raises(RuntimeError), state.step(1):
+        raise RuntimeError("an aborted event unbinds its engine too")
+    assert default_engine() == "torch"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import fields
 
 import torch
 from torch import nn
 
 from .config import QuantConfig, require_choice
+from .defects import policy_for
 from .errors import StateLoadError, StateTransitionError
 from .nn import ConversionReport, convert_model
 from .protocol import QuantProtocol
@@ -37,8 +39,11 @@ _ADDED_IN_V2 = ("attn_format", "attn_centered", "attn_center_momentum")
 _DEFAULTS = {f.name: f.default for f in fields(QuantConfig)}
 
 
-class Fp8State(QuantProtocol):
-    """Owns the state bank, logical clock, ledger and snapshot stash of one process.
+class Fp8State:
+    """The public facade: converts a model, runs logical events, saves and loads state.
+
+    It holds the process's :class:`~lightning_fp8state.protocol.QuantProtocol` (bank, clock,
+    ledger, snapshot stash, guard) with the quantize policy that ``config.mode`` names.
 
     Example::
 
@@ -62,10 +67,47 @@ class Fp8State(QuantProtocol):
                 ``"deepspeed"`` (the fp8state_deepspeed strategy sets it on the callback's
                 state when DeepSpeed's activation checkpointing features are on).
         """
-        super().__init__(config if config is not None else QuantConfig(), rank=rank)
+        config = config if config is not None else QuantConfig()
+        if not isinstance(config, QuantConfig):
+            raise TypeError(f"config: expected a QuantConfig, got {type(config).__name__}")
+        self._protocol = QuantProtocol(config, rank=rank, policy=policy_for(config.mode))
         self.last_conversion: ConversionReport | None = None
         self.checkpoint_engine = checkpoint_engine
         self._engine_binding = None
+
+    # -- what it holds (read access; the protocol's internals stay behind .protocol) ---
+    @property
+    def protocol(self) -> QuantProtocol:
+        """The rules engine the converted modules call (internal: modules, audit, telemetry)."""
+        return self._protocol
+
+    @property
+    def config(self) -> QuantConfig:
+        return self._protocol.config
+
+    @property
+    def rank(self) -> int:
+        return self._protocol.rank
+
+    @property
+    def bank(self):
+        """The :class:`~lightning_fp8state.state.StateBank` of every owner's delayed state."""
+        return self._protocol.bank
+
+    @property
+    def clock(self):
+        """The :class:`~lightning_fp8state.state.LogicalClock` (which event is open, the last one)."""
+        return self._protocol.clock
+
+    @property
+    def ledger(self):
+        """The :class:`~lightning_fp8state.state.Ledger`: observations and commits per owner."""
+        return self._protocol.ledger
+
+    @property
+    def event(self):
+        """The open logical event ``(step, microbatch)``, or ``None``."""
+        return self._protocol.event
 
     @property
     def checkpoint_engine(self) -> str:
@@ -78,20 +120,42 @@ class Fp8State(QuantProtocol):
         self._checkpoint_engine = engine
 
     # -- events: the checkpoint engine is bound while one is open ------------------
+    @contextlib.contextmanager
+    def step(self, step: int | None = None, microbatch: int = 0):
+        """One logical event (one microbatch's forward + backward).
+
+        On a clean exit, every observed owner not yet committed is committed, the ledger
+        is checked and the stash released. If the body raises, the event is aborted:
+        pending amaxes are discarded, nothing further commits, and the error propagates.
+        """
+        self.begin_event(step, microbatch)
+        try:
+            yield self
+        except BaseException:
+            self.abort_event()
+            raise
+        self.end_event()
+
     def begin_event(self, step: int | None = None, microbatch: int = 0):
-        event = super().begin_event(step, microbatch)
+        event = self._protocol.begin_event(step, microbatch)
         self._engine_binding = bind_event_engine(self._checkpoint_engine)
         return event
 
+    def commit_forward(self) -> None:
+        """Advance the forward roles (input, weight, attention operands) observed so far."""
+        self._protocol.commit_forward()
+
     def end_event(self) -> None:
+        """Commit what is left (backward roles, or all if commit_forward was not called)."""
         try:
-            super().end_event()
+            self._protocol.end_event()
         finally:
             self._unbind_engine()
 
     def abort_event(self) -> None:
+        """Close the open event without committing; its pending amaxes are discarded."""
         try:
-            super().abort_event()
+            self._protocol.abort_event()
         finally:
             self._unbind_engine()
 
@@ -100,9 +164,10 @@ class Fp8State(QuantProtocol):
             unbind_event_engine(self._engine_binding)
             self._engine_binding = None
 
-    @property
-    def protocol(self) -> QuantProtocol:
-        return self
+    def enable_amax_reduction(self, *, group=None, device: torch.device | None = None) -> bool:
+        """Reduce pending amaxes across the data-parallel ``group`` before every commit (see
+        :meth:`QuantProtocol.enable_amax_reduction`); returns whether it is on."""
+        return self._protocol.enable_amax_reduction(group=group, device=device)
 
     def convert(self, model: nn.Module) -> nn.Module:
         """Swap matching ``nn.Linear`` layers of ``model`` (in place), bind its unbound
@@ -110,7 +175,7 @@ class Fp8State(QuantProtocol):
 
         The report of converted and skipped layers is kept in :attr:`last_conversion`.
         """
-        self.last_conversion = convert_model(model, self)
+        self.last_conversion = convert_model(model, self._protocol)
         return model
 
     def nonfinite_counts(self) -> dict:

@@ -71,14 +71,14 @@ class GraphedStep:
 
     def __init__(
         self,
-        state: QuantProtocol | None,
+        state,
         body: Callable[..., object],
         *sample_inputs: torch.Tensor,
         optimizer: torch.optim.Optimizer | None = None,
         warmup: int = 3,
         microbatch: int = 0,
     ) -> None:
-        if state is not None and not isinstance(state, QuantProtocol):
+        if state is not None and not isinstance(_protocol_of(state), QuantProtocol):
             raise ConfigError(f"state: expected an Fp8State or None, got {type(state).__name__}")
         if not torch.cuda.is_available():
             raise ConfigError("GraphedStep needs a CUDA device (CUDA graphs); none is available")
@@ -114,8 +114,8 @@ class GraphedStep:
 
     # -- checks ----------------------------------------------------------------------
     @staticmethod
-    def _refuse_auditors(state: QuantProtocol | None) -> None:
-        if state is not None and state.auditors:
+    def _refuse_auditors(state) -> None:
+        if state is not None and _protocol_of(state).auditors:
             raise ConfigError(
                 "GraphedStep: an auditor is attached to this state; the audit compares every call in "
                 "Python, which a CUDA-graph replay does not run. Audit with eager steps, then detach it"
@@ -165,7 +165,7 @@ class GraphedStep:
     def _on_side_stream(self, fn):
         """Run ``fn`` on the side stream, as the caller's stream for the protocol."""
         caller = torch.cuda.current_stream(self.device)
-        order = None if self.state is None else self.state.stream_order
+        order = None if self.state is None else _protocol_of(self.state).stream_order
         self._side.wait_stream(caller)
         if order is not None:
             order.alias(self._side, caller)
@@ -244,6 +244,11 @@ class GraphedStep:
                 "raise warmup so that every layer runs in an eager event first"
             )
         return state.ledger.event(state.clock.last)
+
+
+def _protocol_of(state):
+    """The protocol behind an ``Fp8State`` (or a protocol itself)."""
+    return getattr(state, "protocol", state)
 
 
 def _describe(x) -> str:

@@ -1,7 +1,8 @@
 """QuantProtocol: the rules, enforced per call — own, snapshot, pair, commit once, replay.
 
 Every converted module asks :meth:`QuantProtocol.enter_call` who it is and in which phase
-it runs, then quantizes through :meth:`QuantProtocol.quantize`. In ``safe`` mode:
+it runs, then quantizes through :meth:`QuantProtocol.quantize`, and checks each snapshot it
+consumes with :meth:`QuantProtocol.check_consumer`:
 
 1. Ownership: each call gets owners for its roles (layer × role × rank × stream × site).
 2. Snapshot before advance: a true-forward call's snapshot is a view of the event's frozen
@@ -11,14 +12,11 @@ it runs, then quantizes through :meth:`QuantProtocol.quantize`. In ``safe`` mode
 5. Recompute is read-only: it looks up the true forward's call record and records nothing.
 6. Stamps: snapshots carry (event, owner, region, ordinal); consumers check them.
 
-``naive`` mode breaks rules 2–5 on purpose (the seed's defect) so the audit can catch it;
-``naive_snapshot`` adds the seed's first attempted fix on top (one snapshot per owner, taken
-before a per-call advance, replayed in recompute), which is right only when ownership is.
-
-Each role has a codec: FP8 (``input``, ``weight``: ``forward_format``; ``grad_output``:
-``backward_format``) or packed FP4 (the attention roles: ``attn_format``, optionally
-centered). :meth:`QuantProtocol.quantize` dispatches to the codec's op; the FP4 tensor scale
-and running center live in the same :class:`StateBank` and follow the same rules.
+This module decides only *which* snapshot a call uses and *whether* it records; *how* a
+role's tensor is encoded is its encoder's (:mod:`lightning_fp8state.encoders`: FP8 with an
+optional fused prologue, packed FP4, centered FP4). The seed's defects, reproduced on
+purpose for the audit (``mode="naive"`` / ``"naive_snapshot"``), are quantize policies in
+:mod:`lightning_fp8state.defects`, handed in by the facade; this module does not import them.
 """
 
 from __future__ import annotations
@@ -32,13 +30,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import ops
 from .config import QuantConfig
+from .encoders import Prologue, encoder_for
 from .errors import ConfigError, StateTransitionError
-from .formats import FP4_LAYOUTS, fp8_format
 from .recompute import CallRecord, Phase, SnapshotStash, current_frame, in_backward
 from .state import (
-    ATTENTION_ROLES,
     BACKWARD_ROLES,
     FORWARD_ROLES,
     AmaxReducer,
@@ -73,14 +69,21 @@ class _OpenEvent:
     observed: dict = field(default_factory=dict)  # OwnerKey -> bank index, in order
     committed: set = field(default_factory=set)
     forward_committed: bool = False  # commit_forward() ran in this event
-    owner_snapshots: dict = field(default_factory=dict)  # naive_snapshot: OwnerKey -> last snapshot
     calibrated: set = field(default_factory=set)  # bank indices whose frozen scale this event calibrated
 
 
 class QuantProtocol:
     """Owns the bank, clock, ledger, guard and stash of one process's quantizers."""
 
-    def __init__(self, config: QuantConfig, *, rank: int = 0) -> None:
+    def __init__(self, config: QuantConfig, *, rank: int = 0, policy=None) -> None:
+        """
+        Args:
+            config: the quantization configuration.
+            rank: this process's data-parallel rank (part of the owner keys).
+            policy: ``None`` (the rules), or a quantize policy that replaces the rules for
+                true-forward and recompute calls (:mod:`lightning_fp8state.defects`: the
+                seed's defects, for the audit).
+        """
         if not isinstance(config, QuantConfig):
             raise TypeError(f"config: expected a QuantConfig, got {type(config).__name__}")
         self.config = config
@@ -94,7 +97,7 @@ class QuantProtocol:
         self.stream_order = StreamOrder()
         self.auditors: list = []
         # Set by enable_amax_reduction(): combines pending amaxes across data-parallel ranks
-        # right before each commit (safe mode only; naive mode never reduces).
+        # right before each commit (the rules only; a defect policy never reduces).
         self.amax_reducer: AmaxReducer | None = None
         unknown = sorted({r for r, _ in config.amax_reduction} - FORWARD_ROLES - BACKWARD_ROLES - {"*"})
         if unknown:
@@ -105,7 +108,8 @@ class QuantProtocol:
         self._open: _OpenEvent | None = None
         self._streams: dict[tuple, int] = {}
         self._owner_keys: dict[tuple, object] = {}  # (layer, role, rank, stream, site) -> OwnerKey
-        self._role_meta: dict[str, tuple] = {}
+        self._encoders: dict[str, object] = {}
+        self._policy = policy
         self._lock = threading.RLock()
 
     # -- events --------------------------------------------------------------------
@@ -160,7 +164,7 @@ class QuantProtocol:
 
     def _reduces(self, phases: set[str]) -> bool:
         reducer = self.amax_reducer
-        if reducer is None or self.config.mode != "safe" or not self.config.quantized:
+        if reducer is None or self._policy is not None or not self.config.quantized:
             return False
         roles = (FORWARD_ROLES if "forward" in phases else set()) | (BACKWARD_ROLES if "backward" in phases else set())
         return any(reducer.reduces(r) for r in roles)
@@ -231,20 +235,12 @@ class QuantProtocol:
                 n = self._streams.setdefault(ident, len(self._streams))
         return n
 
-    def role_format(self, role: str) -> str:
-        """The codec of ``role``: an FP8 format name, or an FP4 layout for attention roles."""
-        if role in ATTENTION_ROLES:
-            return self.config.attn_format
-        return self.config.backward_format if role_phase(role) == "backward" else self.config.forward_format
-
-    def role_dtype(self, role: str) -> torch.dtype:
-        """Storage dtype of ``role``'s quantized data (``torch.uint8`` for packed FP4)."""
-        name = self.role_format(role)
-        return torch.uint8 if name in FP4_LAYOUTS else fp8_format(name).dtype
-
-    def role_centered(self, role: str) -> bool:
-        """Whether ``role`` uses the centered FP4 variant (a running center as owned state)."""
-        return role in ATTENTION_ROLES and self.config.attn_centered
+    def encoder(self, role: str):
+        """The encoder of ``role`` (:mod:`lightning_fp8state.encoders`), fixed by the config."""
+        enc = self._encoders.get(role)
+        if enc is None:
+            enc = self._encoders[role] = encoder_for(self.config, role)
+        return enc
 
     def enter_call(
         self,
@@ -296,7 +292,8 @@ class QuantProtocol:
             if owner is None:  # one key object per entrant: dict lookups hit on identity
                 owner = self._owner_keys[key] = scoped_owner(self.config.ownership, *key)
             width = 0
-            if self.role_centered(role):
+            encoder = self.encoder(role)
+            if encoder.centered:
                 if channels is None or role not in channels:
                     raise ValueError(
                         f"layer {layer!r}: role {role!r} is centered, so enter_call needs its channel "
@@ -312,16 +309,13 @@ class QuantProtocol:
                         "repeat. Run every layer in an eager event first (GraphedStep's warmup)"
                     )
                 self.stream_order.structural(device)  # registration reallocates the bank
-            indices[role] = self.bank.register(owner, self.role_format(role), device, width)
+            indices[role] = self.bank.register(owner, encoder.name, device, width)
         return owners, indices
 
     def _snapshot(self, owner, role, scale, descale, center, event, region, ordinal) -> QuantSnapshot:
         step, mb = (None, None) if event is None else event
-        meta = self._role_meta.get(role)
-        if meta is None:  # (storage dtype, FP4 layout or None): fixed by the config
-            fmt = self.role_format(role)
-            meta = self._role_meta[role] = (self.role_dtype(role), fmt if fmt in FP4_LAYOUTS else None)
-        return QuantSnapshot(owner, step, mb, region, ordinal, meta[0], scale, descale, meta[1], center)
+        enc = self.encoder(role)
+        return QuantSnapshot(owner, step, mb, region, ordinal, enc.dtype, scale, descale, enc.layout, center)
 
     def _new_record(self, ev: _OpenEvent, layer, roles, device, frame, channels) -> CallRecord:
         ident = self._enter_stream(device)
@@ -377,7 +371,7 @@ class QuantProtocol:
 
     # -- quantize ------------------------------------------------------------------
     def quantize(
-        self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase, prologue=None
+        self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase, prologue: Prologue | None = None
     ) -> tuple[object, QuantSnapshot]:
         """Quantize ``x`` for ``role`` of ``record``; returns the data and its paired snapshot.
 
@@ -385,25 +379,29 @@ class QuantProtocol:
         (decode it with ``ops.dequantize_fp4(..., snap.descale, snap.layout, dtype, snap.center)``).
         ``phase`` is the call's phase for forward roles and FORWARD for backward roles
         (a backward pass runs once per event; checkpointing re-runs only forwards).
-        With a :class:`~lightning_fp8state.nn.Prologue`, what is quantized (and recorded) is
-        the prologue's output on ``x``, fused into one pass where a kernel takes it.
+        With a :class:`~lightning_fp8state.encoders.Prologue`, what is quantized (and recorded)
+        is the prologue's output on ``x``, fused into one pass where a kernel takes it.
         """
         q, snap = self._quantize(record, role, x, phase, prologue)
         record.used[role] = snap
         return q, snap
 
-    def _encode(self, x: torch.Tensor, snap: QuantSnapshot, prologue=None):
+    def check_consumer(self, record: CallRecord, role: str, snap: QuantSnapshot) -> QuantSnapshot:
+        """A consumer's check that ``snap`` belongs to it: ``role``'s owner in ``record``, in
+        the open event (rule 6). Every consumer of quantized data calls this before reading
+        the snapshot's scales.
+
+        Raises:
+            StaleSnapshotError: the snapshot is another owner's or another event's.
+        """
+        return snap.expect(owner=record.owners[role], event=self.clock.event)
+
+    def _encode(self, x: torch.Tensor, snap: QuantSnapshot, role: str, prologue: Prologue | None = None):
         """Quantize with ``snap``, recording nothing."""
         self.stream_order.use(x.device, snap.scale)
-        if prologue is not None:
-            if snap.layout is None:
-                return prologue.quantize(x, snap.scale, snap.dtype)
-            x = prologue.apply(x)
-        if snap.layout is None:
-            return ops.quantize_fp8(x, snap.scale, snap.dtype)
-        return ops.quantize_fp4(x, snap.scale, snap.layout, snap.center)
+        return self.encoder(role).encode(x, snap, prologue)
 
-    def _encode_record(self, index: int, x: torch.Tensor, snap: QuantSnapshot, prologue=None):
+    def _encode_record(self, index: int, x: torch.Tensor, snap: QuantSnapshot, role: str, prologue=None):
         """Quantize with ``snap`` and record into owner ``index``'s pending statistics.
 
         Under the lock: a registration on another thread must not swap the pending buffers
@@ -412,48 +410,36 @@ class QuantProtocol:
         with self._lock:
             bank = self.bank
             self.stream_order.use(x.device, bank.amax_pending, snap.scale)
-            if prologue is not None:
-                if snap.layout is None:
-                    return prologue.quantize(x, snap.scale, snap.dtype, bank.amax_pending, index)
-                x = prologue.apply(x)
-            if snap.layout is None:
-                return ops.quantize_fp8_record_amax(x, snap.scale, bank.amax_pending, index, snap.dtype)
-            if snap.center is None:
-                return ops.quantize_fp4_record_amax(x, snap.scale, bank.amax_pending, index, snap.layout)
-            return ops.quantize_fp4_centered_record(
-                x, snap.scale, snap.center, bank.amax_pending, bank.center_max, bank.center_min, index, snap.layout
-            )
+            return self.encoder(role).encode_record(x, snap, bank, index, prologue)
 
     def _quantize(self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase, prologue=None):
         owner = record.owners[role]
         index = record.indices[role]
         if phase is Phase.INFERENCE:
             snap = record.snapshots[role]  # a private copy of the live state
-            if self.config.mode == "safe":
-                self._calibrate_first_use(None, index, x, snap, prologue)
-            return self._encode(x, snap, prologue), snap
+            if self._policy is None:
+                self._calibrate_first_use(None, index, x, snap, role, prologue)
+            return self._encode(x, snap, role, prologue), snap
         ev = self._open
         event = (ev if ev is not None else self._require_open(f"quantizing {owner}")).event
-        if self.config.mode == "naive":
-            return self._quantize_naive(record, role, x, phase, event, prologue)
-        if self.config.mode == "naive_snapshot":
-            return self._quantize_owner_snapshot(record, role, x, phase, event, prologue)
+        if self._policy is not None:
+            return self._policy.quantize(self, record, role, x, phase, event, prologue)
         snap = record.snapshots[role]
         if phase is Phase.RECOMPUTE:
             self.ledger.recompute_read(event, owner)
             encoded = record.encoded.get(role)
             if encoded is not None:  # the true forward's bytes, encoded with this snapshot
                 return encoded, snap
-            return self._encode(x, snap, prologue), snap
+            return self._encode(x, snap, role, prologue), snap
         self._observe(record, role, event, recompute=False)
-        self._calibrate_first_use(ev.calibrated, index, x, snap, prologue)
-        q = self._encode_record(index, x, snap, prologue)
+        self._calibrate_first_use(ev.calibrated, index, x, snap, role, prologue)
+        q = self._encode_record(index, x, snap, role, prologue)
         if role in REUSED_ROLES:
             record.encoded[role] = q
         return q, snap
 
     def _calibrate_first_use(
-        self, calibrated: set | None, index: int, x: torch.Tensor, snap: QuantSnapshot, prologue=None
+        self, calibrated: set | None, index: int, x: torch.Tensor, snap: QuantSnapshot, role: str, prologue=None
     ) -> None:
         """``initial_scale="calibrate"``: an owner with no delayed scale yet gets one from this
         call's own tensor, written into the frozen cells its snapshot views before anything
@@ -465,8 +451,7 @@ class QuantProtocol:
             if index in calibrated:
                 return
             calibrated.add(index)
-        if prologue is not None:
-            x = prologue.apply(x)  # the first event only: the prologue's output, materialized
+        x = self.encoder(role).source(x, prologue)  # the first event only: the prologue's output
         with self._lock:
             self.stream_order.use(x.device, snap.scale)
             self.bank.calibrate(index, x, snap.scale, snap.descale, self.config.margin, snap.center)
@@ -483,48 +468,14 @@ class QuantProtocol:
         with self._lock:
             self._open.observed.setdefault(owner, record.indices[role])
 
-    def _advance_now(self, owner, index: int, event: Event) -> None:
-        """Naive timing: commit one owner right after its call."""
+    def _commit_now(self, owner, index: int, event: Event) -> None:
+        """Commit one owner at once (for quantize policies; the rules commit in batches at
+        :meth:`commit_forward` and :meth:`end_event`)."""
         with self._lock:
             self.stream_order.structural(self.bank.device)
             self.bank.commit((index,), self.config.amax_algo, self.config.margin, self.config.attn_center_momentum)
             self._open.committed.add(owner)
         self.ledger.commit(event, [owner])
-
-    def _quantize_naive(self, record, role, x, phase, event, prologue=None):
-        """The seed's defect, reproduced on purpose: quantize with live state, record even
-        in recompute, advance at once, and hand the consumer the *live* descale (and center),
-        which now belong to the next call."""
-        owner, index = record.owners[role], record.indices[role]
-        recompute = phase is Phase.RECOMPUTE
-        self._observe(record, role, event, recompute=recompute)
-        live = self._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=True)
-        q = self._encode_record(index, x, live, prologue)
-        self._advance_now(owner, index, event)
-        # the consumer gets the live descale (and center), already advanced for the next call
-        # (copies only so that GEMMs get aligned scale pointers; the values are the defect's)
-        return q, self._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=True)
-
-    def _quantize_owner_snapshot(self, record, role, x, phase, event, prologue=None):
-        """The seed's first attempted fix, reproduced on purpose: the true forward snapshots
-        the owner's live state before advancing it after the call, and pairs its data with
-        that snapshot; recompute replays *the owner's* latest snapshot, read-only. Correct
-        when every owner is entered once per event; with a shared owner (per_model) the
-        snapshot recompute finds is the last layer's, faithfully preserving the wrong value."""
-        owner, index = record.owners[role], record.indices[role]
-        ev = self._open
-        if phase is Phase.RECOMPUTE:
-            snap = ev.owner_snapshots.get(owner)
-            if snap is None:
-                raise StateTransitionError(f"{owner} is being recomputed in event {event} but ran no true forward")
-            self.ledger.recompute_read(event, owner)
-            return self._encode(x, snap, prologue), snap
-        self._observe(record, role, event, recompute=False)
-        snap = self._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=True)
-        ev.owner_snapshots[owner] = snap
-        q = self._encode_record(index, x, snap, prologue)
-        self._advance_now(owner, index, event)
-        return q, snap
 
     # -- audit ---------------------------------------------------------------------
     def observe_output(self, record: CallRecord, phase: Phase, output, snaps: dict) -> None:

@@ -152,7 +152,7 @@ class Fp8StateCallback(Callback):
                 "`callback.state.convert(self)` at the end of configure_model"
             )
         self._close_after_backward = pl_module.automatic_optimization
-        if self.state.amax_reducer is None and trainer.world_size > 1:
+        if self.state.protocol.amax_reducer is None and trainer.world_size > 1:
             group = getattr(trainer.strategy, "fp8state_process_group", None)
             self.state.enable_amax_reduction(group=group, device=trainer.strategy.root_device)
 

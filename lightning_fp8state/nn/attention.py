@@ -44,7 +44,7 @@ _OPERANDS = ("attn_q", "attn_k", "attn_v")
 def _quantize(protocol: QuantProtocol, record, role: str, x: torch.Tensor, phase: Phase):
     (packed, block_scales), snap = protocol.quantize(record, role, x, phase)
     if phase is not Phase.INFERENCE:
-        snap.expect(owner=record.owners[role], event=protocol.event)
+        protocol.check_consumer(record, role, snap)
     return packed, block_scales, snap
 
 
@@ -99,7 +99,7 @@ class _Fp4AttentionFn(torch.autograd.Function):
         leaves = {}
         for role in ctx.roles:
             packed, block_scales = saved.pop(0), saved.pop(0)
-            snap = ctx.snaps[role].expect(owner=ctx.record.owners[role], event=ctx.protocol.event)
+            snap = ctx.protocol.check_consumer(ctx.record, role, ctx.snaps[role])
             leaves[role] = _decode(packed, block_scales, snap, ctx.dtypes[role])
         if "attn_v" not in ctx.roles:
             leaves["attn_v"] = saved.pop(0).detach()
@@ -148,7 +148,7 @@ class Fp4AttentionQuantizer(nn.Module):
         """Attach to ``protocol`` under ``layer_name``; returns ``self``."""
         if not isinstance(layer_name, str) or not layer_name:
             raise ValueError(f"layer_name: expected a non-empty string naming the layer, got {layer_name!r}")
-        self.protocol, self.layer_name = protocol, layer_name
+        self.protocol, self.layer_name = getattr(protocol, "protocol", protocol), layer_name  # an Fp8State's
         return self
 
     def extra_repr(self) -> str:

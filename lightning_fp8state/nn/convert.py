@@ -48,6 +48,7 @@ def convert_model(model: nn.Module, protocol: QuantProtocol) -> ConversionReport
     an attention quantizer is opted into by placing it in the model). One bound to another
     state is left alone and reported as skipped.
     """
+    protocol = getattr(protocol, "protocol", protocol)  # an Fp8State: its protocol
     config = protocol.config
     report = ConversionReport()
     targets = []

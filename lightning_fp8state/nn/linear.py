@@ -6,19 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..encoders import ACTIVATIONS, Prologue
 from ..protocol import QuantProtocol
 from ..recompute import Phase
 from .gemm import scaled_matmul
-from .prologue import ACTIVATIONS, Prologue
 
 __all__ = ["Fp8Linear", "LINEAR_ROLES"]
 
 LINEAR_ROLES = ("input", "weight", "grad_output")
-
-
-def _consume(snap, record, role, protocol):
-    """A consumer's check that the snapshot it reads belongs to it: its owner, this event."""
-    return snap.expect(owner=record.owners[role], event=protocol.event)
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -41,8 +36,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         xq, sx = protocol.quantize(record, "input", x2, phase, prologue)
         wq, sw = protocol.quantize(record, "weight", weight, phase)
         if phase is not Phase.INFERENCE:
-            _consume(sx, record, "input", protocol)
-            _consume(sw, record, "weight", protocol)
+            protocol.check_consumer(record, "input", sx)
+            protocol.check_consumer(record, "weight", sw)
         y = scaled_matmul(xq, wq.t(), sx.descale, sw.descale, out_dtype, backend, bias)
         # with a prologue, its input is kept for its backward (as the unfused op would keep it)
         saved = (xq, wq) if prologue is None else (xq, wq, x2, *(prologue.stats or ()))
@@ -66,7 +61,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             g2 = g2.contiguous()
         gq, sg = protocol.quantize(record, "grad_output", g2, Phase.FORWARD)
         for snap, role in ((sx, "input"), (sw, "weight"), (sg, "grad_output")):
-            _consume(snap, record, role, protocol)
+            protocol.check_consumer(record, role, snap)
         grad_x = grad_w = grad_b = grad_nw = grad_nb = None
         needs = ctx.needs_input_grad
         if needs[0] or needs[3] or needs[4]:
@@ -102,7 +97,7 @@ class Fp8Linear(nn.Linear):
         dtype=None,
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.protocol = protocol
+        self.protocol = getattr(protocol, "protocol", protocol)  # an Fp8State's protocol
         self.layer_name = layer_name
 
     @classmethod

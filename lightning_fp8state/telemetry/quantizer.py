@@ -61,6 +61,7 @@ class SaturationProbe:
     """
 
     def __init__(self, protocol, model: nn.Module) -> None:
+        protocol = getattr(protocol, "protocol", protocol)  # an Fp8State: its protocol
         self.protocol = protocol
         self.armed = False
         self._tls = threading.local()
@@ -164,6 +165,7 @@ def quantizer_health(
     Returns:
         The metrics and the last closed event counted (pass it back as ``after_event``).
     """
+    protocol = getattr(protocol, "protocol", protocol)  # an Fp8State: its protocol
     bank, ledger = protocol.bank, protocol.ledger
     out: dict[str, float] = {"fp8state/owners": float(len(bank))}
     n = len(bank)

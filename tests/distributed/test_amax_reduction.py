@@ -37,7 +37,7 @@ def _run(reduction, rank, *, weight_seed=0, nan_event=None, reverse=False):
     if nan_event is not None and rank == 1:
         xs[nan_event][0, 0] = float("nan")
     run_events(state, model, xs)
-    reducer = state.amax_reducer
+    reducer = state.protocol.amax_reducer
     return {
         "enabled": enabled,
         "collectives": 0 if reducer is None else reducer.collectives,
@@ -149,7 +149,7 @@ def test_ranks_registering_owners_in_another_order_fail_closed_on_every_rank(ran
 def test_enable_amax_reduction_is_a_no_op_without_a_process_group():
     state = f8s.Fp8State(f8s.QuantConfig(amax_reduction="data_parallel"))
     assert not state.enable_amax_reduction()
-    assert state.amax_reducer is None
+    assert state.protocol.amax_reducer is None
 
 
 def test_amax_reduction_config_is_validated():

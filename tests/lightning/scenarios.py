@@ -92,7 +92,7 @@ def observe(trainer, model, cb) -> dict:
         for e in events
     }
     report = cb.audit_report() if cb.audit else None
-    reducer = state.amax_reducer
+    reducer = state.protocol.amax_reducer
     return {
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,

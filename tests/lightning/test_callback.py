@@ -108,7 +108,7 @@ class CommitSpy(Callback):
         state = self.cb.state
         last = state.clock.last
         self.after_backward.append(
-            (state.event, len(state.stash), last, {o: r.commits for o, r in state.ledger.event(last).items()})
+            (state.event, len(state.protocol.stash), last, {o: r.commits for o, r in state.ledger.event(last).items()})
         )
 
 
@@ -153,7 +153,7 @@ def test_an_exception_aborts_the_event_and_a_later_fit_continues_the_clock():
     with pytest.raises(RuntimeError, match="boom"):
         make_trainer(cb, FailAt(2)).fit(model)
     state = cb.state
-    assert state.event is None and len(state.stash) == 0
+    assert state.event is None and len(state.protocol.stash) == 0
     assert state.clock.last == (2, 0)
     assert bool((state.bank.amax_pending == 0).all())  # the aborted event's amaxes are gone
     # it raised after commit_forward: forward roles had advanced, grad_output never ran
@@ -210,7 +210,7 @@ def test_validation_and_prediction_read_the_state_without_changing_it():
     state = cb.state
     before = state.state_dict()
     counter = PhaseCounter()
-    state.auditors.append(counter)
+    state.protocol.auditors.append(counter)
     trainer.validate(model, verbose=False)
     trainer.predict(model)
     after = state.state_dict()

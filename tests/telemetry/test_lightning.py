@@ -196,7 +196,7 @@ def test_fp8state_health_reaches_the_rows(tmp_path):
         assert 0.0 <= r["fp8state/saturated_frac"] < 1.0
     owner = next(o for o in state.bank.owners if o.layer == "embed" and o.role == "input")
     assert logs[-1]["fp8state/scale/embed.input"] == float(state.scale_of(owner))
-    assert state.auditors == []  # the probe detached when training ended
+    assert state.protocol.auditors == []  # the probe detached when training ended
 
 
 def test_resume_continues_the_counters(tmp_path):

@@ -61,7 +61,7 @@ def test_saturated_fraction_matches_an_independent_count(tmp_path, ckpt):
         assert last[f"fp8state/saturated_frac/{owner_label(owner)}"] == pytest.approx(hits / elements), owner
     total_hits = sum(h for h, _ in expected.values())
     assert last["fp8state/saturated_frac"] == pytest.approx(total_hits / sum(n for _, n in expected.values()))
-    assert state.auditors == []  # the probe detached at close
+    assert state.protocol.auditors == []  # the probe detached at close
 
 
 def run_audited(tmp_path, mode):

@@ -112,7 +112,7 @@ def run_stack(mode="safe", ownership="per_layer", layout="nvfp4", centered=False
     torch.manual_seed(0)
     model = state.convert(AttnStack(ckpt=ckpt, offset=offset))
     order = _Order()
-    state.auditors.append(order)
+    state.protocol.auditors.append(order)
     with f8s.RecomputeAuditor(state) as auditor:
         outs, grads = run_events(state, model, stack_inputs())
     return state, auditor.report(), outs, grads, order.calls
@@ -464,7 +464,7 @@ def test_misuse_fails_closed_with_clear_errors():
     model.attn = f8s.Fp4AttentionQuantizer(protocol=state, layer_name="x")
     other.convert(model)
     assert "already bound to another state" in other.last_conversion.skipped["attn"]
-    assert model.attn.protocol is state
+    assert model.attn.protocol is state.protocol
 
 
 @pytest.mark.parametrize(

@@ -58,7 +58,7 @@ def test_first_event_snapshot_holds_the_calls_own_scale_and_the_bank_advances_at
     state = f8s.Fp8State(f8s.QuantConfig())
     model = state.convert(nn.Sequential(nn.Linear(32, 16, bias=False)))
     obs = Snaps()
-    state.auditors.append(obs)
+    state.protocol.auditors.append(obs)
     x = event_inputs(1, d=32)[0] * 7.0
     with state.step(0):
         y = model(x)
@@ -91,7 +91,7 @@ def test_first_event_recompute_is_bit_identical_to_the_true_forward(initial_scal
     state = f8s.Fp8State(f8s.QuantConfig(ownership="per_layer", initial_scale=initial_scale))
     model = state.convert(make_stack(n=4, gains=[1.0, 8.0, 0.25, 30.0], ckpt=("torch", False)))
     obs = Snaps()
-    state.auditors.append(obs)
+    state.protocol.auditors.append(obs)
     with f8s.RecomputeAuditor(state) as auditor, torch.utils.checkpoint.set_checkpoint_early_stop(False):
         run_events(state, model, event_inputs(2))
     report = auditor.report()
@@ -106,7 +106,7 @@ def test_a_non_finite_first_tensor_calibrates_nothing():
     state = f8s.Fp8State(f8s.QuantConfig(strict=False))
     model = state.convert(nn.Sequential(nn.Linear(32, 16, bias=False)))
     obs = Snaps()
-    state.auditors.append(obs)
+    state.protocol.auditors.append(obs)
     for bad in (float("nan"), float("inf"), float("-inf")):
         obs.calls.clear()
         x = event_inputs(1, d=32)[0]
@@ -149,7 +149,7 @@ def test_loaded_state_is_not_fresh_unless_its_history_is_empty():
     other.load_state_dict(saved)
     assert other.bank.fresh == set()
     obs = Snaps()
-    other.auditors.append(obs)
+    other.protocol.auditors.append(obs)
     x = event_inputs(3)[2] * 100.0
     with other.step(2):
         other_model(x)

@@ -25,7 +25,7 @@ def run_deep(mode, ownership, strict=False, n_events=10):
             if record.layer.endswith("fc1"):
                 order.append((phase, int(record.layer.split(".")[1])))
 
-    state.auditors.append(Order())
+    state.protocol.auditors.append(Order())
     with f8s.RecomputeAuditor(state) as auditor:
         run_events(state, model, event_inputs(n_events, scale_growth=1.2))
     return state, auditor.report(), order
@@ -139,7 +139,7 @@ def test_weight_tying_under_a_plain_checkpoint_is_ambiguous_and_says_how_to_fix(
     model = state.convert(Tied(wrapped=False))
     with pytest.raises(f8s.AmbiguousRecomputeError, match="lightning_fp8state.checkpoint"):
         run_events(state, model, event_inputs(1))
-    assert state.event is None and len(state.stash) == 0
+    assert state.event is None and len(state.protocol.stash) == 0
 
 
 def _threaded_forward(state, layer, xs):

@@ -114,7 +114,7 @@ def test_stamps_refuse_another_step_layer_or_role():
         def observe(self, record, phase, output, snaps):
             captured[record.layer] = (record, snaps)
 
-    state.auditors.append(Grab())
+    state.protocol.auditors.append(Grab())
     with state.step(0):
         model(torch.randn(2, 8)).sum().backward()
     rec0, snaps0 = captured["0"]
@@ -150,7 +150,7 @@ def test_snapshots_never_change_after_commit():
         def observe(self, record, phase, output, snaps):
             grabbed.append((snaps["input"], snaps["input"].scale.clone()))
 
-    state.auditors.append(Grab())
+    state.protocol.auditors.append(Grab())
     run_events(state, model, event_inputs(3, d=32))
     for snap, value in grabbed:
         assert torch.equal(snap.scale, value)
@@ -168,7 +168,7 @@ def test_every_snapshot_scale_sits_at_a_16_byte_aligned_address():
         def observe(self, record, phase, output, snaps_of_call):
             snaps.extend(snaps_of_call.values())
 
-    state.auditors.append(Grab())
+    state.protocol.auditors.append(Grab())
     run_events(state, model, event_inputs(2, d=32))
     assert len(snaps) >= 4
     for snap in snaps:
@@ -258,7 +258,7 @@ def test_an_event_that_raises_commits_nothing():
     after = state.bank.state_dict()
     for key in ("amax_history", "scale", "descale", "amax_pending"):
         assert torch.equal(before[key], after[key]), key
-    assert state.event is None and len(state.stash) == 0
+    assert state.event is None and len(state.protocol.stash) == 0
 
 
 def test_commit_forward_outside_an_event_is_an_error():

@@ -113,7 +113,7 @@ def test_commit_forward_advances_live_state_before_recompute():
             if record.layer == "blocks.0.fc1":
                 seen[phase] = (float(snaps["input"].scale), float(state.scale_of(owner)))
 
-    state.auditors.append(Spy())
+    state.protocol.auditors.append(Spy())
     run_events(state, model, xs[2:], step0=2)
     fwd_snap, fwd_live = seen[f8s.Phase.FORWARD]
     rec_snap, rec_live = seen[f8s.Phase.RECOMPUTE]
@@ -144,7 +144,7 @@ def test_early_stop_leaves_snapshots_unread_and_the_stash_is_released():
     # torch's early stop: fc2 (the region's last op) is never re-run.
     assert not any(r.recomputed for r in rows if r.layer.endswith("fc2"))
     assert all(r.recomputed for r in rows if r.layer.endswith("fc1"))
-    assert len(state.stash) == 0
+    assert len(state.protocol.stash) == 0
     assert state.ledger.ok
 
 

@@ -1,0 +1,186 @@
+"""Encoders: how a role's tensor becomes its low-precision data and its amax a record.
+
+One encoder per role format, between ``state/`` (the bank the records land in) and the
+protocol (which decides *which* snapshot a call uses and *whether* it records):
+
+- :class:`Fp8Encoder`: FP8 codes (E4M3 / E5M2); a :class:`Prologue` (the LayerNorm or GELU
+  that produces the tensor) is a stage of it, fused into the encode where a kernel takes it;
+- :class:`Fp4Encoder`: packed E2M1 with block scales (NVFP4, MXFP4);
+- :class:`CenteredFp4Encoder`: the same after subtracting a running per-channel center,
+  whose statistics are recorded too.
+
+Every encoder has two entry points: :meth:`encode` (records nothing: recompute, inference)
+and :meth:`encode_record` (folds the amax into the owner's pending slot: the true forward).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .config import QuantConfig
+from .formats import FP4_LAYOUTS, fp8_format
+from .ops.library_fused import layer_norm_width_ok
+from .state import ATTENTION_ROLES, QuantSnapshot, StateBank, role_phase
+
+__all__ = [
+    "ACTIVATIONS",
+    "CenteredFp4Encoder",
+    "Fp4Encoder",
+    "Fp8Encoder",
+    "Prologue",
+    "encoder_for",
+    "role_format",
+]
+
+ACTIVATIONS = ("gelu",)
+
+
+def role_format(config: QuantConfig, role: str) -> str:
+    """The format of ``role``: an FP8 format name, or an FP4 layout for attention roles."""
+    if role in ATTENTION_ROLES:
+        return config.attn_format
+    return config.backward_format if role_phase(role) == "backward" else config.forward_format
+
+
+class Prologue:
+    """One call's prologue: ``layer_norm`` (a module's affine and eps) or ``gelu``, the op
+    that produces an FP8 role's tensor, run as the first stage of its encode.
+
+    ``stats`` holds the LayerNorm's ``(mean, rstd)`` after :meth:`encode` or :meth:`apply`
+    ran (the caller saves them for :meth:`backward`).
+    """
+
+    __slots__ = ("bias", "eps", "kind", "stats", "weight")
+
+    def __init__(self, kind: str, weight=None, bias=None, eps: float = 0.0) -> None:
+        self.kind, self.weight, self.bias, self.eps = kind, weight, bias, eps
+        self.stats: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def layer_norm(cls, norm: nn.LayerNorm) -> Prologue:
+        return cls("layer_norm", norm.weight, norm.bias, norm.eps)
+
+    def fusable(self, x: torch.Tensor) -> bool:
+        """Whether a fused kernel takes ``x`` (else the stage runs on its own, then the encode)."""
+        if self.kind == "gelu":
+            return True
+        affine_ok = all(t is None or t.dtype == torch.float32 for t in (self.weight, self.bias))
+        return affine_ok and layer_norm_width_ok(x.dtype, x.shape[-1])
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """The prologue's output as a tensor (no autograd): for paths without a fused kernel."""
+        with torch.no_grad():
+            if self.kind == "gelu":
+                return F.gelu(x)
+            d = x.shape[-1]
+            y, mean, rstd = torch.ops.aten.native_layer_norm(x, [d], self.weight, self.bias, self.eps)
+            self.stats = (mean, rstd)
+            return y
+
+    def encode(self, x: torch.Tensor, scale, dtype, amax_pending=None, slot: int = 0) -> torch.Tensor:
+        """FP8 codes of the prologue's output (recording its amax into ``amax_pending[slot]``
+        when given): fused where a kernel takes the shape, else applied, then quantized."""
+        with torch.no_grad():
+            if not self.fusable(x):
+                y = self.apply(x)
+                if amax_pending is None:
+                    return ops.quantize_fp8(y, scale, dtype)
+                return ops.quantize_fp8_record_amax(y, scale, amax_pending, slot, dtype)
+            if self.kind == "gelu":
+                return ops.gelu_quantize_fp8(x, scale, dtype, amax_pending, slot)
+            q, mean, rstd = ops.layer_norm_quantize_fp8(
+                x, self.weight, self.bias, self.eps, scale, dtype, amax_pending, slot
+            )
+            self.stats = (mean, rstd)
+            return q
+
+    def backward(self, grad_y: torch.Tensor, x: torch.Tensor, stats: tuple, needs: tuple[bool, bool, bool]):
+        """Gradients of ``(x, weight, bias)`` from the gradient of the prologue's output
+        (``stats``: the LayerNorm's saved ``(mean, rstd)``; empty for the GELU)."""
+        if self.kind == "gelu":
+            return torch.ops.aten.gelu_backward(grad_y, x), None, None
+        mean, rstd = stats
+        return torch.ops.aten.native_layer_norm_backward(
+            grad_y, x, [x.shape[-1]], mean, rstd, self.weight, self.bias, list(needs)
+        )
+
+
+class Fp8Encoder:
+    """FP8 codes of one format; a :class:`Prologue` is its first stage."""
+
+    layout: str | None = None
+    centered = False
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.dtype = fp8_format(name).dtype
+
+    def source(self, x: torch.Tensor, prologue: Prologue | None) -> torch.Tensor:
+        """The tensor whose amax the owner's scale covers (the prologue's output, if any),
+        materialized: for the first event's calibration only."""
+        return x if prologue is None else prologue.apply(x)
+
+    def encode(self, x: torch.Tensor, snap: QuantSnapshot, prologue: Prologue | None = None):
+        """Encode with ``snap``, recording nothing."""
+        if prologue is not None:
+            return prologue.encode(x, snap.scale, self.dtype)
+        return ops.quantize_fp8(x, snap.scale, self.dtype)
+
+    def encode_record(
+        self, x: torch.Tensor, snap: QuantSnapshot, bank: StateBank, index: int, prologue: Prologue | None = None
+    ):
+        """Encode with ``snap`` and fold the amax into owner ``index``'s pending slot."""
+        if prologue is not None:
+            return prologue.encode(x, snap.scale, self.dtype, bank.amax_pending, index)
+        return ops.quantize_fp8_record_amax(x, snap.scale, bank.amax_pending, index, self.dtype)
+
+
+class Fp4Encoder:
+    """Packed E2M1 with block scales (``layout``: ``nvfp4`` | ``mxfp4``); returns
+    ``(packed uint8, block_scales)``. A prologue runs on its own before the encode."""
+
+    centered = False
+    dtype = torch.uint8
+
+    def __init__(self, layout: str) -> None:
+        self.name = self.layout = layout
+
+    source = Fp8Encoder.source
+
+    def encode(self, x: torch.Tensor, snap: QuantSnapshot, prologue: Prologue | None = None):
+        x = self.source(x, prologue)
+        return ops.quantize_fp4(x, snap.scale, self.layout, snap.center)
+
+    def encode_record(
+        self, x: torch.Tensor, snap: QuantSnapshot, bank: StateBank, index: int, prologue: Prologue | None = None
+    ):
+        x = self.source(x, prologue)
+        return ops.quantize_fp4_record_amax(x, snap.scale, bank.amax_pending, index, self.layout)
+
+
+class CenteredFp4Encoder(Fp4Encoder):
+    """:class:`Fp4Encoder` on ``x - center`` (the snapshot's frozen running center); the true
+    forward also records the per-channel statistics the center advances from."""
+
+    centered = True
+
+    def encode_record(
+        self, x: torch.Tensor, snap: QuantSnapshot, bank: StateBank, index: int, prologue: Prologue | None = None
+    ):
+        x = self.source(x, prologue)
+        return ops.quantize_fp4_centered_record(
+            x, snap.scale, snap.center, bank.amax_pending, bank.center_max, bank.center_min, index, self.layout
+        )
+
+
+def encoder_for(config: QuantConfig, role: str) -> Fp8Encoder | Fp4Encoder:
+    """The encoder of ``role`` under ``config``."""
+    name = role_format(config, role)
+    if name not in FP4_LAYOUTS:
+        return Fp8Encoder(name)
+    if role in ATTENTION_ROLES and config.attn_centered:
+        return CenteredFp4Encoder(name)
+    return Fp4Encoder(name)

@@ -50,7 +50,7 @@ AMAX_REDUCTIONS = ("none", "data_parallel")
 DEFAULT_AMAX_REDUCTION = (("weight", "data_parallel"),)
 FP4_LAYOUT_NAMES = tuple(FP4_LAYOUTS)  # ("nvfp4", "mxfp4")
 # scale = fmax / amax / 2**margin, margin in [0, MARGIN_MAX]. The CUDA update_scales takes
-# 2**margin as a float32 (ldexpf) and checks margin < MARGIN_MAX + 1 (csrc/fp8state_ops.cu);
+# 2**margin as a float32 (ldexpf) and checks margin < MARGIN_MAX + 1 (csrc/fp8_ops.cu);
 # the reference op and QuantConfig check the same bound.
 MARGIN_MAX = 126
 # The running center's step at a commit: c += momentum * (midrange - c), momentum in

@@ -56,8 +56,8 @@ __all__ = [
 ]
 
 _NAME = "fp8state_cuda"
-SOURCES = ("fp8state_ops.cu", "fp4_ops.cu")  # compiled
-HEADERS = ("fp8state_common.cuh",)  # included by the sources; not compiled on their own
+SOURCES = ("fp8_ops.cu", "fused_ops.cu", "fp4_ops.cu")  # compiled: FP8, fused prologues, FP4 (as ops/ splits them)
+HEADERS = ("fp8state_common.cuh", "fp8_encode.cuh")  # included by the sources; not compiled on their own
 _HASHED_SUFFIXES = (".cu", ".cuh", ".h")
 _lock = threading.Lock()
 _state: dict = {"tried": False, "loaded": False, "error": None, "library": None}

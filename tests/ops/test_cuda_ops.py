@@ -221,7 +221,7 @@ def test_extension_is_built_from_the_imported_package(kernels):
     """Run from a plain (non-editable) install, this proves the sources ship and build there."""
     src = ops.cuda.source_dir()
     assert src.parent == __import__("pathlib").Path(f8s.__file__).resolve().parent
-    assert (src / "fp8state_ops.cu").is_file()
+    assert all((src / s).is_file() for s in ops.cuda.SOURCES)
     assert all((src / h).is_file() for h in ops.cuda.HEADERS)  # the shared header ships too
     assert kernels["loaded"] and kernels["sha256"]
     # built from these very files: the library sits in the directory named by their hash

@@ -44,7 +44,7 @@ def _update_args(margin: int) -> list:
 
 def test_the_kernels_margin_bound_is_the_configs():
     """Before: margin=127 passed QuantConfig and the reference op, and failed in the kernel."""
-    found = re.findall(r"FP8S_CHECK\(margin >= 0 && margin < (\d+),", _source("fp8state_ops.cu"))
+    found = re.findall(r"FP8S_CHECK\(margin >= 0 && margin < (\d+),", _source("fp8_ops.cu"))
     assert found == [str(MARGIN_MAX + 1)]
     assert f8s.QuantConfig(margin=MARGIN_MAX).margin == MARGIN_MAX
     with pytest.raises(
@@ -73,7 +73,7 @@ def test_the_kernels_momentum_bound_is_the_configs():
 
 
 def test_the_kernels_amax_algorithms_are_the_configs():
-    check = re.search(r'FP8S_CHECK\((amax_algo == .*?), "amax_algo"', _source("fp8state_ops.cu"), re.S).group(1)
+    check = re.search(r'FP8S_CHECK\((amax_algo == .*?), "amax_algo"', _source("fp8_ops.cu"), re.S).group(1)
     assert tuple(re.findall(r'amax_algo == "(\w+)"', check)) == AMAX_ALGOS
 
 

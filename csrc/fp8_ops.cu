@@ -11,6 +11,7 @@
 //           (IEEE divisions), guarded against zero or non-finite amax.
 // Every launch runs on the current stream; no kernel or wrapper synchronizes the host.
 
+#include "fp8state_common.cuh"
 #include "fp8_encode.cuh"
 
 namespace {

@@ -3,6 +3,7 @@
 // ops/reference_fused.py (bit for bit). The GELU is the quantize kernel of fp8_encode.cuh
 // with its GELU stage; the LayerNorm has its own kernel below.
 
+#include "fp8state_common.cuh"
 #include "fp8_encode.cuh"
 
 namespace {

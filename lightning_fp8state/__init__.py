@@ -20,6 +20,7 @@ from .errors import (
     ConcurrentEntryError,
     ConfigError,
     OwnerAlignmentError,
+    SelectiveCheckpointError,
     StaleSnapshotError,
     StateLoadError,
     StateTransitionError,
@@ -28,6 +29,7 @@ from .formats import E4M3, E5M2, MXFP4, NVFP4, Fp4Layout, Fp8Format
 from .fp8state import STATE_FORMAT_VERSION, Fp8State
 from .nn import Fp4AttentionQuantizer, Fp8Linear, convert_model
 from .recompute import Phase, checkpoint
+from .sac import MATMUL_OPS, QUANTIZE_OPS, selective_checkpoint_context, selective_checkpoint_policy
 from .state import OwnerKey, QuantSnapshot
 
 __version__ = "0.1.0"
@@ -64,10 +66,15 @@ __all__ = [
     "QuantSnapshot",
     "DeviceRecomputeAuditor",
     "RecomputeAuditor",
+    "MATMUL_OPS",
+    "QUANTIZE_OPS",
+    "SelectiveCheckpointError",
     "StaleSnapshotError",
     "StateLoadError",
     "StateTransitionError",
     "checkpoint",
     "convert_model",
     "ops",
+    "selective_checkpoint_context",
+    "selective_checkpoint_policy",
 ]

@@ -7,6 +7,7 @@ __all__ = [
     "ConcurrentEntryError",
     "ConfigError",
     "OwnerAlignmentError",
+    "SelectiveCheckpointError",
     "StaleSnapshotError",
     "StateLoadError",
     "StateTransitionError",
@@ -45,3 +46,8 @@ class AmbiguousRecomputeError(RuntimeError):
 
 class StateLoadError(ValueError):
     """A saved quantizer state is corrupt or does not match the live one; nothing was loaded."""
+
+
+class SelectiveCheckpointError(RuntimeError):
+    """Torch's selective activation checkpointing saw a different op sequence in a region's
+    recompute than in its true forward (raised by :func:`lightning_fp8state.checkpoint`)."""

@@ -37,6 +37,7 @@ from .config import QuantConfig
 from .errors import ConfigError, StateTransitionError
 from .formats import FP4_LAYOUTS, fp8_format
 from .recompute import CallRecord, Phase, SnapshotStash, current_frame, in_backward
+from .sac import outside_selective_checkpoint
 from .state import (
     ATTENTION_ROLES,
     BACKWARD_ROLES,
@@ -100,6 +101,7 @@ class QuantProtocol:
         self._streams: dict[tuple, int] = {}
         self._owner_keys: dict[tuple, object] = {}  # (layer, role, rank, stream, site) -> OwnerKey
         self._role_meta: dict[str, tuple] = {}
+        self._discard: dict[tuple, tuple] = {}  # (device, center width) -> recompute's scratch slot
         self._lock = threading.RLock()
 
     # -- events --------------------------------------------------------------------
@@ -280,7 +282,8 @@ class QuantProtocol:
             return Phase.INFERENCE, self._live_record(layer, roles, device, frame, channels)
         if (frame is not None and frame.phase is Phase.RECOMPUTE) or backward:
             return Phase.RECOMPUTE, self.stash.find(ev.event, frame, layer)
-        return Phase.FORWARD, self._new_record(ev, layer, roles, device, frame, channels)
+        # registration and the event's freeze happen in the true forward only: unseen by SAC
+        return Phase.FORWARD, outside_selective_checkpoint(self._new_record, ev, layer, roles, device, frame, channels)
 
     def _owners(self, layer, roles, device, stream, site, channels) -> tuple[dict, dict]:
         owners, indices = {}, {}
@@ -391,6 +394,39 @@ class QuantProtocol:
             return ops.quantize_fp8(x, snap.scale, snap.dtype)
         return ops.quantize_fp4(x, snap.scale, snap.layout, snap.center)
 
+    def _discard_slot(self, device: torch.device, width: int) -> tuple:
+        """Scratch statistics (amax ``[1]``, center max/min ``[1, width]``) that recompute
+        records into and nobody reads: see :meth:`_encode_discard`."""
+        key = (device, width)
+        slot = self._discard.get(key)
+        if slot is None:
+            f32 = {"dtype": torch.float32, "device": device}
+            # allocated during a recompute, which SAC must not see (its true forward did not)
+            slot = outside_selective_checkpoint(
+                lambda: (torch.zeros(1, **f32), torch.zeros(1, width, **f32), torch.zeros(1, width, **f32))
+            )
+            slot = self._discard.setdefault(key, slot)
+        return slot
+
+    def _encode_discard(self, x: torch.Tensor, snap: QuantSnapshot, prologue=None):
+        """Recompute's quantize: the true forward's own op (``*_record_amax``, same codes as the
+        non-recording op) with ``snap``, its statistics folded into a scratch slot that is
+        never read or committed. Issuing the same op as the true forward keeps the op sequence
+        identical, which torch's selective activation checkpointing (SAC) requires: it numbers
+        ops per overload and replays its saved outputs by that number (a policy may even save
+        these codes). The bank is not touched: recompute stays read-only."""
+        amax, cmax, cmin = self._discard_slot(x.device, 0 if snap.center is None else snap.center.shape[-1])
+        self.stream_order.use(x.device, amax, snap.scale)
+        if prologue is not None:
+            if snap.layout is None:
+                return prologue.quantize(x, snap.scale, snap.dtype, amax, 0)
+            x = prologue.apply(x)
+        if snap.layout is None:
+            return ops.quantize_fp8_record_amax(x, snap.scale, amax, 0, snap.dtype)
+        if snap.center is None:
+            return ops.quantize_fp4_record_amax(x, snap.scale, amax, 0, snap.layout)
+        return ops.quantize_fp4_centered_record(x, snap.scale, snap.center, amax, cmax, cmin, 0, snap.layout)
+
     def _encode_record(self, index: int, x: torch.Tensor, snap: QuantSnapshot, prologue=None):
         """Quantize with ``snap`` and record into owner ``index``'s pending statistics.
 
@@ -429,9 +465,10 @@ class QuantProtocol:
         snap = record.snapshots[role]
         if phase is Phase.RECOMPUTE:
             self.ledger.recompute_read(event, owner)
-            return self._encode(x, snap, prologue), snap
+            return self._encode_discard(x, snap, prologue), snap
         self._observe(record, role, event, recompute=False)
-        self._calibrate_first_use(ev.calibrated, index, x, snap, prologue)
+        if index in self.bank.fresh:  # the first event only; its ops are unseen by SAC
+            outside_selective_checkpoint(self._calibrate_first_use, ev.calibrated, index, x, snap, prologue)
         return self._encode_record(index, x, snap, prologue), snap
 
     def _calibrate_first_use(
@@ -480,12 +517,13 @@ class QuantProtocol:
         owner, index = record.owners[role], record.indices[role]
         recompute = phase is Phase.RECOMPUTE
         self._observe(record, role, event, recompute=recompute)
-        live = self._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=True)
+        hidden = outside_selective_checkpoint  # the copies and the commit: unseen by SAC
+        live = hidden(self._live_snapshot, owner, index, event, record.region, record.ordinal, role, copy=True)
         q = self._encode_record(index, x, live, prologue)
-        self._advance_now(owner, index, event)
+        hidden(self._advance_now, owner, index, event)
         # the consumer gets the live descale (and center), already advanced for the next call
         # (copies only so that GEMMs get aligned scale pointers; the values are the defect's)
-        return q, self._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=True)
+        return q, hidden(self._live_snapshot, owner, index, event, record.region, record.ordinal, role, copy=True)
 
     def _quantize_owner_snapshot(self, record, role, x, phase, event, prologue=None):
         """The seed's first attempted fix, reproduced on purpose: the true forward snapshots
@@ -500,12 +538,13 @@ class QuantProtocol:
             if snap is None:
                 raise StateTransitionError(f"{owner} is being recomputed in event {event} but ran no true forward")
             self.ledger.recompute_read(event, owner)
-            return self._encode(x, snap, prologue), snap
+            return self._encode_discard(x, snap, prologue), snap
         self._observe(record, role, event, recompute=False)
-        snap = self._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=True)
+        hidden = outside_selective_checkpoint  # the copy and the commit: unseen by SAC
+        snap = hidden(self._live_snapshot, owner, index, event, record.region, record.ordinal, role, copy=True)
         ev.owner_snapshots[owner] = snap
         q = self._encode_record(index, x, snap, prologue)
-        self._advance_now(owner, index, event)
+        hidden(self._advance_now, owner, index, event)
         return q, snap
 
     # -- audit ---------------------------------------------------------------------
@@ -515,5 +554,5 @@ class QuantProtocol:
         if not self.auditors:
             return
         snaps = dict(snaps)
-        for auditor in self.auditors:
-            auditor.observe(record, phase, output, snaps)
+        for auditor in self.auditors:  # the auditors' copies: unseen by SAC
+            outside_selective_checkpoint(auditor.observe, record, phase, output, snaps)

@@ -6,6 +6,7 @@ __all__ = [
     "AmbiguousRecomputeError",
     "ConcurrentEntryError",
     "ConfigError",
+    "ConversionWarning",
     "OwnerAlignmentError",
     "SelectiveCheckpointError",
     "StaleSnapshotError",
@@ -51,3 +52,7 @@ class StateLoadError(ValueError):
 class SelectiveCheckpointError(RuntimeError):
     """Torch's selective activation checkpointing saw a different op sequence in a region's
     recompute than in its true forward (raised by :func:`lightning_fp8state.checkpoint`)."""
+
+
+class ConversionWarning(UserWarning):
+    """A converted layer never ran through the quantizer protocol (see ``Fp8State.warn_unowned``)."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import fields
 
 import torch
 from torch import nn
 
 from .config import QuantConfig
-from .errors import StateLoadError, StateTransitionError
+from .errors import ConversionWarning, StateLoadError, StateTransitionError
 from .nn import ConversionReport, convert_model
 from .protocol import QuantProtocol
 
@@ -54,6 +55,9 @@ class Fp8State(QuantProtocol):
     def __init__(self, config: QuantConfig | None = None, *, rank: int = 0) -> None:
         super().__init__(config if config is not None else QuantConfig(), rank=rank)
         self.last_conversion: ConversionReport | None = None
+        # every layer converted so far, checked for owners after the next event (once)
+        self.conversion = ConversionReport()
+        self._check_owners = False
 
     @property
     def protocol(self) -> QuantProtocol:
@@ -63,10 +67,42 @@ class Fp8State(QuantProtocol):
         """Swap matching ``nn.Linear`` layers of ``model`` (in place), bind its unbound
         ``Fp4AttentionQuantizer`` modules, and return it.
 
-        The report of converted and skipped layers is kept in :attr:`last_conversion`.
+        The report of this call (converted, skipped and not-quantizable candidates, each with a
+        reason) is kept in :attr:`last_conversion`; :attr:`conversion` accumulates every call's.
+        After the next event, a converted layer that never ran through the protocol (no owner
+        in the bank) is warned about once (:class:`ConversionWarning`).
         """
         self.last_conversion = convert_model(model, self)
+        self.conversion.merge(self.last_conversion)
+        self._check_owners = bool(self.last_conversion.converted or self.last_conversion.attention)
         return model
+
+    def end_event(self) -> None:
+        super().end_event()
+        if self._check_owners:
+            self._check_owners = False
+            self.warn_unowned()
+
+    def warn_unowned(self) -> list[str]:
+        """Warn about converted layers that hold no quantizer owner: they never ran a training
+        forward through the protocol (not called in the event, or their weight is used outside
+        their forward, so they are not quantized at all). Returns their names. Checked once
+        after the first event following :meth:`convert`; under the bf16 recipe or the per_model
+        scope (no per-layer owners) nothing is checked."""
+        if not self.config.quantized or self.config.ownership == "per_model":
+            return []
+        unowned = self.conversion.unowned(self)
+        if unowned:
+            shown = ", ".join(unowned[:8]) + (f" ... ({len(unowned)} in all)" if len(unowned) > 8 else "")
+            warnings.warn(
+                f"lightning_fp8state: {len(unowned)} converted layer(s) never ran through the quantizer in "
+                f"the first event: {shown}. A layer called only in some steps is fine; one whose weight is "
+                "used outside its own forward (read by a parent module, tied into another op) is not quantized "
+                "at all: exclude it (QuantConfig.exclude) so the report does not claim it",
+                ConversionWarning,
+                stacklevel=2,
+            )
+        return unowned
 
     def nonfinite_counts(self) -> dict:
         """Per owner: how many events had a non-finite amax (skipped, not committed).

@@ -381,6 +381,8 @@ class QuantProtocol:
         """
         q, snap = self._quantize(record, role, x, phase, prologue)
         record.used[role] = snap
+        if self.auditors:  # the quantized operand itself: early stop may never produce the output
+            self._observe_operand(record, role, phase, q, snap)
         return q, snap
 
     def _encode(self, x: torch.Tensor, snap: QuantSnapshot, prologue=None):
@@ -548,6 +550,14 @@ class QuantProtocol:
         return q, snap
 
     # -- audit ---------------------------------------------------------------------
+    def _observe_operand(self, record: CallRecord, role: str, phase: Phase, data, snap: QuantSnapshot) -> None:
+        """Hand one quantized operand (FP8 codes, or FP4 ``(packed, block_scales)``) and its
+        snapshot to the auditors that compare operands (``observe_operand``)."""
+        for auditor in self.auditors:
+            observe = getattr(auditor, "observe_operand", None)
+            if observe is not None:  # the auditors' copies: unseen by SAC
+                outside_selective_checkpoint(observe, record, role, phase, data, snap)
+
     def observe_output(self, record: CallRecord, phase: Phase, output, snaps: dict) -> None:
         """Hand one module output (a tensor, or a tuple of tensors) and the snapshots it
         consumed (a copy of ``snaps``, taken only when an auditor is attached) to the auditors."""

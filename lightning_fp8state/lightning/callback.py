@@ -64,7 +64,8 @@ class Fp8StateCallback(Callback):
         config: the quantizer configuration (a :class:`QuantConfig` or a mapping of its
             fields); default ``QuantConfig()``.
         audit: attach a :class:`RecomputeAuditor` (diagnostic: copies every converted
-            layer's output to the host); read it with :meth:`audit_report`.
+            layer's output and operands to the host, and reports module state a recompute
+            changes); read it with :meth:`audit_report`.
         save_accumulated_grads: when a checkpoint is written inside a gradient-accumulation
             window, store every rank's accumulated gradients in it and restore them on
             resume, so the window continues bit-identically (Lightning itself does not).
@@ -136,7 +137,7 @@ class Fp8StateCallback(Callback):
         self._module_id = id(pl_module)
         self._convert(trainer, pl_module)
         if self.audit and self.auditor is None:
-            self.auditor = RecomputeAuditor(self.state).__enter__()
+            self.auditor = RecomputeAuditor(self.state, model=pl_module).__enter__()
 
     def _convert(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ConversionReport:
         self.state.convert(pl_module)

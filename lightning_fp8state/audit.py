@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from .recompute import CallRecord, Phase, in_backward
+from .sac import outside_selective_checkpoint
 from .state import role_phase
 
 __all__ = ["AuditReport", "AuditRow", "DeviceRecomputeAuditor", "RecomputeAuditor", "StateChange"]
@@ -339,7 +340,8 @@ class RecomputeAuditor:
     # -- module state changed by recompute --------------------------------------------
     def _before_call(self, module: nn.Module, args) -> None:
         if in_backward():  # a module called inside backward: a recompute (any engine)
-            self._pending.setdefault(id(module), []).append(_module_state(module))
+            # the copies run outside torch SAC's modes: its true forward made none
+            self._pending.setdefault(id(module), []).append(outside_selective_checkpoint(_module_state, module))
 
     def _after_call(self, name: str, module: nn.Module, args, output) -> None:
         stack = self._pending.get(id(module))
@@ -347,7 +349,8 @@ class RecomputeAuditor:
             return
         before = stack.pop()
         event = self.protocol.event
-        for kind, attr, detail in _state_diff(before, _module_state(module)):
+        after = outside_selective_checkpoint(_module_state, module)
+        for kind, attr, detail in outside_selective_checkpoint(_state_diff, before, after):
             change = StateChange(event, name, attr, kind, detail)
             with self._lock:
                 self.state_changes.append(change)

@@ -261,3 +261,29 @@ def test_sac_with_the_deepspeed_engine_or_reentrant_is_refused():
         f8s.checkpoint(block, torch.randn(2, 16), engine="deepspeed", context_fn=ctx)
     with pytest.raises(ValueError, match="use_reentrant=False"):
         f8s.checkpoint(block, torch.randn(2, 16, requires_grad=True), use_reentrant=True, context_fn=ctx)
+
+
+def test_outside_selective_checkpoint_hides_only_the_sac_modes():
+    """Bookkeeping runs unseen by SAC's modes; other dispatch modes (outside and inside the
+    region) still see it, and the mode stack is restored in its order."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+    from lightning_fp8state.sac import outside_selective_checkpoint
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    caching, _ = create_selective_checkpoint_contexts(_save_nothing)
+    with Count() as outer, caching, Count() as inner:
+        stack = _get_current_dispatch_mode_stack()
+        outside_selective_checkpoint(lambda: torch.ones(2).mul(3))
+        assert _get_current_dispatch_mode_stack() == stack
+        torch.ones(2).add(1)
+    assert aten.mul.Tensor in outer.ops and aten.mul.Tensor in inner.ops
+    assert aten.add.Tensor in caching.storage and aten.mul.Tensor not in caching.storage

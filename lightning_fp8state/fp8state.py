@@ -74,7 +74,11 @@ class Fp8State(QuantProtocol):
         """
         self.last_conversion = convert_model(model, self)
         self.conversion.merge(self.last_conversion)
-        self._check_owners = bool(self.last_conversion.converted or self.last_conversion.attention)
+        # a second convert with nothing new (the Lightning callback converts at setup and again at
+        # fit start) must not cancel the check a first one armed
+        self._check_owners = self._check_owners or bool(
+            self.last_conversion.converted or self.last_conversion.attention
+        )
         return model
 
     def end_event(self) -> None:

@@ -106,6 +106,15 @@ def test_conversion_verbose_lists_every_layer_and_report_dir_gets_the_json(monke
         Fp8StateCallback(verbose="yes")
 
 
+def test_converted_layer_that_never_runs_is_warned_about_after_the_first_event():
+    """The callback converts at setup and again at fit start; the check armed by the first
+    survives the second, and fires once after the first training event."""
+    model = make_model()
+    model.unused = torch.nn.Linear(16, 16)  # converted, never called: it would never quantize
+    with pytest.warns(f8s.ConversionWarning, match=r"never ran through the quantizer .*: unused\."):
+        make_trainer(Fp8StateCallback(config=f8s.QuantConfig())).fit(model)
+
+
 # -- events and commit points -------------------------------------------------------
 class CommitSpy(Callback):
     """Runs after Fp8StateCallback in every hook: records what the protocol looked like."""

@@ -19,7 +19,9 @@ from .errors import (
     AmbiguousRecomputeError,
     ConcurrentEntryError,
     ConfigError,
+    ConversionWarning,
     OwnerAlignmentError,
+    SelectiveCheckpointError,
     StaleSnapshotError,
     StateLoadError,
     StateTransitionError,
@@ -29,6 +31,7 @@ from .fp8state import STATE_FORMAT_VERSION, Fp8State
 from .graphs import GraphedStep
 from .nn import Fp4AttentionQuantizer, Fp8Linear, convert_model
 from .recompute import Phase, checkpoint
+from .sac import MATMUL_OPS, QUANTIZE_OPS, selective_checkpoint_context, selective_checkpoint_policy
 from .state import OwnerKey, QuantSnapshot
 
 __version__ = "0.1.0"
@@ -53,6 +56,7 @@ __all__ = [
     "AuditRow",
     "ConcurrentEntryError",
     "ConfigError",
+    "ConversionWarning",
     "Fp4AttentionQuantizer",
     "Fp4Layout",
     "Fp8Format",
@@ -66,10 +70,15 @@ __all__ = [
     "QuantSnapshot",
     "DeviceRecomputeAuditor",
     "RecomputeAuditor",
+    "MATMUL_OPS",
+    "QUANTIZE_OPS",
+    "SelectiveCheckpointError",
     "StaleSnapshotError",
     "StateLoadError",
     "StateTransitionError",
     "checkpoint",
     "convert_model",
     "ops",
+    "selective_checkpoint_context",
+    "selective_checkpoint_policy",
 ]

@@ -4,21 +4,35 @@ Attach it to an ``Fp8State``; every converted module's output (an ``Fp8Linear``'
 an ``Fp4AttentionQuantizer``'s dequantized operands) is digested in the true forward and
 again in its recompute (bytes hash, max abs/rel difference, finite-mask equality, the
 descales and centers consumed), and the report pairs them per layer, call site and event,
-together with the ledger's violations. Diagnostic only: it copies outputs to the host.
+together with the ledger's violations.
+
+Every quantized operand (FP8 codes of input and weight, FP4 packed codes) is also compared
+at the quantize itself: torch's non-reentrant checkpoint stops a recompute as soon as the
+last saved tensor is rebuilt (early stop), which is inside the last layer's forward, before
+its output exists; its operands are compared all the same.
+
+Given the model (``RecomputeAuditor(state, model=model)``), it also reports any module
+state a recompute changes: a buffer (BatchNorm's running statistics updated a second time)
+or a plain attribute written in ``forward``, naming the module and the buffer or attribute.
+Diagnostic only: it copies outputs to the host.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
-from .recompute import CallRecord, Phase
+from .recompute import CallRecord, Phase, in_backward
+from .sac import outside_selective_checkpoint
+from .state import role_phase
 
-__all__ = ["AuditReport", "AuditRow", "DeviceRecomputeAuditor", "RecomputeAuditor"]
+__all__ = ["AuditReport", "AuditRow", "DeviceRecomputeAuditor", "RecomputeAuditor", "StateChange"]
 
 
 @dataclass
@@ -45,15 +59,25 @@ class AuditRow:
     descales_equal: bool = True
     centers_equal: bool = True
     stamps_equal: bool = True
-    recomputes: int = 0
+    recomputes: int = 0  # recomputes whose output was compared
+    operands_compared: int = 0  # quantized operands compared at the quantize, over all recomputes
+    operands_equal: bool = True
+    operand_mismatches: list = field(default_factory=list)  # roles whose recomputed codes differed
 
     @property
     def recomputed(self) -> bool:
+        """The recompute was compared: its output, or (early stop) at least its operands."""
+        return self.recompute_sha256 is not None or self.operands_compared > 0
+
+    @property
+    def output_recomputed(self) -> bool:
+        """The recompute produced this call's output (False for an early-stopped last layer)."""
         return self.recompute_sha256 is not None
 
     @property
     def bit_identical(self) -> bool:
-        return not self.recomputed or self.recompute_sha256 == self.forward_sha256
+        outputs = self.recompute_sha256 is None or self.recompute_sha256 == self.forward_sha256
+        return outputs and self.operands_equal
 
     @property
     def ok(self) -> bool:
@@ -66,12 +90,29 @@ class AuditRow:
         )
 
 
+@dataclass(frozen=True)
+class StateChange:
+    """Module state that a recompute changed: the forward re-ran a state update."""
+
+    event: tuple | None
+    module: str  # module path in the audited model ("" for the root)
+    name: str  # buffer or attribute name
+    kind: str  # "buffer" | "attribute"
+    detail: str  # what changed (values or max |difference|)
+
+    def __str__(self) -> str:
+        where = f"{self.module}.{self.name}" if self.module else self.name
+        return f"event {self.event}: recompute changed {self.kind} {where} ({self.detail})"
+
+
 @dataclass
 class AuditReport:
-    """Per (event, layer, site) rows plus the ledger's violations."""
+    """Per (event, layer, site) rows plus the ledger's violations and the module state that
+    recomputes changed."""
 
     rows: list[AuditRow] = field(default_factory=list)
     violations: list = field(default_factory=list)
+    state_changes: list[StateChange] = field(default_factory=list)
 
     @property
     def mismatches(self) -> list[AuditRow]:
@@ -82,8 +123,13 @@ class AuditReport:
         return sum(r.recomputed for r in self.rows)
 
     @property
+    def early_stopped(self) -> int:
+        """Recomputed calls compared at their operands only (their output was never rebuilt)."""
+        return sum(r.recomputed and not r.output_recomputed for r in self.rows)
+
+    @property
     def ok(self) -> bool:
-        return not self.mismatches and not self.violations
+        return not self.mismatches and not self.violations and not self.state_changes
 
     def per_layer(self) -> dict[str, dict]:
         """Summary per layer: calls, recomputed calls, mismatches, worst differences."""
@@ -106,19 +152,28 @@ class AuditReport:
 
     def format_table(self) -> str:
         """A plain-text table, one line per layer."""
-        head = f"{'layer':<32} {'calls':>6} {'recomp':>6} {'mismatch':>8} {'viol':>5} {'max|diff|':>11} {'max rel':>10}"
+        head = (
+            f"{'layer':<32} {'calls':>6} {'recomp':>6} {'early':>5} {'mismatch':>8} {'viol':>5} "
+            f"{'max|diff|':>11} {'max rel':>10}"
+        )
         lines = [head, "-" * len(head)]
+        early = Counter(r.layer for r in self.rows if r.recomputed and not r.output_recomputed)
         for layer, s in sorted(self.per_layer().items()):
             lines.append(
-                f"{layer:<32} {s['calls']:>6} {s['recomputed']:>6} {s['mismatches']:>8} "
+                f"{layer:<32} {s['calls']:>6} {s['recomputed']:>6} {early[layer]:>5} {s['mismatches']:>8} "
                 f"{s.get('violations', 0):>5} {s['max_abs_diff']:>11.4g} {s['max_rel_diff']:>10.4g}"
             )
+        lines += [f"state: {c}" for c in self.state_changes]
         verdict = (
             "OK: forward and recompute bit-identical"
             if self.ok
-            else (f"FAIL: {len(self.mismatches)} mismatching call(s), {len(self.violations)} ledger violation(s)")
+            else (
+                f"FAIL: {len(self.mismatches)} mismatching call(s), {len(self.violations)} ledger violation(s), "
+                f"{len(self.state_changes)} module state change(s) in recompute"
+            )
         )
         lines.append(verdict)
+        lines.append("(early: recomputes stopped before the layer's output; compared at its quantized operands)")
         return "\n".join(lines)
 
 
@@ -167,12 +222,86 @@ def _compare(row: AuditRow, fwd: _Digest, rec: _Digest) -> None:
     row.stamps_equal = row.stamps_equal and fwd.stamps == rec.stamps
 
 
+def _operand_tensors(data) -> list[torch.Tensor]:
+    return [data] if isinstance(data, torch.Tensor) else [t for t in data if isinstance(t, torch.Tensor)]
+
+
+@dataclass
+class _Operand:
+    sha256: str
+    values: torch.Tensor | None  # FP8 codes decoded with the paired descale (float32, host); None for FP4
+
+
+def _operand_digest(data, snap) -> _Operand:
+    hosts = [t.detach().to("cpu", copy=True).contiguous() for t in _operand_tensors(data)]
+    sha = hashlib.sha256()
+    for host in hosts:
+        sha.update(f"{host.dtype}{tuple(host.shape)}".encode())
+        sha.update(_bytes(host))
+    sha.update(f"{float(snap.descale)}{snap.owner}{snap.event}{snap.region}{snap.ordinal}".encode())
+    values = None
+    if len(hosts) == 1 and hosts[0].dtype.is_floating_point:
+        values = hosts[0].to(torch.float32) * float(snap.descale)
+    return _Operand(sha.hexdigest(), values)
+
+
+# nn.Module's own bookkeeping attributes: not model state
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_is_hf_initialized"}
+
+
+def _plain(value) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device))
+
+
+def _module_state(module: nn.Module) -> dict:
+    """``module``'s own state (not its children's): buffers (bits) and plain attributes."""
+    out = {}
+    for name, buf in module._buffers.items():
+        if buf is not None:
+            out[("buffer", name)] = buf.detach().clone()
+    for name, value in module.__dict__.items():
+        if name in _MODULE_INTERNALS:
+            continue
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            out[("attribute", name)] = value.detach().clone()
+        elif _plain(value) or (isinstance(value, tuple) and all(_plain(v) for v in value)):
+            out[("attribute", name)] = value
+    return out
+
+
+def _state_diff(before: dict, after: dict) -> list[tuple[str, str, str]]:
+    changes = []
+    for key in before.keys() | after.keys():
+        kind, name = key
+        a, b = before.get(key, "<unset>"), after.get(key, "<unset>")
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                changes.append((kind, name, f"{tuple(a.shape)} {a.dtype} -> {tuple(b.shape)} {b.dtype}"))
+            elif not torch.equal(_bits(a), _bits(b)):
+                if a.is_floating_point():
+                    detail = (
+                        f"max |difference| {float((a.double() - b.double()).abs().nan_to_num(float('inf')).max()):.4g}"
+                    )
+                else:
+                    detail = f"{a.reshape(-1)[:4].tolist()} -> {b.reshape(-1)[:4].tolist()}"
+                changes.append((kind, name, detail))
+        elif type(a) is not type(b) or a != b:
+            changes.append((kind, name, f"{a!r} -> {b!r}"))
+    return sorted(changes)
+
+
 class RecomputeAuditor:
     """Context manager that records forward/recompute digests of every converted module.
 
+    Args:
+        state: the :class:`~lightning_fp8state.Fp8State` (or protocol) to audit.
+        model: optional; when given, every module of it is watched for state that a
+            recompute changes (buffers and plain attributes, each module's own), reported as
+            :class:`StateChange` rows (a report with any is not ``ok``).
+
     Example::
 
-        with RecomputeAuditor(state) as auditor:
+        with RecomputeAuditor(state, model=model) as auditor:
             for step in range(10):
                 with state.step(step):
                     loss = model(x).float().pow(2).mean()
@@ -180,19 +309,98 @@ class RecomputeAuditor:
         assert auditor.report().ok
     """
 
-    def __init__(self, state) -> None:
+    def __init__(self, state, model: nn.Module | None = None) -> None:
         self.protocol = getattr(state, "protocol", state)
+        self.model = model
         self._forward: dict[tuple, _Digest] = {}
+        self._operands: dict[tuple, _Operand] = {}
         self._rows: dict[tuple, AuditRow] = {}
         self._event = None
         self._lock = threading.Lock()
+        self._handles: list = []
+        self._pending: dict[int, list] = {}  # id(module) -> stack of state snapshots (recompute calls)
+        self.state_changes: list[StateChange] = []
 
     def __enter__(self) -> RecomputeAuditor:
         self.protocol.auditors.append(self)
+        if self.model is not None:
+            for name, module in self.model.named_modules():
+                self._handles.append(module.register_forward_pre_hook(self._before_call))
+                self._handles.append(
+                    module.register_forward_hook(functools.partial(self._after_call, name), always_call=True)
+                )
         return self
 
     def __exit__(self, *exc) -> None:
         self.protocol.auditors.remove(self)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # -- module state changed by recompute --------------------------------------------
+    def _before_call(self, module: nn.Module, args) -> None:
+        if in_backward():  # a module called inside backward: a recompute (any engine)
+            # the copies run outside torch SAC's modes: its true forward made none
+            self._pending.setdefault(id(module), []).append(outside_selective_checkpoint(_module_state, module))
+
+    def _after_call(self, name: str, module: nn.Module, args, output) -> None:
+        stack = self._pending.get(id(module))
+        if not stack or not in_backward():
+            return
+        before = stack.pop()
+        event = self.protocol.event
+        after = outside_selective_checkpoint(_module_state, module)
+        for kind, attr, detail in outside_selective_checkpoint(_state_diff, before, after):
+            change = StateChange(event, name, attr, kind, detail)
+            with self._lock:
+                self.state_changes.append(change)
+
+    # -- outputs and operands ----------------------------------------------------------
+    def _row(self, record: CallRecord, key: tuple) -> AuditRow:
+        row = self._rows.get(key)
+        if row is None:
+            row = self._rows[key] = AuditRow(record.event, record.layer, record.site, "")
+        return row
+
+    def _new_event(self, event) -> None:
+        if event != self._event:  # recompute never crosses events: free old copies
+            self._forward, self._operands = {}, {}
+            self._event = event
+
+    def observe_operand(self, record: CallRecord, role: str, phase: Phase, data, snap) -> None:
+        """Digest one quantized operand of a forward role (the FP8 codes, or FP4 packed codes
+        and block scales, with the snapshot's stamps and descale) and compare a recompute's
+        with its true forward's: this sees early-stopped recomputes too."""
+        if phase is Phase.INFERENCE or role_phase(role) != "forward":
+            return
+        key = (record.event, record.layer, record.site)
+        digest = _operand_digest(data, snap)
+        with self._lock:
+            if phase is Phase.FORWARD:
+                self._new_event(record.event)
+                self._row(record, key)
+                self._operands[(key, role)] = digest
+                return
+            fwd = self._operands.get((key, role))
+            if fwd is None:
+                return
+            row = self._row(record, key)
+            row.operands_compared += 1
+            if fwd.sha256 != digest.sha256:
+                row.operands_equal = False
+                if role not in row.operand_mismatches:
+                    row.operand_mismatches.append(role)
+                if fwd.values is not None and digest.values is not None and fwd.values.shape == digest.values.shape:
+                    a, b = fwd.values.double(), digest.values.double()
+                    both = torch.isfinite(a) & torch.isfinite(b)
+                    row.finite_mask_equal = row.finite_mask_equal and bool(
+                        torch.equal(torch.isfinite(a), torch.isfinite(b))
+                    )
+                    if both.any():
+                        diff = (a - b).abs()[both]
+                        row.max_abs_diff = max(row.max_abs_diff, float(diff.max()))
+                        rel = diff / a.abs()[both].clamp_min(torch.finfo(torch.float32).tiny)
+                        row.max_rel_diff = max(row.max_rel_diff, float(rel.max()))
 
     def observe(self, record: CallRecord, phase: Phase, output, snaps: dict) -> None:
         """Digest one call's output: a tensor, or a tuple of tensors (attention operands)."""
@@ -206,19 +414,18 @@ class RecomputeAuditor:
         digest = _digest(output, snaps)
         with self._lock:
             if phase is Phase.FORWARD:
-                if record.event != self._event:  # recompute never crosses events: free old copies
-                    self._forward = {}
-                    self._event = record.event
+                self._new_event(record.event)
                 self._forward[key] = digest
-                self._rows[key] = AuditRow(record.event, record.layer, record.site, digest.sha256)
+                self._row(record, key).forward_sha256 = digest.sha256
             elif key in self._forward:
-                _compare(self._rows[key], self._forward[key], digest)
+                _compare(self._row(record, key), self._forward[key], digest)
 
     def report(self) -> AuditReport:
-        """Rows in event order, plus the ledger's violations so far."""
+        """Rows in event order, the ledger's violations so far, and module state changes."""
         with self._lock:
             rows = [self._rows[k] for k in sorted(self._rows, key=lambda k: (k[0], k[1], k[2]))]
-        return AuditReport(rows, list(self.protocol.ledger.violations))
+            changes = list(self.state_changes)
+        return AuditReport(rows, list(self.protocol.ledger.violations), changes)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -242,13 +449,16 @@ class DeviceRecomputeAuditor:
     A true-forward call clones its outputs (and the descales/centers it consumed); its
     recompute is compared bit for bit on the device. A call counts as mismatching when any
     recompute differs in output bits (hence also in the finite mask), descale, center or
-    stamps: the same verdict as ``AuditRow.ok``. Per step: a device count of mismatching
-    calls and a host count of recomputed calls. Memory: one copy of the open event's outputs.
+    stamps: the same verdict as ``AuditRow.ok``. The quantized operands are compared at the
+    quantize too (an early-stopped recompute never produces the last layer's output). Per
+    step: a device count of mismatching calls and a host count of recomputed calls. Memory:
+    one copy of the open event's outputs and FP8 operands.
     """
 
     def __init__(self, state) -> None:
         self.protocol = getattr(state, "protocol", state)
         self._forward: dict[tuple, _Call] = {}
+        self._operands: dict[tuple, tuple] = {}
         self._bad: dict[tuple, torch.Tensor] = {}
         self._event = None
         self.mismatching: dict[int, torch.Tensor] = {}  # step -> device count of mismatching calls
@@ -265,7 +475,40 @@ class DeviceRecomputeAuditor:
     def _flush(self) -> None:
         if self._event is not None and self._bad:
             self.mismatching[self._event[0]] = torch.stack(list(self._bad.values())).sum()
-        self._forward, self._bad = {}, {}
+        self._forward, self._operands, self._bad = {}, {}, {}
+
+    def observe_operand(self, record: CallRecord, role: str, phase: Phase, data, snap) -> None:
+        """Clone a forward role's quantized operand in the true forward; compare its recompute's
+        bits, descale and stamps on the device (early-stopped recomputes included)."""
+        if phase is Phase.INFERENCE or role_phase(role) != "forward":
+            return
+        key = (record.event, record.layer, record.site)
+        tensors = [t.detach() for t in _operand_tensors(data)]
+        stamps = (str(snap.owner), snap.event, snap.region, snap.ordinal)
+        if phase is Phase.FORWARD:
+            if record.event != self._event:
+                self._flush()
+                self._event = record.event
+            self._operands[(key, role)] = ([t.clone() for t in tensors], snap.descale.detach().clone(), stamps)
+            return
+        fwd = self._operands.get((key, role))
+        if fwd is None:
+            return
+        self.recomputed[record.event[0]] += key not in self._bad
+        device = tensors[0].device if tensors else torch.device("cpu")
+        bad = self._bad.get(key, torch.zeros((), dtype=torch.bool, device=device))
+        codes, descale, fwd_stamps = fwd
+        if (
+            fwd_stamps != stamps
+            or len(codes) != len(tensors)
+            or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(codes, tensors, strict=False))
+        ):
+            bad = torch.ones((), dtype=torch.bool, device=device)
+        else:
+            for a, b in zip(codes, tensors, strict=True):
+                bad = bad | (_bits(a) != _bits(b)).any()
+            bad = bad | (descale != snap.descale).any().to(device)
+        self._bad[key] = bad
 
     def observe(self, record: CallRecord, phase: Phase, output, snaps: dict) -> None:
         if phase is Phase.INFERENCE:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .errors import StateTransitionError
 from .recompute import Phase
+from .sac import outside_selective_checkpoint as hidden  # the copies and the commits: unseen by SAC
 
 __all__ = ["NaiveTiming", "OwnerSnapshot", "policy_for"]
 
@@ -27,12 +28,12 @@ class NaiveTiming:
         owner, index = record.owners[role], record.indices[role]
         recompute = phase is Phase.RECOMPUTE
         protocol._observe(record, role, event, recompute=recompute)
-        live = protocol._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=True)
+        live = hidden(protocol._live_snapshot, owner, index, event, record.region, record.ordinal, role, copy=True)
         q = protocol._encode_record(index, x, live, role, prologue)
-        protocol._commit_now(owner, index, event)
+        hidden(protocol._commit_now, owner, index, event)
         # the consumer gets the live descale (and center), already advanced for the next call
         # (copies only so that GEMMs get aligned scale pointers; the values are the defect's)
-        return q, protocol._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=True)
+        return q, hidden(protocol._live_snapshot, owner, index, event, record.region, record.ordinal, role, copy=True)
 
 
 class OwnerSnapshot:
@@ -51,12 +52,12 @@ class OwnerSnapshot:
             if snap is None:
                 raise StateTransitionError(f"{owner} is being recomputed in event {event} but ran no true forward")
             protocol.ledger.recompute_read(event, owner)
-            return protocol._encode(x, snap, role, prologue), snap
+            return protocol._encode_discard(x, snap, role, prologue), snap
         protocol._observe(record, role, event, recompute=False)
-        snap = protocol._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=True)
+        snap = hidden(protocol._live_snapshot, owner, index, event, record.region, record.ordinal, role, copy=True)
         self._snapshots[owner] = snap
         q = protocol._encode_record(index, x, snap, role, prologue)
-        protocol._commit_now(owner, index, event)
+        hidden(protocol._commit_now, owner, index, event)
         return q, snap
 
 

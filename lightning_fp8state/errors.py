@@ -6,7 +6,9 @@ __all__ = [
     "AmbiguousRecomputeError",
     "ConcurrentEntryError",
     "ConfigError",
+    "ConversionWarning",
     "OwnerAlignmentError",
+    "SelectiveCheckpointError",
     "StaleSnapshotError",
     "StateLoadError",
     "StateTransitionError",
@@ -45,3 +47,12 @@ class AmbiguousRecomputeError(RuntimeError):
 
 class StateLoadError(ValueError):
     """A saved quantizer state is corrupt or does not match the live one; nothing was loaded."""
+
+
+class SelectiveCheckpointError(RuntimeError):
+    """Torch's selective activation checkpointing saw a different op sequence in a region's
+    recompute than in its true forward (raised by :func:`lightning_fp8state.checkpoint`)."""
+
+
+class ConversionWarning(UserWarning):
+    """A converted layer never ran through the quantizer protocol (see ``Fp8State.warn_unowned``)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import fields
 
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 
 from .config import QuantConfig, require_choice
 from .defects import policy_for
-from .errors import StateLoadError, StateTransitionError
+from .errors import ConversionWarning, StateLoadError, StateTransitionError
 from .nn import ConversionReport, convert_model
 from .protocol import QuantProtocol
 from .recompute import ENGINES, bind_event_engine, unbind_event_engine
@@ -74,6 +75,9 @@ class Fp8State:
         self.last_conversion: ConversionReport | None = None
         self.checkpoint_engine = checkpoint_engine
         self._engine_binding = None
+        # every layer converted so far, checked for owners after the next event (once)
+        self.conversion = ConversionReport()
+        self._check_owners = False
 
     # -- what it holds (read access; the protocol's internals stay behind .protocol) ---
     @property
@@ -151,6 +155,9 @@ class Fp8State:
             self._protocol.end_event()
         finally:
             self._unbind_engine()
+        if self._check_owners:
+            self._check_owners = False
+            self.warn_unowned()
 
     def abort_event(self) -> None:
         """Close the open event without committing; its pending amaxes are discarded."""
@@ -173,10 +180,41 @@ class Fp8State:
         """Swap matching ``nn.Linear`` layers of ``model`` (in place), bind its unbound
         ``Fp4AttentionQuantizer`` modules, and return it.
 
-        The report of converted and skipped layers is kept in :attr:`last_conversion`.
+        The report of this call (converted, skipped and not-quantizable candidates, each with a
+        reason) is kept in :attr:`last_conversion`; :attr:`conversion` accumulates every call's.
+        After the next event, a converted layer that never ran through the protocol (no owner
+        in the bank) is warned about once (:class:`ConversionWarning`).
         """
         self.last_conversion = convert_model(model, self._protocol)
+        self.conversion.merge(self.last_conversion)
+        # a second convert with nothing new (the Lightning callback converts at setup and again at
+        # fit start) must not cancel the check a first one armed
+        self._check_owners = self._check_owners or bool(
+            self.last_conversion.converted or self.last_conversion.attention
+        )
         return model
+
+
+    def warn_unowned(self) -> list[str]:
+        """Warn about converted layers that hold no quantizer owner: they never ran a training
+        forward through the protocol (not called in the event, or their weight is used outside
+        their forward, so they are not quantized at all). Returns their names. Checked once
+        after the first event following :meth:`convert`; under the bf16 recipe or the per_model
+        scope (no per-layer owners) nothing is checked."""
+        if not self.config.quantized or self.config.ownership == "per_model":
+            return []
+        unowned = self.conversion.unowned(self)
+        if unowned:
+            shown = ", ".join(unowned[:8]) + (f" ... ({len(unowned)} in all)" if len(unowned) > 8 else "")
+            warnings.warn(
+                f"lightning_fp8state: {len(unowned)} converted layer(s) never ran through the quantizer in "
+                f"the first event: {shown}. A layer called only in some steps is fine; one whose weight is "
+                "used outside its own forward (read by a parent module, tied into another op) is not quantized "
+                "at all: exclude it (QuantConfig.exclude) so the report does not claim it",
+                ConversionWarning,
+                stacklevel=2,
+            )
+        return unowned
 
     def nonfinite_counts(self) -> dict:
         """Per owner: how many events had a non-finite amax (skipped, not committed).

@@ -26,6 +26,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from .config import QuantConfig
 from .encoders import Prologue, encoder_for
 from .errors import ConfigError, StateTransitionError
 from .recompute import CallRecord, Phase, SnapshotStash, current_frame, in_backward
+from .sac import outside_selective_checkpoint
 from .state import (
     BACKWARD_ROLES,
     FORWARD_ROLES,
@@ -53,11 +55,14 @@ from .state import (
 
 __all__ = ["QuantProtocol"]
 
-# Roles whose tensor is the same in the true forward and its recompute by construction (a
-# parameter: the optimizer steps between events, never inside one). Their recompute reuses the
-# true forward's encoded tensor (held by the call record until the event ends: 1 byte an
-# element) instead of launching the encode again; the bytes are the same either way.
-REUSED_ROLES = frozenset({"weight"})
+
+
+class _Scratch(NamedTuple):
+    """Where recompute's quantize records to (read by no one): the bank's statistics' shape."""
+
+    amax_pending: torch.Tensor
+    center_max: torch.Tensor
+    center_min: torch.Tensor
 
 
 @dataclass
@@ -109,6 +114,7 @@ class QuantProtocol:
         self._streams: dict[tuple, int] = {}
         self._owner_keys: dict[tuple, object] = {}  # (layer, role, rank, stream, site) -> OwnerKey
         self._encoders: dict[str, object] = {}
+        self._discard: dict[tuple, _Scratch] = {}  # (device, center width) -> recompute's scratch slot
         self._policy = policy
         self._lock = threading.RLock()
 
@@ -282,7 +288,8 @@ class QuantProtocol:
             return Phase.INFERENCE, self._live_record(layer, roles, device, frame, channels)
         if (frame is not None and frame.phase is Phase.RECOMPUTE) or backward:
             return Phase.RECOMPUTE, self.stash.find(ev.event, frame, layer)
-        return Phase.FORWARD, self._new_record(ev, layer, roles, device, frame, channels)
+        # registration and the event's freeze happen in the true forward only: unseen by SAC
+        return Phase.FORWARD, outside_selective_checkpoint(self._new_record, ev, layer, roles, device, frame, channels)
 
     def _owners(self, layer, roles, device, stream, site, channels) -> tuple[dict, dict]:
         owners, indices = {}, {}
@@ -384,6 +391,8 @@ class QuantProtocol:
         """
         q, snap = self._quantize(record, role, x, phase, prologue)
         record.used[role] = snap
+        if self.auditors:  # the quantized operand itself: early stop may never produce the output
+            self._observe_operand(record, role, phase, q, snap)
         return q, snap
 
     def check_consumer(self, record: CallRecord, role: str, snap: QuantSnapshot) -> QuantSnapshot:
@@ -400,6 +409,31 @@ class QuantProtocol:
         """Quantize with ``snap``, recording nothing."""
         self.stream_order.use(x.device, snap.scale)
         return self.encoder(role).encode(x, snap, prologue)
+
+    def _discard_slot(self, device: torch.device, width: int) -> _Scratch:
+        """Scratch statistics (amax ``[1]``, center max/min ``[1, width]``) that recompute
+        records into and nobody reads: see :meth:`_encode_discard`."""
+        key = (device, width)
+        slot = self._discard.get(key)
+        if slot is None:
+            f32 = {"dtype": torch.float32, "device": device}
+            # allocated during a recompute, which SAC must not see (its true forward did not)
+            slot = outside_selective_checkpoint(
+                lambda: _Scratch(torch.zeros(1, **f32), torch.zeros(1, width, **f32), torch.zeros(1, width, **f32))
+            )
+            slot = self._discard.setdefault(key, slot)
+        return slot
+
+    def _encode_discard(self, x: torch.Tensor, snap: QuantSnapshot, role: str, prologue=None):
+        """Recompute's quantize: the true forward's own op (``*_record_amax``, same codes as the
+        non-recording op) with ``snap``, its statistics folded into a scratch slot that is
+        never read or committed. Issuing the same op as the true forward keeps the op sequence
+        identical, which torch's selective activation checkpointing (SAC) requires: it numbers
+        ops per overload and replays its saved outputs by that number (a policy may even save
+        these codes). The bank is not touched: recompute stays read-only."""
+        scratch = self._discard_slot(x.device, 0 if snap.center is None else snap.center.shape[-1])
+        self.stream_order.use(x.device, scratch.amax_pending, snap.scale)
+        return self.encoder(role).encode_record(x, snap, scratch, 0, prologue)
 
     def _encode_record(self, index: int, x: torch.Tensor, snap: QuantSnapshot, role: str, prologue=None):
         """Quantize with ``snap`` and record into owner ``index``'s pending statistics.
@@ -427,16 +461,11 @@ class QuantProtocol:
         snap = record.snapshots[role]
         if phase is Phase.RECOMPUTE:
             self.ledger.recompute_read(event, owner)
-            encoded = record.encoded.get(role)
-            if encoded is not None:  # the true forward's bytes, encoded with this snapshot
-                return encoded, snap
-            return self._encode(x, snap, role, prologue), snap
+            return self._encode_discard(x, snap, role, prologue), snap
         self._observe(record, role, event, recompute=False)
-        self._calibrate_first_use(ev.calibrated, index, x, snap, role, prologue)
-        q = self._encode_record(index, x, snap, role, prologue)
-        if role in REUSED_ROLES:
-            record.encoded[role] = q
-        return q, snap
+        if index in self.bank.fresh:  # the first event only; its ops are unseen by SAC
+            outside_selective_checkpoint(self._calibrate_first_use, ev.calibrated, index, x, snap, role, prologue)
+        return self._encode_record(index, x, snap, role, prologue), snap
 
     def _calibrate_first_use(
         self, calibrated: set | None, index: int, x: torch.Tensor, snap: QuantSnapshot, role: str, prologue=None
@@ -478,11 +507,19 @@ class QuantProtocol:
         self.ledger.commit(event, [owner])
 
     # -- audit ---------------------------------------------------------------------
+    def _observe_operand(self, record: CallRecord, role: str, phase: Phase, data, snap: QuantSnapshot) -> None:
+        """Hand one quantized operand (FP8 codes, or FP4 ``(packed, block_scales)``) and its
+        snapshot to the auditors that compare operands (``observe_operand``)."""
+        for auditor in self.auditors:
+            observe = getattr(auditor, "observe_operand", None)
+            if observe is not None:  # the auditors' copies: unseen by SAC
+                outside_selective_checkpoint(observe, record, role, phase, data, snap)
+
     def observe_output(self, record: CallRecord, phase: Phase, output, snaps: dict) -> None:
         """Hand one module output (a tensor, or a tuple of tensors) and the snapshots it
         consumed (a copy of ``snaps``, taken only when an auditor is attached) to the auditors."""
         if not self.auditors:
             return
         snaps = dict(snaps)
-        for auditor in self.auditors:
-            auditor.observe(record, phase, output, snaps)
+        for auditor in self.auditors:  # the auditors' copies: unseen by SAC
+            outside_selective_checkpoint(auditor.observe, record, phase, output, snaps)

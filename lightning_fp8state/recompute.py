@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from .errors import AmbiguousRecomputeError, ConfigError
+from .errors import AmbiguousRecomputeError, ConfigError, SelectiveCheckpointError
+from .sac import storage_mismatch
 from .state import Event, OwnerKey, QuantSnapshot
 
 __all__ = [
@@ -164,6 +165,17 @@ def checkpoint(fn: Callable, *args: Any, engine: str | None = None, use_reentran
         stack.append(RegionFrame(key, phase, default_engine=nested_default))
         try:
             return fn(*inner_args, **inner_kwargs)
+        except RuntimeError as exc:
+            if phase is Phase.RECOMPUTE and storage_mismatch(exc):  # torch SAC: say what to do
+                raise SelectiveCheckpointError(
+                    f"checkpoint region {key}: torch's selective activation checkpointing saw another op "
+                    f"sequence in the recompute than in the true forward ({exc}). lightning_fp8state's "
+                    "quantizers issue the same ops in both runs, so the region's own code differs between "
+                    "them: a branch on state that changed after the forward (a counter or module attribute "
+                    "written in forward, randomness outside torch's RNG). Make the region's forward a "
+                    "function of its inputs, or checkpoint it without context_fn"
+                ) from exc
+            raise
         finally:
             # torch's early stop raises out of the region mid-body: leave it here anyway.
             stack.pop()
@@ -193,9 +205,6 @@ class CallRecord:
     snapshots: dict[str, QuantSnapshot]
     recomputes: int = 0
     used: dict = field(default_factory=dict)  # role -> the snapshot the last run consumed
-    # role -> the true forward's encoded tensor, for roles whose input cannot change inside
-    # an event (the weight): its recompute reuses the bytes instead of encoding them again
-    encoded: dict = field(default_factory=dict)
 
 
 class SnapshotStash:

@@ -68,7 +68,7 @@ def run_audit(cfg: DictConfig, steps: int) -> AuditOutcome:
     batches = iter(loader)
     grad_norms = []
     mode = "bf16" if not qcfg.quantized else qcfg.mode
-    with RecomputeAuditor(state) as auditor:
+    with RecomputeAuditor(state, model=model) as auditor:
         for step in range(steps):
             try:
                 x, y = next(batches)

@@ -28,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--resume", metavar="RUN_DIR", default=None, help="continue the run in RUN_DIR from its last checkpoint"
     )
+    t.add_argument(
+        "--verbose", action="store_true", help="log the full conversion report (always in RUN_DIR/conversion.json)"
+    )
     a = sub.add_parser("audit", help="prove forward and recompute bit-identical (exit 1 if not)")
     a.add_argument("recipe", nargs="?", default=None)
     a.add_argument("overrides", nargs="*")
@@ -85,7 +88,7 @@ def _train(args) -> int:
     from .train import run_training
 
     recipe, overrides = _split(args)
-    return run_training(recipe, overrides, resume=args.resume)
+    return run_training(recipe, overrides, resume=args.resume, verbose=args.verbose)
 
 
 def _report(args) -> int:

@@ -144,7 +144,7 @@ def last_checkpoint(run_dir: Path) -> Path:
     return last
 
 
-def run_training(recipe: str | None, overrides: list[str], *, resume: str | None = None) -> int:
+def run_training(recipe: str | None, overrides: list[str], *, resume: str | None = None, verbose: bool = False) -> int:
     """Validate the configuration, then train; nothing is written if validation fails."""
     ckpt_path = None
     if resume is not None:
@@ -195,7 +195,7 @@ def run_training(recipe: str | None, overrides: list[str], *, resume: str | None
         log_every_n_steps=cfg.telemetry.log_every_n_steps,
         enable_model_summary=False,
         callbacks=[
-            Fp8StateCallback(config=quant_config(cfg), audit=cfg.telemetry.audit),
+            Fp8StateCallback(config=quant_config(cfg), audit=cfg.telemetry.audit, verbose=verbose, report_dir=run_dir),
             TelemetryCallback(run_dir=run_dir, log_every_n_steps=cfg.telemetry.log_every_n_steps),
             ModelCheckpoint(
                 dirpath=run_dir / "checkpoints",

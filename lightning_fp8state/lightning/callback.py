@@ -10,8 +10,11 @@ Every rank's state is gathered into the checkpoint and each rank restores its ow
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -61,7 +64,8 @@ class Fp8StateCallback(Callback):
         config: the quantizer configuration (a :class:`QuantConfig` or a mapping of its
             fields); default ``QuantConfig()``.
         audit: attach a :class:`RecomputeAuditor` (diagnostic: copies every converted
-            layer's output to the host); read it with :meth:`audit_report`.
+            layer's output and operands to the host, and reports module state a recompute
+            changes); read it with :meth:`audit_report`.
         save_accumulated_grads: when a checkpoint is written inside a gradient-accumulation
             window, store every rank's accumulated gradients in it and restore them on
             resume, so the window continues bit-identically (Lightning itself does not).
@@ -69,6 +73,10 @@ class Fp8StateCallback(Callback):
             (ZeRO stage 2) and reads this flag.
         log_metrics: log ``fp8state/violations`` (ledger violations so far) every
             optimizer step.
+        verbose: log the full conversion report (every candidate with its status and
+            reason) instead of the one summary line with counts.
+        report_dir: write the full conversion report there as ``conversion.json`` (rank
+            zero); the report is also :attr:`conversion`.
     """
 
     def __init__(
@@ -78,6 +86,8 @@ class Fp8StateCallback(Callback):
         audit: bool = False,
         save_accumulated_grads: bool = True,
         log_metrics: bool = True,
+        verbose: bool = False,
+        report_dir: str | os.PathLike | None = None,
     ) -> None:
         super().__init__()
         if config is None:
@@ -89,8 +99,11 @@ class Fp8StateCallback(Callback):
         for name, value in (("audit", audit), ("save_accumulated_grads", save_accumulated_grads)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name}: expected True or False, got {value!r}")
-        if not isinstance(log_metrics, bool):
-            raise TypeError(f"log_metrics: expected True or False, got {log_metrics!r}")
+        for name, value in (("log_metrics", log_metrics), ("verbose", verbose)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}: expected True or False, got {value!r}")
+        self.verbose = verbose
+        self.report_dir = report_dir
         self.config = config
         self.audit = audit
         self.save_accumulated_grads = save_accumulated_grads
@@ -127,24 +140,26 @@ class Fp8StateCallback(Callback):
         if engine is not None:
             self.state.checkpoint_engine = engine
         self._module_id = id(pl_module)
-        self._convert(pl_module)
+        self._convert(trainer, pl_module)
         if self.audit and self.auditor is None:
-            self.auditor = RecomputeAuditor(self.state).__enter__()
+            self.auditor = RecomputeAuditor(self.state, model=pl_module).__enter__()
 
-    def _convert(self, pl_module: pl.LightningModule) -> ConversionReport:
+    def _convert(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ConversionReport:
         self.state.convert(pl_module)
         report = self.state.last_conversion
-        new_skips = {k: v for k, v in report.skipped.items() if k not in self.conversion.skipped}
-        if report.converted or new_skips:
-            rank_zero_info(f"lightning_fp8state: {ConversionReport(report.converted, new_skips)}")
-        self.conversion.converted += report.converted
-        self.conversion.skipped.update(new_skips)
+        new = self.conversion.merge(report)
+        if new.entries():  # one summary line with counts; the full list with verbose=True
+            rank_zero_info(f"lightning_fp8state: {new if self.verbose else new.summary()}")
+            if self.report_dir is not None and trainer.is_global_zero:
+                path = Path(self.report_dir) / "conversion.json"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(self.conversion.to_dict(), indent=1))
         return report
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Layers created in LightningModule.configure_model (after setup) are converted now.
-        late = self._convert(pl_module)
+        late = self._convert(trainer, pl_module)
         if late.converted and getattr(trainer.strategy, "zero_stage_3", False):
             raise MisconfigurationException(
                 f"layers {late.converted} were created in configure_model, after Fp8StateCallback.setup: "

@@ -1,6 +1,7 @@
 """Quantized modules and model conversion."""
 
 from .attention import Fp4AttentionQuantizer
+from .conv1d import Fp8Conv1D, is_hf_conv1d
 from .convert import ConversionReport, convert_model
 from .gemm import scaled_matmul, scaled_mm_available
 from .linear import LINEAR_ROLES, Fp8Linear
@@ -11,9 +12,11 @@ __all__ = [
     "LINEAR_ROLES",
     "ConversionReport",
     "Fp4AttentionQuantizer",
+    "Fp8Conv1D",
     "Fp8Linear",
     "Prologue",
     "convert_model",
+    "is_hf_conv1d",
     "linear_after",
     "scaled_matmul",
     "scaled_mm_available",

@@ -40,6 +40,11 @@ def test_train_writes_a_traceable_run_directory_and_the_loss_falls(run_root, cap
     prov = json.loads((run / "provenance.json").read_text())
     assert prov["package"] == "lightning_fp8state" and prov["torch"] == torch.__version__
     assert "git_commit" in prov and "cuda_extension" in prov
+    conversion = json.loads((run / "conversion.json").read_text())  # the full report, every layer
+    assert conversion["counts"]["converted"] == 2 * 4  # qkv, proj, fc, out per block
+    assert {"name": "model.head", "status": "skipped", "reason": "matches an exclude pattern ['*head']"} in conversion[
+        "entries"
+    ]
     assert (run / "checkpoints" / "last.ckpt").is_file()
     assert list((run / "wandb").glob("offline-run-*/run-*.wandb")), "W&B offline files"
     rows = read_jsonl(run / "telemetry.jsonl")

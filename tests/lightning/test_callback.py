@@ -82,11 +82,37 @@ def test_conversion_is_reported_once(monkeypatch):
     trainer.fit(model)
     trainer.validate(model, verbose=False)
     reports = [m for m in messages if m.startswith("lightning_fp8state: converted")]
-    assert len(reports) == 1, messages
-    assert "converted 5 layer(s): inp, blocks.0.fc1, blocks.0.fc2, blocks.1.fc1, blocks.1.fc2" in reports[0]
-    assert "skipped head: matches an exclude pattern ['head']" in reports[0]
+    assert reports == ["lightning_fp8state: converted 5 layer(s) (5 nn.Linear), skipped 1, not quantizable 0"]
+    assert cb.conversion.converted == ["inp", "blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2"]
+    assert cb.conversion.skipped == {"head": "matches an exclude pattern ['head']"}
     assert isinstance(model.head, torch.nn.Linear) and not isinstance(model.head, f8s.Fp8Linear)
     assert isinstance(model.blocks[0].fc1, f8s.Fp8Linear)
+
+
+def test_conversion_verbose_lists_every_layer_and_report_dir_gets_the_json(monkeypatch, tmp_path):
+    import json
+
+    messages = []
+    monkeypatch.setattr("lightning_fp8state.lightning.callback.rank_zero_info", messages.append)
+    cb = Fp8StateCallback(config=f8s.QuantConfig(exclude=("head",)), verbose=True, report_dir=tmp_path)
+    make_trainer(cb).fit(make_model())
+    (report,) = [m for m in messages if m.startswith("lightning_fp8state: converted")]
+    assert "  converted blocks.1.fc2: nn.Linear -> Fp8Linear" in report.splitlines()
+    assert "  skipped head: matches an exclude pattern ['head']" in report.splitlines()
+    saved = json.loads((tmp_path / "conversion.json").read_text())
+    assert saved["counts"]["converted"] == 5
+    assert {"name": "head", "status": "skipped", "reason": "matches an exclude pattern ['head']"} in saved["entries"]
+    with pytest.raises(TypeError, match="verbose: expected True or False"):
+        Fp8StateCallback(verbose="yes")
+
+
+def test_converted_layer_that_never_runs_is_warned_about_after_the_first_event():
+    """The callback converts at setup and again at fit start; the check armed by the first
+    survives the second, and fires once after the first training event."""
+    model = make_model()
+    model.unused = torch.nn.Linear(16, 16)  # converted, never called: it would never quantize
+    with pytest.warns(f8s.ConversionWarning, match=r"never ran through the quantizer .*: unused\."):
+        make_trainer(Fp8StateCallback(config=f8s.QuantConfig())).fit(model)
 
 
 # -- events and commit points -------------------------------------------------------
@@ -135,7 +161,10 @@ def test_one_event_per_microbatch_with_accumulation_and_the_commit_points():
         assert event is None and stash == 0
         assert len(commits) == N_OWNERS and set(commits.values()) == {1}
     report = cb.audit_report()
-    assert report.ok and report.recomputed == 2 * len(events)
+    # 2 checkpointed blocks x 2 Linears per event compared; fc2's output is early-stopped
+    # (compared at its operands), fc1's output is rebuilt
+    assert report.ok and report.recomputed == 4 * len(events)
+    assert sum(r.output_recomputed for r in report.rows) == 2 * len(events)
 
 
 class FailAt(Callback):

@@ -14,7 +14,7 @@ LAYERS = [
     ("base", {"errors", "formats", "config", "shipped"}),
     ("ops", {"ops"}),
     ("state", {"state"}),
-    ("encoders, recompute", {"encoders", "recompute"}),
+    ("sac, encoders, recompute", {"sac", "encoders", "recompute"}),
     ("protocol", {"protocol"}),
     ("defects, nn", {"defects", "nn"}),
     ("facade, audit, graphs", {"fp8state", "audit", "graphs"}),

@@ -1,0 +1,86 @@
+"""The model-library tests on the GPU: torch._scaled_mm and the CUDA kernels under bf16 autocast,
+HF Llama / GPT-2 with HF checkpointing (both reentrant settings and SAC), litgpt's checkpoint
+wrapper, torchtitan's full and selective AC; checkpointed gradients bitwise equal to plain ones,
+the audit complete, the naive mode differing. litgpt and torchtitan tests skip (with the
+reason) where those packages are not installed."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import lightning_fp8state as f8s
+from tests.integration.common import STEPS, assert_audit_complete, assert_bitwise, batches, differing, train
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _module(name: str):
+    return pytest.importorskip(name, reason=f"needs {name} (pip install -e '.[integration]')")
+
+
+def _positional(grads):
+    return [dict(enumerate(g.values())) for g in grads]
+
+
+def _train_cuda(build, wrap, mode, loss_fn):
+    torch.manual_seed(0)
+    model = build()
+    state = f8s.Fp8State(f8s.QuantConfig(mode=mode, strict=False))
+    state.convert(model)
+    model = model.cuda()
+    if wrap is not None:
+        wrap(model)
+
+    def autocast_loss(m, tokens):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return loss_fn(m, tokens)
+
+    grads, report = train(state, model, autocast_loss, batches(device="cuda"))
+    return state, _positional(grads), report
+
+
+def _check(build, wraps: dict, loss_fn):
+    assert f8s.ops.cuda.ensure_loaded(), f8s.ops.cuda.extension_info()
+    _, ref, _ = _train_cuda(build, None, "safe", loss_fn)
+    for wrap in wraps.values():
+        _, got, report = _train_cuda(build, wrap, "safe", loss_fn)
+        assert_bitwise(ref, got)
+        assert_audit_complete(report, min_recomputed=STEPS)
+    _, naive_ref, _ = _train_cuda(build, None, "naive", loss_fn)
+    _, naive_got, report = _train_cuda(build, next(iter(wraps.values())), "naive", loss_fn)
+    assert differing(naive_ref, naive_got) and not report.ok
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_hf_on_cuda(name):
+    hf = importlib.import_module("tests.integration.test_hf")
+    wraps = {
+        ckpt: (lambda m, kw=kw: m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(kw)))
+        for ckpt, kw in hf.CKPT.items()
+    }
+    _check(hf.MODELS[name], wraps, hf.lm_loss)
+
+
+def test_litgpt_on_cuda():
+    _module("litgpt")
+    lit = importlib.import_module("tests.integration.test_litgpt")
+
+    def wrap(name):
+        return lambda m: lit.apply_activation_checkpointing(
+            m, checkpoint_wrapper_fn=lit.WRAPPERS[name], check_fn=lambda x: isinstance(x, lit.litgpt_model.Block)
+        )
+
+    _check(lit.tiny_gpt, {name: wrap(name) for name in lit.WRAPPERS}, lit.loss_fn)
+
+
+def test_torchtitan_on_cuda():
+    _module("torchtitan")
+    titan = importlib.import_module("tests.integration.test_torchtitan")
+    wraps = {name: (lambda m, name=name: titan.AC[name]().apply(m)) for name in titan.AC}
+    _check(titan.tiny_llama3, wraps, titan.loss_fn)

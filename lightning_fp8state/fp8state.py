@@ -11,6 +11,7 @@ from .config import QuantConfig
 from .errors import StateLoadError, StateTransitionError
 from .nn import ConversionReport, convert_model
 from .protocol import QuantProtocol
+from .state import Ledger, LogicalClock, StateBank
 
 __all__ = ["STATE_FORMAT_VERSION", "Fp8State"]
 
@@ -36,6 +37,10 @@ _ADDED_IN_V2 = ("attn_format", "attn_centered", "attn_center_momentum")
 _DEFAULTS = {f.name: f.default for f in fields(QuantConfig)}
 
 
+def _few(names: list[str], n: int = 5) -> str:
+    return f"{names[:n]}{' ...' if len(names) > n else ''}"
+
+
 class Fp8State(QuantProtocol):
     """Owns the state bank, logical clock, ledger and snapshot stash of one process.
 
@@ -54,6 +59,11 @@ class Fp8State(QuantProtocol):
     def __init__(self, config: QuantConfig | None = None, *, rank: int = 0) -> None:
         super().__init__(config if config is not None else QuantConfig(), rank=rank)
         self.last_conversion: ConversionReport | None = None
+        # Layers (and FP4 attention quantizers) of every model converted by this state.
+        self.converted_layers: set[str] = set()
+        # Layers of a state loaded before any model was converted: the first convert() checks
+        # that its model has them (else the loaded state belonged to another model).
+        self._loaded_unchecked: set[str] | None = None
 
     @property
     def protocol(self) -> QuantProtocol:
@@ -65,8 +75,25 @@ class Fp8State(QuantProtocol):
 
         The report of converted and skipped layers is kept in :attr:`last_conversion`.
         """
-        self.last_conversion = convert_model(model, self)
+        report = convert_model(model, self)
+        self.last_conversion = report
+        self.converted_layers.update(report.converted, report.attention)
+        if self._loaded_unchecked is not None:
+            unknown, self._loaded_unchecked = sorted(self._loaded_unchecked - self.converted_layers), None
+            if unknown:
+                self._reset_state()
+                raise StateLoadError(
+                    "the quantizer state loaded before convert() belongs to a different model: it holds state "
+                    f"for layers {_few(unknown)} that this model does not have (converted here: "
+                    f"{_few(sorted(self.converted_layers))}). The loaded state was discarded; load a state "
+                    "saved from this model (convert first, then load: a mismatch is refused before anything changes)"
+                )
         return model
+
+    def _reset_state(self) -> None:
+        self.bank = StateBank(self.config.history_len)
+        self.clock = LogicalClock()
+        self.ledger = Ledger(strict=self.config.strict, window=self.config.ledger_window)
 
     def nonfinite_counts(self) -> dict:
         """Per owner: how many events had a non-finite amax (skipped, not committed).
@@ -165,6 +192,18 @@ class Fp8State(QuantProtocol):
                 raise ValueError("ledger lengths differ")
         except (KeyError, TypeError, ValueError) as exc:
             raise StateLoadError(f"saved quantizer state is corrupt: clock or ledger ({exc!r})") from exc
+        owners, _, _ = StateBank.validate_state_dict(sd["bank"], self.bank.history_len)
+        saved_layers = {o.layer for o in owners} - {"*"}
+        fresh = len(self.bank) == 0
+        if fresh and self.converted_layers:
+            unknown = sorted(saved_layers - self.converted_layers)
+            if unknown:
+                raise StateLoadError(
+                    "saved quantizer state belongs to a different model: it holds state for layers "
+                    f"{_few(unknown)} that this model does not have (converted here: "
+                    f"{_few(sorted(self.converted_layers))})"
+                )
         self.bank.load_state_dict(sd["bank"])  # validates fully before changing anything
+        self._loaded_unchecked = saved_layers if fresh and not self.converted_layers else None
         self.clock.load_state_dict(sd["clock"])
         self.ledger.load_state_dict(sd["ledger"])

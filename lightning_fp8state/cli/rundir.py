@@ -244,10 +244,9 @@ def _select_checkpoint(cfg: DictConfig, run_dir: Path, resume: str) -> tuple[Pat
             bad.append(f"{path} is not a readable checkpoint ({_reason(exc)})")
             continue
         _check_against_checkpoint(cfg, ckpt, path)
-        notes = [
-            f"{msg}; resuming from the previous good checkpoint {path} (step {ckpt['global_step']})" for msg in bad
-        ]
-        return path, ckpt, notes
+        if bad:
+            bad.append(f"resuming from the previous good checkpoint {path} (step {ckpt['global_step']})")
+        return path, ckpt, bad
     raise RunDirectoryError(
         f"--resume {resume!r}: no readable checkpoint: "
         + "; ".join(bad)

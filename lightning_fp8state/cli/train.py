@@ -14,6 +14,7 @@ import os
 import platform
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -278,6 +279,8 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int) -> int:
     from ..lightning import AtomicCheckpointIO, Fp8StateCallback, TelemetryCallback, wandb_logger
 
     pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
+    if plan is not None:  # a resumed run's checkpoint directory holds its earlier checkpoints, by design
+        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     if rank == 0:
         _write_run_files(run_dir, cfg)
         if plan is not None:

@@ -216,7 +216,7 @@ def _plot_role_panel(ax, rows: list[dict], prefix: str, colors) -> None:
                 extremes.append((value, key.removeprefix(prefix), xs[-1]))
     if extremes:
         for value, label, x in (min(extremes), max(extremes)):
-            ax.annotate(label, (x, value), xytext=(4, 0), textcoords="offset points", fontsize=7, va="center")
+            ax.annotate(label, (x, value), xytext=(-6, 5), textcoords="offset points", fontsize=7, ha="right")
             ax.plot([x], [value], marker="o", markersize=3, color="black")
     ax.set_yscale("log")
 

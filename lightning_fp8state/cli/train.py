@@ -259,15 +259,20 @@ def run_training(recipe: str | None, overrides: list[str], *, resume: str | None
                 print(f"fp8state: warning: {note}", file=sys.stderr)
     elif rank == 0:
         run_dir = claim_run_dir(cfg.out_dir, cfg.name)
-        os.environ[RUN_DIR_ENV] = str(run_dir)  # the ranks Lightning launches inherit it
     else:  # a launched rank: rank 0's directory (the broadcast in SharedRunDir confirms it)
         run_dir = Path(os.environ.get(RUN_DIR_ENV) or Path(cfg.out_dir) / cfg.name)
+    exported = rank == 0 and plan is None
+    if exported:
+        os.environ[RUN_DIR_ENV] = str(run_dir)  # the ranks Lightning launches inherit it
     try:
         return _fit(cfg, run_dir, plan, rank)
     except BaseException:
         if plan is None and rank == 0:
             remove_if_empty_run(run_dir)  # a run that failed before its first step leaves nothing
         raise
+    finally:
+        if exported:
+            os.environ.pop(RUN_DIR_ENV, None)
 
 
 def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int) -> int:
@@ -279,8 +284,6 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int) -> int:
     from ..lightning import AtomicCheckpointIO, Fp8StateCallback, TelemetryCallback, wandb_logger
 
     pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
-    if plan is not None:  # a resumed run's checkpoint directory holds its earlier checkpoints, by design
-        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     if rank == 0:
         _write_run_files(run_dir, cfg)
         if plan is not None:
@@ -309,6 +312,7 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int) -> int:
         mode="max",
         save_top_k=2,
         save_last=True,
+        enable_version_counter=False,  # a resume rewrites last.ckpt / step=N.ckpt (atomically), never last-v1.ckpt
     )
     plugins = [] if cfg.strategy.name == "fp8state_deepspeed" else [AtomicCheckpointIO()]
     try:
@@ -339,7 +343,10 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int) -> int:
         raise ConfigError(f"trainer: {exc}") from exc
     interrupted = False
     try:
-        trainer.fit(module, datamodule=data, ckpt_path=str(plan.checkpoint) if plan is not None else None)
+        with warnings.catch_warnings():
+            if plan is not None:  # a resumed run's checkpoint directory holds its earlier checkpoints
+                warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+            trainer.fit(module, datamodule=data, ckpt_path=str(plan.checkpoint) if plan is not None else None)
     except SystemExit:
         if not trainer.interrupted:  # Lightning exits after a graceful Ctrl-C; anything else goes on
             raise

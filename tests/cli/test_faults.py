@@ -192,6 +192,20 @@ def test_two_concurrent_runs_with_the_same_name_never_share_a_directory(run_root
     assert all("Epoch 0" in o[0] and "/-2" not in o[0] for o in outs)
 
 
+def test_a_two_rank_run_leaves_exactly_one_run_directory(run_root):
+    """Two CPU ranks (fp8state_ddp over gloo): rank 0 alone claims and writes the directory,
+    rank 1 receives its path (it once made ``tiny_gpt_cpu-2`` with its own config.yaml)."""
+    ddp = ["strategy.name=fp8state_ddp", "trainer.devices=2", "trainer.max_steps=4", "out_dir=runs"]
+    proc = _cli(*COMMON, *ddp, cwd=run_root)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-4000:]
+    assert [p.name for p in (run_root / "runs").iterdir()] == ["tiny_gpt_cpu"]
+    run = run_root / "runs" / "tiny_gpt_cpu"
+    assert [r["step"] for r in read_jsonl(run / "telemetry.jsonl")] == [1, 2, 3, 4]
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["fp8state"]["world_size"] == 2
+    assert not (run_root / "lightning_logs").exists()
+
+
 # -- interrupts --------------------------------------------------------------------------
 STOP_AT = """
 import os, signal, sys

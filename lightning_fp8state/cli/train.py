@@ -1,9 +1,11 @@
 """``fp8state train``: a Lightning run of a recipe with the project's callbacks and strategy.
 
-The run directory (``out_dir/name``, numbered if taken) holds the resolved ``config.yaml``,
-``provenance.json`` (what produced the run), ``telemetry.jsonl``, W&B's offline files under
-``wandb/`` and Lightning checkpoints under ``checkpoints/``. ``--resume RUN_DIR`` continues
-from ``checkpoints/last.ckpt`` with that directory's configuration.
+The run directory (``out_dir/name``, numbered if taken; claimed by rank 0 alone, see
+``cli/rundir.py``) holds the resolved ``config.yaml``, ``provenance.json`` (what produced the
+run), ``telemetry.jsonl``, the W&B run id and W&B's offline files under ``wandb/``, and
+Lightning checkpoints under ``checkpoints/`` (``last.ckpt`` and the two newest ``step=N.ckpt``,
+written atomically). ``--resume RUN_DIR`` continues from the newest readable checkpoint with
+that directory's configuration, once the resume is validated in full.
 """
 
 from __future__ import annotations

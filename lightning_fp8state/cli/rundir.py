@@ -75,15 +75,22 @@ def claim_run_dir(out_dir: str | os.PathLike, name: str) -> Path:
     """Create and return ``out_dir/name`` or the first free ``name-N``; atomic (``os.mkdir``
     fails if another process took the name first, and the next number is tried)."""
     base = Path(out_dir)
-    base.mkdir(parents=True, exist_ok=True)
     n = 1
     while True:
         path = base / (name if n == 1 else f"{name}-{n}")
         try:
+            base.mkdir(parents=True, exist_ok=True)
             path.mkdir()
         except FileExistsError:
+            if not base.is_dir():  # out_dir itself is a file
+                raise ConfigError(f"out_dir={str(base)!r} is a file: pass a directory") from None
             n += 1
             continue
+        except OSError as exc:
+            raise ConfigError(
+                f"out_dir={str(base)!r}: cannot create the run directory {str(path)!r} ({exc.strerror}); "
+                "pass a writable out_dir=..."
+            ) from exc
         return path
 
 

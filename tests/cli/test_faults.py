@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,11 +62,19 @@ def assert_one_clean_error(err: str, *needles: str) -> None:
         assert needle in lines[0], (needle, lines[0])
 
 
+@pytest.fixture(scope="module")
+def finished_template(tmp_path_factory):
+    out = tmp_path_factory.mktemp("finished")
+    assert train(*COMMON, "trainer.max_steps=20", f"out_dir={out}") == 0
+    return out / "tiny_gpt_cpu"
+
+
 @pytest.fixture
-def finished_run(run_root):
-    """A 20-step run with checkpoints at steps 10 and 20."""
-    assert train(*COMMON, "trainer.max_steps=20", f"out_dir={run_root / 'runs'}") == 0
-    return run_root / "runs" / "tiny_gpt_cpu"
+def finished_run(run_root, finished_template):
+    """A 20-step run with checkpoints at steps 10 and 20 (a copy: each test may damage its own)."""
+    run = run_root / "runs" / "tiny_gpt_cpu"
+    shutil.copytree(finished_template, run)
+    return run
 
 
 # -- checkpoints ---------------------------------------------------------------------------
@@ -464,6 +473,14 @@ def test_bad_input_exits_2_and_leaves_no_directory(run_root, capsys, monkeypatch
     assert_one_clean_error(capsys.readouterr().err, *needles)
     assert not (run_root / "runs").exists() or not any((run_root / "runs").iterdir())
     assert not (run_root / "lightning_logs").exists()
+
+
+def test_an_out_dir_that_cannot_be_created_exits_2(run_root, capsys):
+    (run_root / "taken").write_text("a file, not a directory")
+    assert train(*SMALL, "out_dir=taken/runs") == 2
+    assert_one_clean_error(capsys.readouterr().err, "out_dir='taken/runs'", "cannot create the run directory")
+    assert train(*SMALL, "out_dir=taken") == 2
+    assert_one_clean_error(capsys.readouterr().err, "out_dir='taken' is a file")
 
 
 def test_a_yaml_syntax_error_exits_2_naming_the_file_and_line(run_root, capsys):

@@ -201,6 +201,17 @@ def _progress_bar():
                 return f"Epoch {current_epoch}"
             return super()._get_train_description(current_epoch)
 
+        @property
+        def total_train_batches(self):
+            # The bar counts the epoch's batches from its start, also in a resumed run (which
+            # starts at the restored batch): its total must too, not only the steps left.
+            t = self.trainer
+            if t.max_epochs == -1 and t.max_steps is not None and t.max_steps > 0:
+                done = t.fit_loop.epoch_loop.batch_progress.current.ready
+                left = (t.max_steps - t.global_step) * t.accumulate_grad_batches
+                return min(t.num_training_batches, done + left)
+            return super().total_train_batches
+
     return StepBoundRichProgressBar()
 
 

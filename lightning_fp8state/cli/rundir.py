@@ -35,6 +35,7 @@ __all__ = [
     "ResumePlan",
     "claim_run_dir",
     "launch_rank",
+    "lock_run_dir",
     "plan_resume",
     "remove_if_empty_run",
     "wandb_run_id",
@@ -92,6 +93,35 @@ def claim_run_dir(out_dir: str | os.PathLike, name: str) -> Path:
                 "pass a writable out_dir=..."
             ) from exc
         return path
+
+
+LOCK_FILE = ".lock"
+
+
+def lock_run_dir(run_dir: Path):
+    """Hold ``RUN_DIR/.lock`` (an advisory ``flock``) for as long as the returned file is open:
+    a second process that resumes the same run at the same time is refused, with the holder's
+    pid. Taken by rank 0 once everything is validated. Returns None where ``flock`` is missing."""
+    try:
+        import fcntl  # noqa: PLC0415  (POSIX only)
+    except ImportError:
+        return None
+    f = open(run_dir / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115  (held for the run)
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise RunDirectoryError(
+            f"{run_dir} is in use by a running fp8state process ({holder}): wait for it to end, "
+            "or stop it; two processes never share a run directory"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}\n")
+    f.flush()
+    return f
 
 
 def write_text_atomic(path: Path, text: str) -> None:

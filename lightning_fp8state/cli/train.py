@@ -31,6 +31,7 @@ from .rundir import (
     RUN_DIR_ENV,
     claim_run_dir,
     launch_rank,
+    lock_run_dir,
     plan_resume,
     remove_if_empty_run,
     wandb_run_id,
@@ -274,6 +275,7 @@ def run_training(recipe: str | None, overrides: list[str], *, resume: str | None
         run_dir = claim_run_dir(cfg.out_dir, cfg.name)
     else:  # a launched rank: rank 0's directory (the broadcast in SharedRunDir confirms it)
         run_dir = Path(os.environ.get(RUN_DIR_ENV) or Path(cfg.out_dir) / cfg.name)
+    lock = lock_run_dir(run_dir) if rank == 0 else None  # a concurrent resume of this run is refused
     exported = rank == 0 and plan is None
     if exported:
         os.environ[RUN_DIR_ENV] = str(run_dir)  # the ranks Lightning launches inherit it
@@ -281,11 +283,16 @@ def run_training(recipe: str | None, overrides: list[str], *, resume: str | None
         return _fit(cfg, run_dir, plan, rank)
     except BaseException:
         if plan is None and rank == 0:
+            if lock is not None:
+                lock.close()
+                lock = None
             remove_if_empty_run(run_dir)  # a run that failed before its first step leaves nothing
         raise
     finally:
         if exported:
             os.environ.pop(RUN_DIR_ENV, None)
+        if lock is not None:
+            lock.close()
 
 
 def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int) -> int:

@@ -180,6 +180,21 @@ def test_resume_with_a_recipe_is_refused_and_a_finished_run_says_so(finished_run
     assert snapshot(finished_run) == before
 
 
+def test_a_run_in_use_is_not_resumed_by_a_second_process(finished_run, capsys):
+    from lightning_fp8state.cli.rundir import lock_run_dir
+
+    held = lock_run_dir(finished_run)  # what the running process holds (flock: per open file)
+    try:
+        before = snapshot(finished_run)
+        capsys.readouterr()
+        assert train("--resume", str(finished_run), "trainer.max_steps=30") == 2
+        assert_one_clean_error(capsys.readouterr().err, "in use by a running fp8state process", f"pid {os.getpid()}")
+        assert snapshot(finished_run) == before
+    finally:
+        held.close()
+    assert train("--resume", str(finished_run), "trainer.max_steps=22") == 0  # free again
+
+
 # -- run directories -------------------------------------------------------------------------
 def _cli(*args: str, cwd: Path) -> subprocess.Popen:
     env = launch_env()

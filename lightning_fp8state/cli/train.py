@@ -233,9 +233,22 @@ def _shared_run_dir_callback(run_dir: Path, telemetry, checkpoint):
     return SharedRunDir()
 
 
-def _write_run_files(run_dir: Path, cfg: DictConfig) -> None:
+def _write_run_files(run_dir: Path, cfg: DictConfig, plan=None) -> None:
+    """``config.yaml`` and ``provenance.json``, each replaced in one rename. A resumed run's
+    provenance keeps what started the run (``started_as``) and says where it resumed."""
     write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    write_text_atomic(run_dir / "provenance.json", json.dumps(provenance(), indent=1, default=str))
+    doc = provenance()
+    try:
+        prior = json.loads((run_dir / "provenance.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        prior = {}
+    if plan is not None or "started_as" in prior:
+        doc["started_as"] = prior.get("started_as") or {
+            k: prior.get(k) for k in ("version", "git_commit", "torch", "gpu", "command")
+        }
+        resumed = prior.get("resumed_from") if plan is None else {"checkpoint": str(plan.checkpoint), "step": plan.step}
+        doc["resumed_from"] = resumed
+    write_text_atomic(run_dir / "provenance.json", json.dumps(doc, indent=1, default=str))
 
 
 def _stale_temporaries(run_dir: Path) -> None:
@@ -305,7 +318,7 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int) -> int:
 
     pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     if rank == 0:
-        _write_run_files(run_dir, cfg)
+        _write_run_files(run_dir, cfg, plan)
         if plan is not None:
             _stale_temporaries(run_dir)
     loggers = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -92,6 +93,9 @@ def test_checkpoints_are_kept_and_a_truncated_last_one_falls_back_to_the_previou
     assert "previous good checkpoint" in err and "step=10.ckpt (step 10)" in err
     assert "Traceback" not in err
     assert torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 30
+    prov = json.loads((finished_run / "provenance.json").read_text())
+    assert prov["resumed_from"] == {"checkpoint": str(ckpts / "step=10.ckpt"), "step": 10}
+    assert set(prov["started_as"]) == {"version", "git_commit", "torch", "gpu", "command"}
     log = read_telemetry(finished_run / "telemetry.jsonl")
     assert [r["step"] for r in log.rows] == list(range(1, 31)) and log.superseded == 10  # 11..20 re-run
 

@@ -495,6 +495,11 @@ def test_bad_input_exits_2_and_leaves_no_directory(run_root, capsys, monkeypatch
     assert not (run_root / "lightning_logs").exists()
 
 
+def test_audit_refuses_a_non_finite_number_too(capsys):
+    assert main(["audit", "trainer.lr=nan", "--steps", "1"]) == 2
+    assert_one_clean_error(capsys.readouterr().err, "trainer.lr=nan", "finite")
+
+
 def test_an_out_dir_that_cannot_be_created_exits_2(run_root, capsys):
     (run_root / "taken").write_text("a file, not a directory")
     assert train(*SMALL, "out_dir=taken/runs") == 2

@@ -8,6 +8,7 @@ __all__ = [
     "ConfigError",
     "ConversionWarning",
     "OwnerAlignmentError",
+    "RunDirectoryError",
     "SelectiveCheckpointError",
     "StaleSnapshotError",
     "StateLoadError",
@@ -17,6 +18,12 @@ __all__ = [
 
 class ConfigError(ValueError):
     """A configuration key has a value outside what is allowed."""
+
+
+class RunDirectoryError(ConfigError):
+    """A run directory cannot be used as asked: ``--resume`` of an unreadable checkpoint, of a
+    configuration the checkpoint was not made with, or with an override a resume cannot take.
+    Raised before anything in the directory is changed (the CLI exits with code 2)."""
 
 
 class StateTransitionError(RuntimeError):

@@ -15,6 +15,7 @@ from .errors import ConversionWarning, StateLoadError, StateTransitionError
 from .nn import ConversionReport, convert_model
 from .protocol import QuantProtocol
 from .recompute import ENGINES, bind_event_engine, unbind_event_engine
+from .state import Ledger, LogicalClock, StateBank
 
 __all__ = ["STATE_FORMAT_VERSION", "Fp8State"]
 
@@ -38,6 +39,10 @@ _STATE_DEFINING = (
 # Fields a format-1 checkpoint could not record: it was made with their defaults.
 _ADDED_IN_V2 = ("attn_format", "attn_centered", "attn_center_momentum")
 _DEFAULTS = {f.name: f.default for f in fields(QuantConfig)}
+
+
+def _few(names: list[str], n: int = 5) -> str:
+    return f"{names[:n]}{' ...' if len(names) > n else ''}"
 
 
 class Fp8State:
@@ -78,6 +83,11 @@ class Fp8State:
         # every layer converted so far, checked for owners after the next event (once)
         self.conversion = ConversionReport()
         self._check_owners = False
+        # Layers (and FP4 attention quantizers) of every model converted by this state.
+        self.converted_layers: set[str] = set()
+        # Layers of a state loaded before any model was converted: the first convert() checks
+        # that its model has them (else the loaded state belonged to another model).
+        self._loaded_unchecked: set[str] | None = None
 
     # -- what it holds (read access; the protocol's internals stay behind .protocol) ---
     @property
@@ -185,15 +195,30 @@ class Fp8State:
         After the next event, a converted layer that never ran through the protocol (no owner
         in the bank) is warned about once (:class:`ConversionWarning`).
         """
-        self.last_conversion = convert_model(model, self._protocol)
-        self.conversion.merge(self.last_conversion)
+        report = convert_model(model, self._protocol)
+        self.last_conversion = report
+        self.conversion.merge(report)
         # a second convert with nothing new (the Lightning callback converts at setup and again at
         # fit start) must not cancel the check a first one armed
-        self._check_owners = self._check_owners or bool(
-            self.last_conversion.converted or self.last_conversion.attention
-        )
+        self._check_owners = self._check_owners or bool(report.converted or report.attention)
+        self.converted_layers.update(report.converted, report.attention)
+        if self._loaded_unchecked is not None:
+            unknown, self._loaded_unchecked = sorted(self._loaded_unchecked - self.converted_layers), None
+            if unknown:
+                self._reset_state()
+                raise StateLoadError(
+                    "the quantizer state loaded before convert() belongs to a different model: it holds state "
+                    f"for layers {_few(unknown)} that this model does not have (converted here: "
+                    f"{_few(sorted(self.converted_layers))}). The loaded state was discarded; load a state "
+                    "saved from this model (convert first, then load: a mismatch is refused before anything changes)"
+                )
         return model
 
+    def _reset_state(self) -> None:
+        protocol, config = self._protocol, self.config
+        protocol.bank = StateBank(config.history_len)
+        protocol.clock = LogicalClock()
+        protocol.ledger = Ledger(strict=config.strict, window=config.ledger_window)
 
     def warn_unowned(self) -> list[str]:
         """Warn about converted layers that hold no quantizer owner: they never ran a training
@@ -313,6 +338,18 @@ class Fp8State:
                 raise ValueError("ledger lengths differ")
         except (KeyError, TypeError, ValueError) as exc:
             raise StateLoadError(f"saved quantizer state is corrupt: clock or ledger ({exc!r})") from exc
+        owners, _, _ = StateBank.validate_state_dict(sd["bank"], self.bank.history_len)
+        saved_layers = {o.layer for o in owners} - {"*"}
+        fresh = len(self.bank) == 0
+        if fresh and self.converted_layers:
+            unknown = sorted(saved_layers - self.converted_layers)
+            if unknown:
+                raise StateLoadError(
+                    "saved quantizer state belongs to a different model: it holds state for layers "
+                    f"{_few(unknown)} that this model does not have (converted here: "
+                    f"{_few(sorted(self.converted_layers))})"
+                )
         self.bank.load_state_dict(sd["bank"])  # validates fully before changing anything
+        self._loaded_unchecked = saved_layers if fresh and not self.converted_layers else None
         self.clock.load_state_dict(sd["clock"])
         self.ledger.load_state_dict(sd["ledger"])

@@ -56,7 +56,6 @@ from .state import (
 __all__ = ["QuantProtocol"]
 
 
-
 class _Scratch(NamedTuple):
     """Where recompute's quantize records to (read by no one): the bank's statistics' shape."""
 

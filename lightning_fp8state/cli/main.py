@@ -1,7 +1,9 @@
 """The ``fp8state`` command: ``train``, ``audit`` and ``report``.
 
-Bad input (an unknown key, a wrong type, an out-of-range value, a missing file) exits with
-code 2 and one line naming the key or path and what is allowed; no traceback.
+Bad input (an unknown key, a wrong type, an out-of-range or non-finite value, a missing file,
+a YAML syntax error, a resume that cannot be validated, a GPU recipe without a GPU) exits with
+code 2 and one line naming the key or path and what is allowed; no traceback. A bare
+``fp8state`` prints the usage.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def _split(args) -> tuple[str | None, list[str]]:
 def _audit(args) -> int:
     from .audit import HEADER, run_audit
     from .config import load_config
+    from .train import require_finite
 
     if args.steps < 1:
         raise ConfigError(f"--steps={args.steps} is not allowed: expected an integer >= 1")
@@ -70,6 +73,7 @@ def _audit(args) -> int:
         elif mode is not None:
             extra = ["quant.recipe=fp8_delayed", f"quant.mode={mode}"]
         cfg = load_config(recipe, overrides + extra + ["quant.strict=false"])
+        require_finite(cfg)
         outcome = run_audit(cfg, args.steps)
         print(f"== {outcome.mode}: {args.steps} events, recipe {cfg.name}")
         print(outcome.report.format_table())
@@ -97,13 +101,34 @@ def _report(args) -> int:
     return run_report(args.run_dir, args.out)
 
 
+def _yaml_error(exc) -> str:
+    """A YAML syntax error as one line: the file, the line and column, what is wrong."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "a YAML file"
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{where}: not valid YAML ({problem}); fix the file's syntax"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
+    if not argv:  # a bare `fp8state`: say what it does and how to call it
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    from omegaconf.errors import OmegaConfBaseException  # noqa: PLC0415  (the CLI's own dependency)
+    from yaml import YAMLError  # noqa: PLC0415
+
     try:
         return {"audit": _audit, "train": _train, "report": _report}[args.command](args)
     except ConfigError as exc:
         print(f"fp8state: error: {exc}", file=sys.stderr)
-        return 2
+    except YAMLError as exc:
+        print(f"fp8state: error: {_yaml_error(exc)}", file=sys.stderr)
+    except OmegaConfBaseException as exc:  # a configuration error the checks above did not name
+        key = getattr(exc, "full_key", None)
+        print(f"fp8state: error: {f'key {key!r}: ' if key else ''}{str(exc).splitlines()[0]}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

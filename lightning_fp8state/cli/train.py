@@ -1,9 +1,11 @@
 """``fp8state train``: a Lightning run of a recipe with the project's callbacks and strategy.
 
-The run directory (``out_dir/name``, numbered if taken) holds the resolved ``config.yaml``,
-``provenance.json`` (what produced the run), ``telemetry.jsonl``, W&B's offline files under
-``wandb/`` and Lightning checkpoints under ``checkpoints/``. ``--resume RUN_DIR`` continues
-from ``checkpoints/last.ckpt`` with that directory's configuration.
+The run directory (``out_dir/name``, numbered if taken; claimed by rank 0 alone, see
+``cli/rundir.py``) holds the resolved ``config.yaml``, ``provenance.json`` (what produced the
+run), ``telemetry.jsonl``, the W&B run id and W&B's offline files under ``wandb/``, and
+Lightning checkpoints under ``checkpoints/`` (``last.ckpt`` and the two newest ``step=N.ckpt``,
+written atomically). ``--resume RUN_DIR`` continues from the newest readable checkpoint with
+that directory's configuration, once the resume is validated in full.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import platform
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -23,7 +26,17 @@ from ..errors import ConfigError
 from ..models import GPT, ResumableLoader, make_dataset
 from ..ops import cuda as cuda_ext
 from .audit import model_config
-from .config import load_config, quant_config, validate
+from .config import load_config, quant_config
+from .rundir import (
+    RUN_DIR_ENV,
+    claim_run_dir,
+    launch_rank,
+    lock_run_dir,
+    plan_resume,
+    remove_if_empty_run,
+    wandb_run_id,
+    write_text_atomic,
+)
 
 __all__ = ["provenance", "run_training"]
 
@@ -60,15 +73,6 @@ def provenance() -> dict:
         "cuda_extension": cuda_ext.extension_info(),
         "command": sys.argv,
     }
-
-
-def _new_run_dir(cfg: DictConfig) -> Path:
-    base = Path(cfg.out_dir) / cfg.name
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
 
 
 def _module_and_data(cfg: DictConfig):
@@ -144,77 +148,269 @@ def last_checkpoint(run_dir: Path) -> Path:
     return last
 
 
+def require_finite(cfg: DictConfig) -> None:
+    """Refuse a NaN or infinite number anywhere in the configuration (``trainer.lr=nan``)."""
+
+    def walk(node, prefix: str) -> None:
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(value, f"{name}.")
+            elif isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{name}={value!r} is not allowed: expected a finite number")
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+
+
+def require_accelerator(cfg: DictConfig, recipe: str | None) -> None:
+    """Refuse a GPU configuration on a machine without (enough) GPUs, before anything is created."""
+    t = cfg.trainer
+    wants_gpu = t.accelerator in ("gpu", "cuda") or cfg.strategy.name == "fp8state_deepspeed"
+    if not wants_gpu:
+        return
+    what = f"recipe {recipe!r}" if recipe else f"recipe {cfg.name!r}"
+    need = (
+        "strategy.name=fp8state_deepspeed"
+        if cfg.strategy.name == "fp8state_deepspeed"
+        else f"trainer.accelerator={t.accelerator!r}"
+    )
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have == 0:
+        raise ConfigError(
+            f"{what}: {need} needs a CUDA GPU, and none is visible here (torch.cuda.is_available() is False). "
+            "Run it on a GPU machine, or train the CPU recipe: fp8state train tiny_gpt_cpu"
+        )
+    if t.accelerator in ("gpu", "cuda") and t.num_nodes == 1 and t.devices > have:
+        raise ConfigError(
+            f"{what}: trainer.devices={t.devices} but {have} GPU(s) are visible here: "
+            f"pass trainer.devices={have} or run on a machine with {t.devices}"
+        )
+
+
+def _progress_bar():
+    """Lightning's rich bar says "Epoch 0/-2" when only max_steps bounds the run: say "Epoch 0"."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
+
+    if not _RICH_AVAILABLE:
+        return TQDMProgressBar()  # its description is "Epoch N" already
+
+    class StepBoundRichProgressBar(RichProgressBar):
+        def _get_train_description(self, current_epoch: int) -> str:
+            max_epochs = self.trainer.max_epochs
+            if max_epochs is None or max_epochs < 0:
+                return f"Epoch {current_epoch}"
+            return super()._get_train_description(current_epoch)
+
+        @property
+        def total_train_batches(self):
+            # The bar counts the epoch's batches from its start, also in a resumed run (which
+            # starts at the restored batch): its total must too, not only the steps left.
+            t = self.trainer
+            if t.max_epochs == -1 and t.max_steps is not None and t.max_steps > 0:
+                done = t.fit_loop.epoch_loop.batch_progress.current.ready
+                left = (t.max_steps - t.global_step) * t.accumulate_grad_batches
+                return min(t.num_training_batches, done + left)
+            return super().total_train_batches
+
+    return StepBoundRichProgressBar()
+
+
+def _shared_run_dir_callback(run_dir: Path, telemetry, checkpoint):
+    """A callback that makes every rank use rank 0's run directory once the process group
+    exists (``strategy.broadcast``): the telemetry and checkpoint directories follow it."""
+    from lightning.pytorch.callbacks import Callback
+
+    class SharedRunDir(Callback):
+        def __init__(self) -> None:
+            self.run_dir = run_dir
+
+        def setup(self, trainer, pl_module, stage: str) -> None:
+            self.run_dir = Path(trainer.strategy.broadcast(str(self.run_dir), src=0))
+            telemetry.run_dir = self.run_dir
+            checkpoint.dirpath = str(self.run_dir / "checkpoints")
+
+    return SharedRunDir()
+
+
+def _write_run_files(run_dir: Path, cfg: DictConfig, plan=None) -> None:
+    """``config.yaml`` and ``provenance.json``, each replaced in one rename. A resumed run's
+    provenance keeps what started the run (``started_as``) and says where it resumed."""
+    write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    doc = provenance()
+    try:
+        prior = json.loads((run_dir / "provenance.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        prior = {}
+    if plan is not None or "started_as" in prior:
+        doc["started_as"] = prior.get("started_as") or {
+            k: prior.get(k) for k in ("version", "git_commit", "torch", "gpu", "command")
+        }
+        resumed = prior.get("resumed_from") if plan is None else {"checkpoint": str(plan.checkpoint), "step": plan.step}
+        doc["resumed_from"] = resumed
+    write_text_atomic(run_dir / "provenance.json", json.dumps(doc, indent=1, default=str))
+
+
+def _stale_temporaries(run_dir: Path) -> None:
+    """Remove what saves killed mid-write left behind (``.last.ckpt.XXXX.tmp``)."""
+    from ..lightning.checkpoint_io import TMP_SUFFIX
+
+    for tmp in (run_dir / "checkpoints").glob(f".*{TMP_SUFFIX}"):
+        tmp.unlink(missing_ok=True)
+
+
 def run_training(recipe: str | None, overrides: list[str], *, resume: str | None = None, verbose: bool = False) -> int:
-    """Validate the configuration, then train; nothing is written if validation fails."""
-    ckpt_path = None
+    """Validate everything, then train. Nothing is created (new run) or changed (resume)
+    until the configuration, the overrides and (on resume) the checkpoint are validated."""
+    rank = launch_rank()
+    plan = None
     if resume is not None:
-        run_dir = Path(resume)
-        saved = run_dir / "config.yaml"
-        if not saved.is_file():
-            raise ConfigError(f"--resume {resume!r}: no config.yaml there (not a run directory)")
-        last = last_checkpoint(run_dir)
-        cfg = OmegaConf.merge(load_config(None), OmegaConf.load(saved))
-        if overrides:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
-        validate(cfg)
-        ckpt_path = str(last)
+        plan = plan_resume(resume, recipe, overrides)
+        cfg = plan.cfg
     else:
         cfg = load_config(recipe, overrides)
-        run_dir = _new_run_dir(cfg)
+    require_finite(cfg)
+    require_accelerator(cfg, recipe)
+    if plan is not None:
+        run_dir = Path(resume)
+        if plan.complete:
+            if rank == 0:
+                print(
+                    f"run {run_dir} is already complete at step {plan.step} (trainer.max_steps={cfg.trainer.max_steps}); "
+                    f"to train on, pass a larger trainer.max_steps, e.g. --resume {run_dir} "
+                    f"trainer.max_steps={plan.step + int(cfg.trainer.max_steps)}"
+                )
+            return 0
+        if rank == 0:
+            for note in plan.notes:
+                print(f"fp8state: warning: {note}", file=sys.stderr)
+    elif rank == 0:
+        run_dir = claim_run_dir(cfg.out_dir, cfg.name)
+    else:  # a launched rank: rank 0's directory (the broadcast in SharedRunDir confirms it)
+        run_dir = Path(os.environ.get(RUN_DIR_ENV) or Path(cfg.out_dir) / cfg.name)
+    lock = lock_run_dir(run_dir) if rank == 0 else None  # a concurrent resume of this run is refused
+    exported = rank == 0 and plan is None
+    if exported:
+        os.environ[RUN_DIR_ENV] = str(run_dir)  # the ranks Lightning launches inherit it
+    try:
+        return _fit(cfg, run_dir, plan, rank, verbose=verbose)
+    except BaseException:
+        if plan is None and rank == 0:
+            if lock is not None:
+                lock.close()
+                lock = None
+            remove_if_empty_run(run_dir)  # a run that failed before its first step leaves nothing
+        raise
+    finally:
+        if exported:
+            os.environ.pop(RUN_DIR_ENV, None)
+        if lock is not None:
+            lock.close()
 
+
+def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = False) -> int:
     os.environ.setdefault("WANDB_SILENT", "true")
     import lightning.pytorch as pl
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from ..lightning import Fp8StateCallback, TelemetryCallback, wandb_logger
+    from ..lightning import AtomicCheckpointIO, Fp8StateCallback, TelemetryCallback, wandb_logger
 
     pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if rank == 0:
+        _write_run_files(run_dir, cfg, plan)
+        if plan is not None:
+            _stale_temporaries(run_dir)
     loggers = []
     if cfg.telemetry.wandb != "disabled":
+        run_id = wandb_run_id(run_dir, create=rank == 0)
         loggers.append(
             wandb_logger(
-                run_dir, project=cfg.telemetry.project, online=cfg.telemetry.wandb == "online", name=run_dir.name
+                run_dir,
+                project=cfg.telemetry.project,
+                online=cfg.telemetry.wandb == "online",
+                name=run_dir.name,
+                id=run_id,
+                resume="allow",
             )
         )
     module, data = _module_and_data(cfg)
     t = cfg.trainer
-    trainer = pl.Trainer(
-        default_root_dir=str(run_dir),
-        max_steps=t.max_steps,
-        accelerator="gpu" if t.accelerator == "cuda" else t.accelerator,
-        devices=t.devices,
-        num_nodes=t.num_nodes,
-        precision=t.precision,
-        accumulate_grad_batches=t.accumulate_grad_batches,
-        gradient_clip_val=t.gradient_clip_val or None,
-        deterministic=t.deterministic,
-        strategy=_strategy(cfg),
-        logger=loggers or False,
-        log_every_n_steps=cfg.telemetry.log_every_n_steps,
-        enable_model_summary=False,
-        callbacks=[
-            Fp8StateCallback(config=quant_config(cfg), audit=cfg.telemetry.audit, verbose=verbose, report_dir=run_dir),
-            TelemetryCallback(run_dir=run_dir, log_every_n_steps=cfg.telemetry.log_every_n_steps),
-            ModelCheckpoint(
-                dirpath=run_dir / "checkpoints",
-                every_n_train_steps=t.checkpoint_every_n_steps,
-                save_last=True,
-                save_top_k=0,
-            ),
-        ],
+    telemetry = TelemetryCallback(run_dir=run_dir, log_every_n_steps=cfg.telemetry.log_every_n_steps)
+    checkpoint = ModelCheckpoint(
+        dirpath=run_dir / "checkpoints",
+        filename="{step}",
+        every_n_train_steps=t.checkpoint_every_n_steps,
+        monitor="step",  # keep the two newest step=N.ckpt: the previous good one survives
+        mode="max",
+        save_top_k=2,
+        save_last=True,
+        enable_version_counter=False,  # a resume rewrites last.ckpt / step=N.ckpt (atomically), never last-v1.ckpt
     )
-    (run_dir / "provenance.json").write_text(json.dumps(provenance(), indent=1, default=str))
+    plugins = [] if cfg.strategy.name == "fp8state_deepspeed" else [AtomicCheckpointIO()]
     try:
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        trainer = pl.Trainer(
+            default_root_dir=str(run_dir),
+            max_steps=t.max_steps,
+            accelerator="gpu" if t.accelerator == "cuda" else t.accelerator,
+            devices=t.devices,
+            num_nodes=t.num_nodes,
+            precision=t.precision,
+            accumulate_grad_batches=t.accumulate_grad_batches,
+            gradient_clip_val=t.gradient_clip_val or None,
+            deterministic=t.deterministic,
+            strategy=_strategy(cfg),
+            logger=loggers or False,
+            log_every_n_steps=cfg.telemetry.log_every_n_steps,
+            enable_model_summary=False,
+            plugins=plugins,
+            callbacks=[
+                _shared_run_dir_callback(run_dir, telemetry, checkpoint),
+                Fp8StateCallback(
+                    config=quant_config(cfg), audit=cfg.telemetry.audit, verbose=verbose, report_dir=run_dir
+                ),
+                telemetry,
+                checkpoint,
+                _progress_bar(),
+            ],
+        )
+    except MisconfigurationException as exc:
+        raise ConfigError(f"trainer: {exc}") from exc
+    interrupted = False
+    try:
+        with warnings.catch_warnings():
+            if plan is not None:  # a resumed run's checkpoint directory holds its earlier checkpoints
+                warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+            trainer.fit(module, datamodule=data, ckpt_path=str(plan.checkpoint) if plan is not None else None)
+    except SystemExit:
+        if not trainer.interrupted:  # Lightning exits after a graceful Ctrl-C; anything else goes on
+            raise
+        interrupted = True
     finally:
         if trainer.is_global_zero:
             for logger in loggers:  # close the W&B run: a later run in this process gets its own
                 logger.experiment.finish()
-    if trainer.is_global_zero:  # again: the CUDA extension (and its hash) is known only now
-        (run_dir / "provenance.json").write_text(json.dumps(provenance(), indent=1, default=str))
-        loss = trainer.callback_metrics.get("train/loss")
-        print(f"run directory: {run_dir}")
-        print(f"steps: {trainer.global_step}, last loss: {float(loss):.4f}" if loss is not None else "")
+    if not trainer.is_global_zero:
+        return 130 if interrupted else 0
+    failures = telemetry.sink_failures
+    for line in failures:
+        print(f"fp8state: warning: {line}", file=sys.stderr)
+    if interrupted:
+        saved = sorted((run_dir / "checkpoints").glob("step=*.ckpt"), key=lambda p: p.stat().st_mtime)
+        where = f"the last checkpoint is {saved[-1]}" if saved else "no checkpoint was saved yet"
+        print(
+            f"fp8state: interrupted at step {trainer.global_step}; {where}. Continue with: "
+            f"fp8state train --resume {run_dir}",
+            file=sys.stderr,
+        )
+        return 130
+    _write_run_files(run_dir, cfg)  # again: the CUDA extension (and its hash) is known only now
+    loss = trainer.callback_metrics.get("train/loss")
+    print(f"run directory: {run_dir}")
+    text = f"steps: {trainer.global_step}"
+    if loss is not None:
+        text += f", last loss: {float(loss):.4f}"
+    if failures:
+        text += f", telemetry sink failures: {len(failures)} sink(s) (see the warnings above)"
+    print(text)
     return 0

@@ -9,12 +9,14 @@ registry, so ``Trainer(strategy="fp8state_ddp" | "fp8state_deepspeed")`` finds t
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .callback import Fp8StateCallback
+from .checkpoint_io import AtomicCheckpointIO
 from .strategies import Fp8StateDDPStrategy, Fp8StateDeepSpeedStrategy, register_strategies
 from .telemetry_callback import LightningLoggerSink, TelemetryCallback, wandb_logger
 
 register_strategies(StrategyRegistry)
 
 __all__ = [
+    "AtomicCheckpointIO",
     "Fp8StateCallback",
     "Fp8StateDDPStrategy",
     "Fp8StateDeepSpeedStrategy",

@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from ..errors import ConfigError
@@ -37,7 +37,8 @@ def wandb_logger(save_dir: str | os.PathLike, *, project: str = "lightning_fp8st
     W&B run in the process (a :class:`~lightning_fp8state.telemetry.WandbSink`, another
     logger) it would go online and ask for an API key.
     """
-    os.makedirs(save_dir, exist_ok=True)
+    if rank_zero_only.rank == 0:  # W&B writes on global rank 0 only: other ranks create nothing
+        os.makedirs(save_dir, exist_ok=True)
     mode = kwargs.pop("mode", "online" if online else "offline")
     return WandbLogger(save_dir=str(save_dir), project=project, offline=mode == "offline", mode=mode, **kwargs)
 
@@ -140,6 +141,8 @@ class TelemetryCallback(Callback):
         self._engine = None
         self._world_size = 1
         self._restored: dict | None = None
+        # one line per telemetry sink that failed during the last run (also warned at its end)
+        self.sink_failures: list[str] = []
 
     # -- lifecycle -----------------------------------------------------------------------
     @override
@@ -195,6 +198,7 @@ class TelemetryCallback(Callback):
         if self.telemetry is not None:
             self._restored = self.telemetry.state_dict()
             self.telemetry.close()
+            self.sink_failures = self.telemetry.sink.failure_report()
             self.telemetry = None
 
     # -- per batch / step ----------------------------------------------------------------

@@ -13,7 +13,7 @@ from .metrics import clip_event, gradient_norms, gradient_summary, loss_summary,
 from .quantizer import SaturationProbe, find_protocol, owner_label, quantizer_health
 from .recorder import StepRecorder
 from .report import TelemetryReport, find_jsonl, summarize, write_report
-from .sinks import JSONL_NAME, FanOut, JsonlSink, Sink, WandbSink, read_jsonl
+from .sinks import JSONL_NAME, FanOut, JsonlSink, Sink, TelemetryLog, WandbSink, read_jsonl, read_telemetry
 from .tracker import TrainingTelemetry, count_tokens
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "SaturationProbe",
     "Sink",
     "StepRecorder",
+    "TelemetryLog",
     "TelemetryReport",
     "TrainingTelemetry",
     "WandbSink",
@@ -38,6 +39,7 @@ __all__ = [
     "quantizer_health",
     "read_engine_step",
     "read_jsonl",
+    "read_telemetry",
     "source_groups",
     "summarize",
     "write_report",

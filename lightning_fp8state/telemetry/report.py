@@ -10,14 +10,23 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .sinks import JSONL_NAME, read_jsonl
+from .sinks import JSONL_NAME, read_telemetry
 
-__all__ = ["TelemetryReport", "find_jsonl", "format_summary", "print_summary", "summarize", "write_report"]
+__all__ = [
+    "TelemetryReport",
+    "find_jsonl",
+    "format_summary",
+    "owner_role",
+    "print_summary",
+    "summarize",
+    "write_report",
+]
 
 PLOTS = ("loss", "grad_norm", "scales", "throughput")
 
@@ -31,6 +40,9 @@ class TelemetryReport:
     plots: dict[str, Path] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # lines of the JSONL that are not rows (torn, garbage), each naming its line number
+    warnings: list[str] = field(default_factory=list)
+    superseded: int = 0  # rows of steps a resume re-ran (the later attempt counts)
 
 
 def find_jsonl(run_dir: str | os.PathLike) -> Path:
@@ -124,16 +136,19 @@ def _mark_skipped(ax, rows: list[dict]) -> None:
         ax.axvline(step, color="tab:red", alpha=0.35, linewidth=1, label="skipped step" if i == 0 else None)
 
 
+# Legends go outside the axes, right of the data, so they never cover it.
+OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0, "fontsize": 8}
+
+
 def _save(plt, fig, ax, path: Path, *, ylabel: str, title: str, xlabel: str = "optimizer step", legend=None) -> bool:
-    """Label the axes, add the legend (``legend``: its keyword arguments; ``False``: none) and
-    write the figure to ``path``."""
+    """Label the axes, add the legend (``legend``: its keyword arguments, default outside the
+    axes on the right; ``False``: none) and write the figure to ``path``."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     if legend is not False:
-        ax.legend(**(legend or {"loc": "best"}))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+        ax.legend(**(legend or OUTSIDE))
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return True
 
@@ -164,21 +179,85 @@ def _plot_grad_norm(plt, rows, path: Path) -> bool:
     return _save(plt, fig, ax, path, ylabel="total gradient norm", title="Gradient norm (red: skipped steps)")
 
 
-def _plot_scales(plt, rows, path: Path) -> bool:
-    keys = sorted({k for r in rows for k in r if k.startswith("fp8state/scale/")})
-    if not keys:
-        keys = [k for k in ("fp8state/scale_min", "fp8state/scale_max") if any(k in r for r in rows)]
-    if not keys:
-        return False
-    fig, ax = plt.subplots(figsize=(9, 5))
-    colors = plt.get_cmap("tab20")
-    for i, key in enumerate(keys):
-        xs, ys = _series(rows, key)
-        ax.plot(xs, ys, marker=".", linewidth=1, color=colors(i % 20), label=key.removeprefix("fp8state/scale/"))
+def owner_role(label: str) -> str:
+    """The role of a per-owner key's label ``layer.role[#site][@rRANK][@sSTREAM]``."""
+    return label.split("#")[0].split("@")[0].rsplit(".", 1)[-1]
+
+
+def _by_role(rows: list[dict], prefix: str) -> dict[str, list[str]]:
+    keys = sorted({k for r in rows for k in r if k.startswith(prefix)})
+    roles: dict[str, list[str]] = {}
+    for key in keys:
+        roles.setdefault(owner_role(key.removeprefix(prefix)), []).append(key)
+    return roles
+
+
+def _plot_role_panel(ax, rows: list[dict], prefix: str, colors) -> None:
+    """One band per role (min..max over its owners) with the median as a line; the owners
+    holding the extreme last values are named at their points."""
+    extremes = []
+    for i, (role, keys) in enumerate(sorted(_by_role(rows, prefix).items())):
+        xs, lo, mid, hi = [], [], [], []
+        for r in rows:
+            vals = [r[k] for k in keys if isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) and r[k] > 0]
+            if vals:
+                xs.append(r["step"])
+                lo.append(min(vals))
+                mid.append(statistics.median(vals))
+                hi.append(max(vals))
+        if not xs:
+            continue
+        color = colors(i % 10)
+        ax.fill_between(xs, lo, hi, color=color, alpha=0.2, linewidth=0)
+        ax.plot(xs, mid, color=color, linewidth=1.4, label=f"{role} ({len(keys)} owners: median, band min..max)")
+        for key in keys:
+            value = _last_value(rows, key)
+            if value is not None:
+                extremes.append((value, key.removeprefix(prefix), xs[-1]))
+    if extremes:
+        for value, label, x in (min(extremes), max(extremes)):
+            ax.annotate(label, (x, value), xytext=(-6, 5), textcoords="offset points", fontsize=7, ha="right")
+            ax.plot([x], [value], marker="o", markersize=3, color="black")
     ax.set_yscale("log")
-    legend = {"fontsize": 7, "loc": "center left", "bbox_to_anchor": (1.0, 0.5)} if len(keys) <= 16 else False
-    title = f"Delayed scales per owner ({len(keys)})"
-    return _save(plt, fig, ax, path, ylabel="scale (fmax / amax)", title=title, legend=legend)
+
+
+def _last_value(rows: list[dict], key: str) -> float | None:
+    for r in reversed(rows):
+        v = r.get(key)
+        if isinstance(v, (int, float)) and math.isfinite(v) and v > 0:
+            return float(v)
+    return None
+
+
+def _plot_scales(plt, rows, path: Path) -> bool:
+    """Delayed scales (top) and amaxes (bottom) grouped by role; per-owner keys when the run
+    logged them, else the min/max over all owners."""
+    if not any(k.startswith("fp8state/scale/") for r in rows for k in r):
+        keys = [k for k in ("fp8state/scale_min", "fp8state/scale_max") if any(k in r for r in rows)]
+        if not keys:
+            return False
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        for key in keys:
+            xs, ys = _series(rows, key)
+            ax.plot(xs, ys, marker=".", linewidth=1, label=key.removeprefix("fp8state/"))
+        ax.set_yscale("log")
+        return _save(plt, fig, ax, path, ylabel="scale (fmax / amax)", title="Delayed scales (min and max over owners)")
+    colors = plt.get_cmap("tab10")
+    n_owners = len({k for r in rows for k in r if k.startswith("fp8state/scale/")})
+    has_amax = any(k.startswith("fp8state/amax/") for r in rows for k in r)
+    fig, axes = plt.subplots(2 if has_amax else 1, 1, figsize=(10, 7 if has_amax else 4.5), sharex=True, squeeze=False)
+    _plot_role_panel(axes[0][0], rows, "fp8state/scale/", colors)
+    axes[0][0].set_ylabel("scale (fmax / amax)")
+    axes[0][0].set_title(f"Delayed scales of {n_owners} owners, by role (the extreme owners named)")
+    axes[0][0].legend(**OUTSIDE)
+    ax = axes[0][0]
+    if has_amax:
+        _plot_role_panel(axes[1][0], rows, "fp8state/amax/", colors)
+        axes[1][0].set_title("Amax (largest recent |x|), by role")
+        axes[1][0].legend(**OUTSIDE)
+        ax = axes[1][0]
+        return _save(plt, fig, ax, path, ylabel="amax", title=ax.get_title(), legend=False)
+    return _save(plt, fig, ax, path, ylabel="scale (fmax / amax)", title=ax.get_title(), legend=False)
 
 
 def _plot_throughput(plt, rows, path: Path) -> bool:
@@ -202,7 +281,6 @@ def _plot_throughput(plt, rows, path: Path) -> bool:
         ylabel=unit,
         title="Throughput: raw vs effective",
         xlabel="optimizer step (end of window)",
-        legend={"loc": "lower right"},
     )
 
 
@@ -252,10 +330,15 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     jsonl = find_jsonl(run_dir)
-    rows = read_jsonl(jsonl)  # in the order written (a resumed run appends)
+    log = read_telemetry(jsonl)  # torn / garbage lines skipped; rows a resume re-ran superseded
+    rows = log.rows
     out = Path(out_dir) if out_dir is not None else jsonl.parent / "report"
     out.mkdir(parents=True, exist_ok=True)
-    report = TelemetryReport(jsonl=jsonl, rows=len(rows))
+    report = TelemetryReport(jsonl=jsonl, rows=len(rows), warnings=log.warnings(), superseded=log.superseded)
+    if log.superseded:
+        report.notes.append(
+            f"{log.superseded} row(s) of steps re-run after a resume were superseded (each step counts once)"
+        )
     drawers = {"loss": _plot_loss, "grad_norm": _plot_grad_norm, "scales": _plot_scales, "throughput": _plot_throughput}
     for name in PLOTS:
         path = out / f"{name}.png"
@@ -265,6 +348,8 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
             report.notes.append(f"{name}.png not drawn: the run has no {name} data")
     report.summary = summarize(rows)
     if show:
+        for warning in report.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
         print_summary(report.summary, f"telemetry: {jsonl} ({len(rows)} steps)")
         for name, path in report.plots.items():
             print(f"{name:>10}: {path}")

@@ -11,6 +11,7 @@ import math
 import os
 import warnings
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -18,13 +19,17 @@ from ..errors import ConfigError
 
 __all__ = [
     "JSONL_NAME",
+    "BadLine",
     "FanOut",
     "JsonlSink",
     "Sink",
+    "SinkFailures",
+    "TelemetryLog",
     "WandbSink",
     "decode_value",
     "encode_value",
     "read_jsonl",
+    "read_telemetry",
 ]
 
 JSONL_NAME = "telemetry.jsonl"
@@ -51,25 +56,34 @@ def decode_value(value: Any) -> Any:
 
 
 class JsonlSink:
-    """Appends one JSON object per optimizer step to ``path`` and flushes after each write.
+    """Appends one JSON object per optimizer step to ``path``; each write reaches the file
+    before it returns.
 
-    Append mode: a resumed run continues the same file. The file is opened on the first
-    write, so constructing the sink creates nothing.
+    Append mode: a resumed run continues the same file (the report supersedes the rows a
+    resume re-runs). The file is opened on the first write, so constructing the sink creates
+    nothing. Writes are unbuffered: a write that fails (a full disk) raises at once, and the
+    next write starts on a new line, so a torn line stays one line that the reader skips.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self._file = None
+        self._torn = False
 
     def write(self, rows: Sequence[dict[str, Any]]) -> None:
         if not rows:
             return
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115  (kept open for the run)
-        for row in rows:
-            self._file.write(json.dumps({k: encode_value(v) for k, v in row.items()}, allow_nan=False) + "\n")
-        self._file.flush()
+            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115  (kept open for the run)
+        text = "".join(json.dumps({k: encode_value(v) for k, v in row.items()}, allow_nan=False) + "\n" for row in rows)
+        data = (b"\n" if self._torn else b"") + text.encode("utf-8")
+        self._torn = True  # until the whole chunk is written
+        view = memoryview(data)
+        while view:
+            written = self._file.write(view)
+            view = view[written or 0 :]
+        self._torn = False
 
     def close(self) -> None:
         if self._file is not None:
@@ -77,15 +91,88 @@ class JsonlSink:
             self._file = None
 
 
+@dataclass
+class BadLine:
+    """A line of a telemetry file that is not a row (torn by a kill or a full disk, or garbage)."""
+
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.reason}"
+
+
+@dataclass
+class TelemetryLog:
+    """A telemetry file as read: its rows, the lines skipped, and how many rows a resume superseded."""
+
+    path: Path
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    bad_lines: list[BadLine] = field(default_factory=list)
+    superseded: int = 0
+
+    def warnings(self) -> list[str]:
+        """One message per skipped line, naming the file and the line number."""
+        return [f"{self.path}: {bad}, skipped" for bad in self.bad_lines]
+
+
+def _parse_lines(path: str | os.PathLike) -> tuple[list[tuple[int, dict[str, Any]]], list[BadLine]]:
+    rows, bad = [], []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError:
+                bad.append(BadLine(number, "not UTF-8 text (garbage)"))
+                continue
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                torn = not raw.endswith(b"\n") or line.startswith("{")
+                what = "a torn row (cut off mid-write)" if torn else "not JSON (garbage)"
+                bad.append(BadLine(number, f"{what}: {exc.msg} at column {exc.colno}"))
+                continue
+            if not isinstance(obj, dict):
+                bad.append(BadLine(number, f"not a row: a JSON {type(obj).__name__}, expected an object"))
+                continue
+            rows.append((number, {k: decode_value(v) for k, v in obj.items()}))
+    return rows, bad
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Rows of a telemetry JSONL file, with non-finite values decoded back to floats."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                rows.append({k: decode_value(v) for k, v in json.loads(line).items()})
-    return rows
+    """Rows of a telemetry JSONL file in the order written, with non-finite values decoded back
+    to floats. Lines that are not rows (torn, garbage) are skipped with a warning naming the
+    line; rows a resume re-ran are all kept (see :func:`read_telemetry`)."""
+    rows, bad = _parse_lines(path)
+    for b in bad:
+        warnings.warn(f"{path}: {b}, skipped", RuntimeWarning, stacklevel=2)
+    return [row for _, row in rows]
+
+
+def read_telemetry(path: str | os.PathLike) -> TelemetryLog:
+    """The rows of a run's telemetry, each step once.
+
+    Lines that are not rows are skipped and listed in ``bad_lines``. A row whose ``step`` is not
+    past the previous row's starts a new attempt of those steps (a resume from a checkpoint
+    older than the last row written): the earlier rows from that step on are superseded, so
+    each step counts once, with the values of the attempt that the run continued from.
+    """
+    parsed, bad = _parse_lines(path)
+    log = TelemetryLog(Path(path), bad_lines=bad)
+    rows = log.rows
+    for number, row in parsed:
+        step = row.get("step")
+        if isinstance(step, bool) or not isinstance(step, (int, float)):
+            log.bad_lines.append(BadLine(number, "a row without a numeric 'step'"))
+            continue
+        while rows and rows[-1]["step"] >= step:
+            rows.pop()
+            log.superseded += 1
+        rows.append(row)
+    log.bad_lines.sort(key=lambda b: b.line)
+    return log
 
 
 class WandbSink:
@@ -136,27 +223,66 @@ class WandbSink:
             self.run = None
 
 
+@dataclass
+class SinkFailures:
+    """The failed writes of one sink: how many, the steps whose rows it lost, the last error."""
+
+    sink: str
+    count: int = 0
+    rows_lost: int = 0
+    first_step: Any = None
+    last_step: Any = None
+    last_error: str = ""
+
+    def __str__(self) -> str:
+        steps = f"steps {self.first_step}..{self.last_step}" if self.first_step is not None else "rows"
+        return (
+            f"telemetry sink {self.sink} failed {self.count} time(s) and lost {self.rows_lost} row(s) "
+            f"({steps}); last error: {self.last_error}"
+        )
+
+
 class FanOut:
-    """One sink that writes to many. A failing sink warns (once per sink) and the others
-    still get the rows: a logger that breaks mid-run must not silence the JSONL."""
+    """One sink that writes to many. A failing sink is reported at every failure (a warning
+    naming the steps whose rows it lost) and the others still get the rows: a logger that
+    breaks mid-run must not silence the JSONL, and a full disk must not go unnoticed.
+    :meth:`failure_report` sums the failures up for the end of the run."""
 
     def __init__(self, sinks: Iterable[Sink]) -> None:
         self.sinks = list(sinks)
-        self._warned: set[int] = set()
+        self.failures: dict[int, SinkFailures] = {}
 
     def write(self, rows: Sequence[dict[str, Any]]) -> None:
         for sink in self.sinks:
             try:
                 sink.write(rows)
             except Exception as exc:  # one broken sink must not silence the others
-                if id(sink) not in self._warned:
-                    self._warned.add(id(sink))
-                    warnings.warn(
-                        f"telemetry sink {type(sink).__name__} failed and is skipped for these rows: {exc!r}",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
+                self._failed(sink, rows, exc)
+
+    def _failed(self, sink, rows: Sequence[dict[str, Any]], exc: Exception) -> None:
+        f = self.failures.setdefault(id(sink), SinkFailures(type(sink).__name__))
+        steps = [r.get("step") for r in rows if r.get("step") is not None]
+        f.count += 1
+        f.rows_lost += len(rows)
+        if steps:
+            f.first_step = steps[0] if f.first_step is None else f.first_step
+            f.last_step = steps[-1]
+        f.last_error = repr(exc)
+        where = f"steps {steps[0]}..{steps[-1]}" if steps else f"{len(rows)} row(s)"
+        warnings.warn(
+            f"telemetry sink {f.sink} failed to write {where} ({len(rows)} row(s) lost; failure {f.count} "
+            f"of this sink): {exc!r}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def failure_report(self) -> list[str]:
+        """One line per sink that failed during the run (empty when none did)."""
+        return [str(f) for f in self.failures.values()]
 
     def close(self) -> None:
         for sink in self.sinks:
-            sink.close()
+            try:
+                sink.close()
+            except Exception as exc:  # a sink that cannot close (a full disk) is one more failure
+                self._failed(sink, [], exc)

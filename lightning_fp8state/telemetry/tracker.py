@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -364,9 +365,12 @@ class TrainingTelemetry:
         return last
 
     def close(self) -> None:
-        """Write what is left of the window, close the sinks and detach the probe."""
+        """Write what is left of the window, close the sinks and detach the probe. A sink that
+        failed during the run is summed up once more here (a warning per sink)."""
         self.flush()
         self.sink.close()
+        for line in self.sink.failure_report():
+            warnings.warn(f"end of run: {line}", RuntimeWarning, stacklevel=2)
         if self.probe is not None:
             self.probe.close()
             self.probe = None

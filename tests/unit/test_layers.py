@@ -96,7 +96,9 @@ def test_imports_point_down_the_layers():
 def test_the_import_graph_has_no_circle():
     g = graph()
     # a package's __init__ re-exports its own modules: those edges are not a circle back up
-    edges = {a: {b for b in deps if not (b.startswith(a + ".") and "." not in b[len(a) + 1 :])} for a, deps in g.items()}
+    edges = {
+        a: {b for b in deps if not (b.startswith(a + ".") and "." not in b[len(a) + 1 :])} for a, deps in g.items()
+    }
     edges = {a: {b for b in deps if not a.startswith(b + ".")} for a, deps in edges.items()}
     state: dict[str, int] = {}
     stack: list[str] = []

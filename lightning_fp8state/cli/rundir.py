@@ -1,0 +1,330 @@
+"""The run directory: claimed atomically by rank 0, and validated in full before a resume.
+
+A new run's directory is ``out_dir/name``, or ``name-2``, ``name-3``, ... when taken: rank 0
+claims it with ``os.mkdir`` (atomic: two runs started together never share one), exports its
+path to the ranks it launches (``FP8STATE_RUN_DIR``), and every rank receives it again from
+rank 0 over the process group once that exists (:class:`SharedRunDir`). Other ranks never
+create or write anything there themselves.
+
+``--resume RUN_DIR`` validates before anything in the directory changes: its
+``config.yaml`` loads, the overrides are valid and are ones a resume can take, a checkpoint is
+readable (a corrupt ``last.ckpt`` falls back to the newest good ``step=N.ckpt``, saying so),
+and that checkpoint was made with this configuration. Every failure is a
+:class:`~lightning_fp8state.errors.RunDirectoryError` naming the file and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ..errors import ConfigError, RunDirectoryError
+from .config import quant_config
+
+__all__ = [
+    "RESUMABLE_KEYS",
+    "RUN_DIR_ENV",
+    "ResumePlan",
+    "claim_run_dir",
+    "launch_rank",
+    "lock_run_dir",
+    "plan_resume",
+    "remove_if_empty_run",
+    "wandb_run_id",
+    "write_text_atomic",
+]
+
+RUN_DIR_ENV = "FP8STATE_RUN_DIR"
+WANDB_ID_FILE = "wandb_run_id"
+# What a resume may change: how long to train, how often to save and log, where W&B goes,
+# loader workers and strictness. Everything else defines what the checkpoint holds (or the
+# data position and learning rate the optimizer state restores), so it is refused.
+RESUMABLE_KEYS = (
+    "trainer.max_steps",
+    "trainer.schedule_steps",
+    "trainer.checkpoint_every_n_steps",
+    "telemetry.log_every_n_steps",
+    "telemetry.wandb",
+    "telemetry.audit",
+    "data.num_workers",
+    "quant.strict",
+)
+_STEP_CKPT = re.compile(r"^step=(\d+)\.ckpt$")
+
+
+def launch_rank() -> int:
+    """This process's global rank as its launcher set it in the environment (0 when nothing
+    is set): ``RANK`` (torchrun), ``SLURM_PROCID``, ``JSM_NAMESPACE_RANK``, or Lightning's
+    own launcher's ``NODE_RANK``/``LOCAL_RANK`` (any non-zero one means "not rank 0")."""
+    for key in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")) or 0)
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    return 0 if node == 0 and local == 0 else max(1, local)
+
+
+def claim_run_dir(out_dir: str | os.PathLike, name: str) -> Path:
+    """Create and return ``out_dir/name`` or the first free ``name-N``; atomic (``os.mkdir``
+    fails if another process took the name first, and the next number is tried)."""
+    base = Path(out_dir)
+    n = 1
+    while True:
+        path = base / (name if n == 1 else f"{name}-{n}")
+        try:
+            base.mkdir(parents=True, exist_ok=True)
+            path.mkdir()
+        except FileExistsError:
+            if not base.is_dir():  # out_dir itself is a file
+                raise ConfigError(f"out_dir={str(base)!r} is a file: pass a directory") from None
+            n += 1
+            continue
+        except OSError as exc:
+            raise ConfigError(
+                f"out_dir={str(base)!r}: cannot create the run directory {str(path)!r} ({exc.strerror}); "
+                "pass a writable out_dir=..."
+            ) from exc
+        return path
+
+
+LOCK_FILE = ".lock"
+
+
+def lock_run_dir(run_dir: Path):
+    """Hold ``RUN_DIR/.lock`` (an advisory ``flock``) for as long as the returned file is open:
+    a second process that resumes the same run at the same time is refused, with the holder's
+    pid. Taken by rank 0 once everything is validated. Returns None where ``flock`` is missing."""
+    try:
+        import fcntl  # noqa: PLC0415  (POSIX only)
+    except ImportError:
+        return None
+    f = open(run_dir / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115  (held for the run)
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise RunDirectoryError(
+            f"{run_dir} is in use by a running fp8state process ({holder}): wait for it to end, "
+            "or stop it; two processes never share a run directory"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one rename (never half written)."""
+    from ..lightning.checkpoint_io import write_atomic  # noqa: PLC0415  (Lightning: imported only when writing)
+
+    write_atomic(path, lambda f: f.write(text), binary=False)
+
+
+def wandb_run_id(run_dir: Path, *, create: bool) -> str | None:
+    """The W&B run id kept in the run directory (so a resume continues the same W&B run);
+    a new one is written when ``create`` and there is none."""
+    path = run_dir / WANDB_ID_FILE
+    if path.is_file():
+        text = path.read_text(encoding="utf-8").strip()
+        if text:
+            return text
+    if not create:
+        return None
+    run_id = uuid.uuid4().hex[:12]
+    write_text_atomic(path, run_id + "\n")
+    return run_id
+
+
+def remove_if_empty_run(run_dir: Path) -> bool:
+    """Remove a new run's directory if the run produced nothing (no checkpoint, no telemetry):
+    a run that failed before its first step leaves no stray directory. Returns whether removed."""
+    ckpts = run_dir / "checkpoints"
+    if (run_dir / "telemetry.jsonl").exists() or (ckpts.is_dir() and any(ckpts.iterdir())):
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return True
+
+
+# -- resume ------------------------------------------------------------------------------
+@dataclass
+class ResumePlan:
+    """A validated resume: the configuration to run, the checkpoint to load and its step."""
+
+    cfg: DictConfig
+    checkpoint: Path
+    step: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return self.step >= int(self.cfg.trainer.max_steps)
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def _checkpoint_candidates(run_dir: Path) -> list[Path]:
+    """``last.ckpt`` first, then ``step=N.ckpt`` newest first (the previous good ones)."""
+    ckpts = run_dir / "checkpoints"
+    found = []
+    if (ckpts / "last.ckpt").exists():
+        found.append(ckpts / "last.ckpt")
+    steps = []
+    if ckpts.is_dir():
+        for p in ckpts.iterdir():
+            m = _STEP_CKPT.match(p.name)
+            if m:
+                steps.append((int(m.group(1)), p))
+    found += [p for _, p in sorted(steps, reverse=True)]
+    return found
+
+
+def _read_checkpoint(path: Path) -> dict:
+    """The checkpoint's contents (memory-mapped: tensors are not read), or RunDirectoryError."""
+    target = path
+    if path.is_dir():  # DeepSpeed: a directory of shards; the client state is in mp_rank_00
+        shards = sorted(path.rglob("*mp_rank_00_model_states.pt"))  # ZeRO-3: zero_pp_rank_0_...
+        if not shards:
+            raise ValueError("a checkpoint directory without mp_rank_00_model_states.pt")
+        target = shards[0]
+    if target.stat().st_size == 0:
+        raise ValueError("the file is empty")
+    try:
+        ckpt = torch.load(target, map_location="cpu", weights_only=False, mmap=True)
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):
+            raise
+        ckpt = torch.load(target, map_location="cpu", weights_only=False)  # legacy (non-zip) format
+    if not isinstance(ckpt, dict) or "global_step" not in ckpt:
+        raise ValueError(f"not a Lightning checkpoint (no 'global_step'; got {type(ckpt).__name__})")
+    return ckpt
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _check_against_checkpoint(cfg: DictConfig, ckpt: dict, path: Path) -> None:
+    """The checkpoint was made by a run of this configuration: same quantizer state layout,
+    same world size, same model shapes."""
+    entry = ckpt.get("fp8state")
+    if isinstance(entry, dict) and entry.get("ranks"):
+        world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+        if entry.get("world_size") not in (None, world):
+            raise RunDirectoryError(
+                f"{path}: saved by {entry['world_size']} rank(s), but this configuration runs {world} "
+                f"(trainer.devices x trainer.num_nodes); resume with the run's own world size"
+            )
+        saved = next(iter(entry["ranks"].values())).get("config", {})
+        live = quant_config(cfg)
+        diff = [
+            f"quant.{k}: checkpoint {v!r}, config {getattr(live, k)!r}"
+            for k, v in saved.items()
+            if hasattr(live, k) and getattr(live, k) != v
+        ]
+        if diff:
+            raise RunDirectoryError(
+                f"{path}: the quantizer state was made with another configuration ({'; '.join(diff)}); "
+                "resume with the configuration the run was started with"
+            )
+    weights = ckpt.get("state_dict")
+    if isinstance(weights, dict):
+        from ..models import GPT  # noqa: PLC0415
+        from .audit import model_config  # noqa: PLC0415
+
+        with torch.device("meta"):
+            expected = {f"model.{k}": tuple(v.shape) for k, v in GPT(model_config(cfg)).state_dict().items()}
+        missing = sorted(set(expected) - set(weights))
+        wrong = sorted(k for k in expected if k in weights and tuple(weights[k].shape) != expected[k])
+        if missing or wrong:
+            detail = (
+                f"missing {missing[:3]}"
+                if missing
+                else f"{wrong[0]}: checkpoint {tuple(weights[wrong[0]].shape)}, config {expected[wrong[0]]}"
+            )
+            raise RunDirectoryError(
+                f"{path}: the model weights do not fit this configuration's model ({detail}); "
+                "resume with the model.* settings the run was started with"
+            )
+
+
+def _select_checkpoint(cfg: DictConfig, run_dir: Path, resume: str) -> tuple[Path, dict, list[str]]:
+    candidates = _checkpoint_candidates(run_dir)
+    if not candidates:
+        raise RunDirectoryError(
+            f"--resume {resume!r}: no checkpoint to continue from (expected {run_dir / 'checkpoints' / 'last.ckpt'} "
+            "or checkpoints/step=N.ckpt); the run stopped before its first checkpoint: start it again"
+        )
+    bad: list[str] = []
+    for path in candidates:
+        try:
+            ckpt = _read_checkpoint(path)
+        except Exception as exc:  # noqa: BLE001  (any failure to read is "corrupt": say which and why)
+            bad.append(f"{path} is not a readable checkpoint ({_reason(exc)})")
+            continue
+        _check_against_checkpoint(cfg, ckpt, path)
+        if bad:
+            bad.append(f"resuming from the previous good checkpoint {path} (step {ckpt['global_step']})")
+        return path, ckpt, bad
+    raise RunDirectoryError(
+        f"--resume {resume!r}: no readable checkpoint: "
+        + "; ".join(bad)
+        + ". The files may be truncated or overwritten; start a new run"
+    )
+
+
+def plan_resume(resume: str, recipe: str | None, overrides: list[str]) -> ResumePlan:
+    """Validate a resume of ``resume`` with ``overrides``; nothing is written.
+
+    Raises:
+        RunDirectoryError: not a run directory, a recipe given, an invalid override or one a
+            resume cannot take, no readable checkpoint, or a checkpoint of another configuration.
+    """
+    from .config import load_config  # noqa: PLC0415
+
+    run_dir = Path(resume)
+    if recipe is not None:
+        raise RunDirectoryError(
+            f"--resume {resume!r} continues that run with its own config.yaml, so a recipe ({recipe!r}) "
+            "cannot be given too: pass only key=value overrides, or drop --resume to start a new run"
+        )
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.is_file():
+        raise RunDirectoryError(f"--resume {resume!r}: no config.yaml there (not a run directory)")
+    try:
+        saved = load_config(str(saved_path))
+        cfg = load_config(str(saved_path), overrides) if overrides else saved
+    except RunDirectoryError:
+        raise
+    except ConfigError as exc:
+        raise RunDirectoryError(f"--resume {resume!r}: {exc}") from exc
+    old = _flatten(OmegaConf.to_container(saved, resolve=True))
+    new = _flatten(OmegaConf.to_container(cfg, resolve=True))
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in RESUMABLE_KEYS)
+    if changed:
+        k = changed[0]
+        raise RunDirectoryError(
+            f"--resume {resume!r}: {k}={new.get(k)!r} differs from the run's {k}={old.get(k)!r} "
+            f"(in {saved_path}); a resume continues the run as it was configured and may change only "
+            f"{', '.join(RESUMABLE_KEYS)}. Start a new run (without --resume) to change {k}"
+        )
+    path, ckpt, notes = _select_checkpoint(cfg, run_dir, resume)
+    return ResumePlan(cfg=cfg, checkpoint=path, step=int(ckpt["global_step"]), notes=notes)

@@ -1,0 +1,71 @@
+"""AtomicCheckpointIO: Lightning checkpoints written to a temporary file, then renamed.
+
+A checkpoint file is either the old one or the new one, never a torn mix: a kill, a crash or
+a full disk during a save leaves the previous file in place. Lightning's own ``_atomic_save``
+stages the file through fsspec's transaction, whose temporary file lives in the system's
+temp directory; when that is another file system (``/tmp`` on tmpfs) the final move is a
+copy onto the target, which is not atomic. Here the temporary file sits next to the target
+(same file system), is flushed to disk, and replaces it with ``os.replace``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from typing_extensions import override
+
+__all__ = ["TMP_SUFFIX", "AtomicCheckpointIO", "write_atomic"]
+
+TMP_SUFFIX = ".tmp"  # what a save interrupted by SIGKILL may leave behind: `.NAME.XXXX.tmp`
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # not every file system lets a directory be opened
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_atomic(path: str | os.PathLike, write, *, binary: bool = True) -> None:
+    """Call ``write(file)`` on a temporary file next to ``path``, flush it to disk, then rename
+    it onto ``path``. On any error the temporary file is removed and ``path`` is untouched."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose saves are atomic (write a temporary file, then rename).
+
+    Example::
+
+        Trainer(plugins=[AtomicCheckpointIO()], callbacks=[ModelCheckpoint(save_last=True)])
+    """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "AtomicCheckpointIO.save_checkpoint takes no storage_options, got "
+                f"{storage_options!r}: pass a custom CheckpointIO for those"
+            )
+        write_atomic(path, lambda f: torch.save(checkpoint, f))

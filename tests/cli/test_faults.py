@@ -1,0 +1,557 @@
+"""Faults a run directory must survive (issue 16): corrupt checkpoints, refused resumes,
+concurrent runs, interrupts, torn telemetry, a full disk, and the first-use mistakes.
+
+Each test injects the fault for real (a truncated file, a signal to the training process, a
+sink whose writes raise ``OSError``) and checks what the user sees: exit code 2 and one
+message without a traceback for bad input, and a run directory left exactly as it was.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_fp8state as f8s
+from lightning_fp8state.cli.main import main
+from lightning_fp8state.telemetry import TrainingTelemetry, write_report
+from lightning_fp8state.telemetry.sinks import FanOut, JsonlSink, read_jsonl, read_telemetry
+from tests.conftest import event_inputs, make_stack, run_events
+from tests.lightning.launch import ROOT, launch_env
+
+SMALL = ["model.d_model=32", "model.n_layers=2", "model.seq_len=16", "data.batch_size=4", "data.num_samples=400"]
+COMMON = [*SMALL, "telemetry.wandb=disabled", "telemetry.log_every_n_steps=2", "trainer.checkpoint_every_n_steps=10"]
+
+
+@pytest.fixture
+def run_root(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    return tmp_path
+
+
+def train(*args: str) -> int:
+    return main(["train", *args])
+
+
+def snapshot(path: Path) -> dict[str, bytes]:
+    """Every file under ``path`` with its bytes: a directory that did not change compares equal."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def weights(ckpt_path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(ckpt_path, weights_only=False, map_location="cpu")["state_dict"]
+
+
+def assert_one_clean_error(err: str, *needles: str) -> None:
+    assert "Traceback" not in err
+    lines = [line for line in err.strip().splitlines() if line.startswith("fp8state: error:")]
+    assert len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+@pytest.fixture(scope="module")
+def finished_template(tmp_path_factory):
+    out = tmp_path_factory.mktemp("finished")
+    assert train(*COMMON, "trainer.max_steps=20", f"out_dir={out}") == 0
+    return out / "tiny_gpt_cpu"
+
+
+@pytest.fixture
+def finished_run(run_root, finished_template):
+    """A 20-step run with checkpoints at steps 10 and 20 (a copy: each test may damage its own)."""
+    run = run_root / "runs" / "tiny_gpt_cpu"
+    shutil.copytree(finished_template, run)
+    return run
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+def test_checkpoints_are_kept_and_a_truncated_last_one_falls_back_to_the_previous_good_one(finished_run, capsys):
+    ckpts = finished_run / "checkpoints"
+    assert {p.name for p in ckpts.iterdir()} == {"last.ckpt", "step=10.ckpt", "step=20.ckpt"}
+    data = (ckpts / "last.ckpt").read_bytes()
+    (ckpts / "last.ckpt").write_bytes(data[: len(data) // 2])
+    (ckpts / "step=20.ckpt").write_bytes(data[: len(data) // 3])
+    capsys.readouterr()
+    assert train("--resume", str(finished_run), "trainer.max_steps=30") == 0
+    out, err = capsys.readouterr()
+    assert "Epoch 0" in out and "30/30" in out  # the bar of a resumed run counts to its end, not "30/19"
+    assert "last.ckpt is not a readable checkpoint" in err and "step=20.ckpt is not a readable checkpoint" in err
+    assert "previous good checkpoint" in err and "step=10.ckpt (step 10)" in err
+    assert "Traceback" not in err
+    assert torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 30
+    prov = json.loads((finished_run / "provenance.json").read_text())
+    assert prov["resumed_from"] == {"checkpoint": str(ckpts / "step=10.ckpt"), "step": 10}
+    assert set(prov["started_as"]) == {"version", "git_commit", "torch", "gpu", "command"}
+    log = read_telemetry(finished_run / "telemetry.jsonl")
+    assert [r["step"] for r in log.rows] == list(range(1, 31)) and log.superseded == 10  # 11..20 re-run
+
+
+@pytest.mark.parametrize("fault", ["truncated", "random_bytes", "empty"])
+def test_an_unreadable_checkpoint_is_refused_with_exit_2_and_the_run_is_untouched(finished_run, capsys, fault):
+    rng = torch.Generator().manual_seed(0)
+    for ckpt in (finished_run / "checkpoints").iterdir():
+        data = ckpt.read_bytes()
+        if fault == "truncated":
+            ckpt.write_bytes(data[: len(data) - 100])
+        elif fault == "random_bytes":
+            ckpt.write_bytes(bytes(torch.randint(0, 256, (len(data),), generator=rng, dtype=torch.uint8).tolist()))
+        else:
+            ckpt.write_bytes(b"")
+    before = snapshot(finished_run)
+    capsys.readouterr()
+    assert train("--resume", str(finished_run), "trainer.max_steps=30") == 2
+    err = capsys.readouterr().err
+    assert_one_clean_error(err, "no readable checkpoint", "last.ckpt", "step=10.ckpt", "start a new run")
+    assert "PyTorch" not in err and "issue" not in err.lower()
+    assert snapshot(finished_run) == before
+
+
+def test_a_checkpoint_save_is_atomic(tmp_path, monkeypatch):
+    """A save that fails half way (a full disk) leaves the previous checkpoint whole."""
+    from lightning_fp8state.lightning import AtomicCheckpointIO
+
+    io = AtomicCheckpointIO()
+    target = tmp_path / "last.ckpt"
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(1000)}, target)
+
+    def full_disk(obj, f, *a, **k):
+        f.write(b"x" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        io.save_checkpoint({"global_step": 2, "w": torch.zeros(1000)}, target)
+    monkeypatch.undo()
+    assert torch.load(target, weights_only=True)["global_step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary left behind
+
+
+# -- refused resumes leave the run as it was ----------------------------------------------
+@pytest.mark.parametrize(
+    ("override", "needles"),
+    [
+        ("quant.history_len=4", ["quant.history_len=4", "quant.history_len=16", "trainer.max_steps"]),
+        ("model.d_model=48", ["model.d_model=48", "model.d_model=32"]),
+        ("trainer.max_stepz=30", ["trainer.max_stepz", "unknown key"]),
+        ("trainer.max_steps=abc", ["trainer.max_steps", "abc"]),
+        ("trainer.lr=nan", ["trainer.lr"]),
+    ],
+)
+def test_a_refused_resume_exits_2_and_changes_nothing(finished_run, capsys, override, needles):
+    (finished_run / "config.yaml").read_text()
+    before = snapshot(finished_run)
+    capsys.readouterr()
+    assert train("--resume", str(finished_run), override) == 2
+    assert_one_clean_error(capsys.readouterr().err, *needles)
+    assert snapshot(finished_run) == before
+    # and the run still resumes as it was configured
+    assert train("--resume", str(finished_run), "trainer.max_steps=24") == 0
+
+
+def test_a_checkpoint_made_with_another_configuration_is_refused(finished_run, capsys):
+    """config.yaml edited by hand: the checkpoint itself says what it was made with."""
+    cfg = finished_run / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("history_len: 16", "history_len: 8"))
+    before = snapshot(finished_run)
+    capsys.readouterr()
+    assert train("--resume", str(finished_run), "trainer.max_steps=30") == 2
+    assert_one_clean_error(capsys.readouterr().err, "last.ckpt", "quant.history_len: checkpoint 16, config 8")
+    assert snapshot(finished_run) == before
+
+
+def test_resume_with_a_recipe_is_refused_and_a_finished_run_says_so(finished_run, capsys):
+    before = snapshot(finished_run)
+    capsys.readouterr()
+    assert train("gpt_124m_h200", "--resume", str(finished_run)) == 2
+    assert_one_clean_error(capsys.readouterr().err, "gpt_124m_h200", "cannot be given")
+    assert train("--resume", str(finished_run)) == 0
+    out = capsys.readouterr().out
+    assert "already complete at step 20" in out and out.strip()
+    assert snapshot(finished_run) == before
+
+
+def test_a_run_in_use_is_not_resumed_by_a_second_process(finished_run, capsys):
+    from lightning_fp8state.cli.rundir import lock_run_dir
+
+    held = lock_run_dir(finished_run)  # what the running process holds (flock: per open file)
+    try:
+        before = snapshot(finished_run)
+        capsys.readouterr()
+        assert train("--resume", str(finished_run), "trainer.max_steps=30") == 2
+        assert_one_clean_error(capsys.readouterr().err, "in use by a running fp8state process", f"pid {os.getpid()}")
+        assert snapshot(finished_run) == before
+    finally:
+        held.close()
+    assert train("--resume", str(finished_run), "trainer.max_steps=22") == 0  # free again
+
+
+# -- run directories -------------------------------------------------------------------------
+def _cli(*args: str, cwd: Path) -> subprocess.Popen:
+    env = launch_env()
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    cmd = [sys.executable, "-m", "lightning_fp8state", "train", *args]
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_concurrent_runs_with_the_same_name_never_share_a_directory(run_root):
+    procs = [_cli(*COMMON, "trainer.max_steps=6", "out_dir=runs", cwd=run_root) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
+    runs = sorted(p.name for p in (run_root / "runs").iterdir())
+    assert runs == ["tiny_gpt_cpu", "tiny_gpt_cpu-2"]
+    for name in runs:
+        assert [r["step"] for r in read_jsonl(run_root / "runs" / name / "telemetry.jsonl")] == list(range(1, 7))
+    assert {f"run directory: runs/{name}" for name in runs} == {o[0].strip().splitlines()[-2] for o in outs}
+    # the rich progress bar no longer reads "Epoch 0/-2" when max_steps bounds the run
+    assert all("Epoch 0" in o[0] and "/-2" not in o[0] for o in outs)
+
+
+def test_a_two_rank_run_leaves_exactly_one_run_directory(run_root):
+    """Two CPU ranks (fp8state_ddp over gloo): rank 0 alone claims and writes the directory,
+    rank 1 receives its path (it once made ``tiny_gpt_cpu-2`` with its own config.yaml)."""
+    ddp = ["strategy.name=fp8state_ddp", "trainer.devices=2", "trainer.max_steps=4", "out_dir=runs"]
+    proc = _cli(*COMMON, *ddp, cwd=run_root)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-4000:]
+    assert [p.name for p in (run_root / "runs").iterdir()] == ["tiny_gpt_cpu"]
+    run = run_root / "runs" / "tiny_gpt_cpu"
+    assert [r["step"] for r in read_jsonl(run / "telemetry.jsonl")] == [1, 2, 3, 4]
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["fp8state"]["world_size"] == 2
+    assert not (run_root / "lightning_logs").exists()
+
+
+# -- interrupts --------------------------------------------------------------------------
+STOP_AT = """
+import os, signal, sys
+from lightning_fp8state.lightning import telemetry_callback as tc
+step_hook = tc.TelemetryCallback.on_train_batch_end
+def stop(self, trainer, *args):
+    step_hook(self, trainer, *args)
+    if trainer.global_step == {step}:
+        os.kill(os.getpid(), signal.{signal})
+tc.TelemetryCallback.on_train_batch_end = stop
+from lightning_fp8state.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    assert train(*COMMON, "trainer.max_steps=30", f"out_dir={out}") == 0
+    return out / "tiny_gpt_cpu"
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL"])
+def test_interrupt_then_resume_counts_each_step_once_and_ends_bitwise_equal(run_root, uninterrupted, sig):
+    """A real signal at step 15 (the last checkpoint is step 10, telemetry is written up to
+    step 14 or 15); the resume re-runs 11..15: the report counts 30 steps, not 35, and the
+    weights equal those of one uninterrupted run of 30 steps, bit for bit."""
+    env = launch_env()
+    env.update(WANDB_SILENT="true", OMP_NUM_THREADS=str(torch.get_num_threads()))  # the same sums as in here
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    code = STOP_AT.format(step=15, signal=sig)
+    cmd = [sys.executable, "-c", code, "train", *COMMON, "trainer.max_steps=30", "trainer.schedule_steps=30"]
+    done = subprocess.run([*cmd, "out_dir=runs"], cwd=run_root, env=env, capture_output=True, text=True, timeout=300)
+    run = run_root / "runs" / "tiny_gpt_cpu"
+    if sig == "SIGINT":
+        assert done.returncode == 130, done.stderr[-3000:]
+        assert f"fp8state train --resume {Path('runs') / 'tiny_gpt_cpu'}" in done.stderr
+    else:
+        assert done.returncode == -signal.SIGKILL
+    raw = [r["step"] for r in read_jsonl(run / "telemetry.jsonl")]
+    assert max(raw) >= 14 and torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 10
+    assert train("--resume", str(run), "trainer.max_steps=30") == 0
+    raw = [r["step"] for r in read_jsonl(run / "telemetry.jsonl")]
+    assert len(raw) > 30  # steps 11..14 were written twice ...
+    report = write_report(run, show=False)
+    assert report.rows == 30 and report.superseded == len(raw) - 30  # ... and count once
+    assert report.summary["steps attempted"] == 30
+    assert [r["step"] for r in read_telemetry(run / "telemetry.jsonl").rows] == list(range(1, 31))
+    a, b = weights(uninterrupted / "checkpoints" / "last.ckpt"), weights(run / "checkpoints" / "last.ckpt")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_a_resume_continues_the_same_wandb_run(run_root):
+    common = [*SMALL, "telemetry.log_every_n_steps=2", "trainer.checkpoint_every_n_steps=4", "out_dir=runs"]
+    assert train(*common, "trainer.max_steps=4") == 0
+    run = run_root / "runs" / "tiny_gpt_cpu"
+    assert train("--resume", str(run), "trainer.max_steps=6") == 0
+    offline = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2
+    run_id = (run / "wandb_run_id").read_text().strip()
+    assert all(name.endswith(f"-{run_id}") for name in offline), (offline, run_id)
+
+
+# -- telemetry ---------------------------------------------------------------------------
+def _rows(steps, owners: int = 0) -> list[dict]:
+    rows = []
+    for s in steps:
+        row = {"step": s, "train/loss": 3.0 - 0.01 * s, "train/grad_norm": 1.0, "train/steps_attempted": s}
+        if s % 5 == 0:
+            row.update(
+                {"train/window_seconds": 1.0, "train/tokens_per_s": 1000.0, "train/effective_tokens_per_s": 900.0}
+            )
+            for i in range(owners):
+                for k, role in enumerate(("input", "weight", "grad_output")):
+                    row[f"fp8state/scale/blocks.{i}.fc.{role}"] = 10.0 ** (k * 2) * (1 + i + s / 100)
+                    row[f"fp8state/amax/blocks.{i}.fc.{role}"] = 448.0 / row[f"fp8state/scale/blocks.{i}.fc.{role}"]
+        rows.append(row)
+    return rows
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    sink = JsonlSink(path)
+    sink.write(rows)
+    sink.close()
+
+
+def test_report_skips_torn_and_garbage_lines_and_names_them(tmp_path, capsys):
+    jsonl = tmp_path / "telemetry.jsonl"
+    _write(jsonl, _rows(range(1, 6)))
+    with open(jsonl, "ab") as f:
+        f.write(b"\x00\xffgarbage \xfe\n")  # line 6
+        f.write(b"[1, 2, 3]\n")  # line 7: JSON, but not a row
+    _write(jsonl, _rows(range(6, 11)))
+    with open(jsonl, "ab") as f:
+        f.write(b'{"step": 11, "train/loss": 2.8')  # line 13: a torn last line
+    assert main(["report", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "line 6: not UTF-8 text (garbage)" in err
+    assert "line 7: not a row" in err
+    assert "line 13: a torn row" in err
+    assert "Traceback" not in err
+    assert write_report(tmp_path, show=False).rows == 10
+
+
+def test_a_full_disk_is_reported_at_every_failure_and_at_the_end(tmp_path):
+    """The JSONL sink's writes raise ENOSPC for steps 5..12: each failed window warns, the end
+    summary names the lost steps, and the rows after the disk has room again are readable."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tel = TrainingTelemetry(tmp_path, model=model, log_every=2)
+    jsonl = tel.sink.sinks[0]
+
+    class FullDisk:
+        """The JSONL's file while steps 5..12 are written: 20 bytes of each write land, then ENOSPC."""
+
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, data):
+            if 5 <= tel.attempted <= 12:
+                self.file.write(bytes(data[:20]))
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.file.write(data)
+
+        def close(self):
+            self.file.close()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(16):
+            model(torch.randn(2, 4)).sum().backward()
+            tel.before_optimizer_step(opt)
+            opt.step()
+            opt.zero_grad()
+            tel.after_optimizer_step()
+            if tel.attempted == 2:
+                jsonl._file = FullDisk(jsonl._file)
+        tel.close()
+    messages = [str(w.message) for w in caught if "JsonlSink" in str(w.message)]
+    failures = [m for m in messages if "failed to write" in m]
+    assert len(failures) == 4, messages  # windows 5-6, 7-8, 9-10, 11-12
+    assert "steps 11..12" in failures[-1] and "failure 4" in failures[-1]
+    end = [m for m in messages if m.startswith("end of run")]
+    assert len(end) == 1 and "failed 4 time(s)" in end[0] and "lost 8 row(s)" in end[0] and "steps 5..12" in end[0]
+    log = read_telemetry(tmp_path / "telemetry.jsonl")
+    assert [r["step"] for r in log.rows] == [1, 2, 3, 4, 13, 14, 15, 16]
+    assert len(log.bad_lines) == 4  # one torn line per failure, each on its own line
+
+
+def test_the_cli_reports_a_failing_telemetry_sink_at_the_end(run_root, capsys, monkeypatch):
+    write = JsonlSink.write
+
+    def full_disk(self, rows):
+        if any(3 <= r["step"] <= 6 for r in rows):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(self, rows)
+
+    monkeypatch.setattr(JsonlSink, "write", full_disk)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert train(*COMMON, "trainer.max_steps=8", "out_dir=runs") == 0
+    assert sum("failed to write" in str(w.message) for w in caught) == 2
+    captured = capsys.readouterr()
+    assert "telemetry sink JsonlSink failed 2 time(s) and lost 4 row(s) (steps 3..6)" in captured.err
+    assert "telemetry sink failures: 1 sink(s)" in captured.out
+    assert [r["step"] for r in read_jsonl(run_root / "runs" / "tiny_gpt_cpu" / "telemetry.jsonl")] == [1, 2, 7, 8]
+
+
+def test_the_fanout_still_feeds_the_other_sinks(tmp_path):
+    class Broken:
+        def write(self, rows):
+            raise OSError(errno.EIO, "gone")
+
+        def close(self):
+            pass
+
+    class Keep(list):
+        def write(self, rows):
+            self.extend(rows)
+
+        def close(self):
+            pass
+
+    keep = Keep()
+    fan = FanOut([Broken(), keep])
+    with pytest.warns(RuntimeWarning, match="Broken failed to write steps 1..2"):
+        fan.write(_rows([1, 2]))
+    with pytest.warns(RuntimeWarning, match="Broken failed to write steps 3..3 .* failure 2"):
+        fan.write(_rows([3]))
+    assert [r["step"] for r in keep] == [1, 2, 3]
+    assert fan.failure_report() == [
+        "telemetry sink Broken failed 2 time(s) and lost 3 row(s) (steps 1..3); last error: OSError(5, 'gone')"
+    ]
+
+
+# -- plots -------------------------------------------------------------------------------
+def test_plots_group_owners_by_role_and_legends_do_not_cover_data(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = {}
+    close = plt.close
+
+    def keep(fig=None):
+        if fig is not None and fig.axes:
+            figures[fig.axes[0].get_title() or str(len(figures))] = fig
+        else:
+            close(fig)
+
+    monkeypatch.setattr(plt, "close", keep)
+    _write(tmp_path / "telemetry.jsonl", _rows(range(1, 41), owners=16))  # 48 owners
+    report = write_report(tmp_path, show=False)
+    assert set(report.plots) == {"loss", "grad_norm", "scales", "throughput"}
+    scales = next(f for t, f in figures.items() if t.startswith("Delayed scales of 48 owners"))
+    for ax in scales.axes:
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert [label.split(" ")[0] for label in labels] == ["grad_output", "input", "weight"]
+        named = {t.get_text() for t in ax.texts}
+        assert len(named) == 2  # the smallest and the largest owner are named
+    for fig in figures.values():
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            legend = ax.get_legend()
+            if legend is not None:
+                box, area = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+                assert not box.overlaps(area), f"the legend of {ax.get_title()!r} covers its axes"
+    for fig in figures.values():
+        close(fig)
+
+
+# -- first use -----------------------------------------------------------------------------
+def test_bare_fp8state_prints_the_usage(capsys):
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert "usage: fp8state" in err and "train" in err and "audit" in err and "report" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["trainer.lr=nan"], ["trainer.lr=nan", "finite"]),
+        (["trainer.gradient_clip_val=inf"], ["trainer.gradient_clip_val=inf", "finite"]),
+        (["gpt_124m_h200"], ["gpt_124m_h200", "trainer.accelerator='gpu'", "needs a CUDA GPU", "tiny_gpt_cpu"]),
+        (["gpt_350m_h200x2_deepspeed"], ["gpt_350m_h200x2_deepspeed", "needs a CUDA GPU"]),
+        (["multinode_template"], ["multinode_template", "needs a CUDA GPU"]),
+    ],
+)
+def test_bad_input_exits_2_and_leaves_no_directory(run_root, capsys, monkeypatch, args, needles):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without a GPU
+    assert train(*args, "out_dir=runs") == 2
+    assert_one_clean_error(capsys.readouterr().err, *needles)
+    assert not (run_root / "runs").exists() or not any((run_root / "runs").iterdir())
+    assert not (run_root / "lightning_logs").exists()
+
+
+def test_audit_refuses_a_non_finite_number_too(capsys):
+    assert main(["audit", "trainer.lr=nan", "--steps", "1"]) == 2
+    assert_one_clean_error(capsys.readouterr().err, "trainer.lr=nan", "finite")
+
+
+def test_an_out_dir_that_cannot_be_created_exits_2(run_root, capsys):
+    (run_root / "taken").write_text("a file, not a directory")
+    assert train(*SMALL, "out_dir=taken/runs") == 2
+    assert_one_clean_error(capsys.readouterr().err, "out_dir='taken/runs'", "cannot create the run directory")
+    assert train(*SMALL, "out_dir=taken") == 2
+    assert_one_clean_error(capsys.readouterr().err, "out_dir='taken' is a file")
+
+
+def test_a_yaml_syntax_error_exits_2_naming_the_file_and_line(run_root, capsys):
+    recipe = run_root / "mine.yaml"
+    recipe.write_text(
+        textwrap.dedent("""\
+        base: [quant/fp8_delayed]
+        name: mine
+        model: {d_model: [32, 64
+        """)
+    )
+    assert train(str(recipe)) == 2
+    assert_one_clean_error(capsys.readouterr().err, str(recipe), "line 4", "not valid YAML")
+    assert not (run_root / "runs").exists()
+
+
+def test_the_example_exits_1_when_its_audit_fails(monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("train_tiny_gpt", ROOT / "examples" / "train_tiny_gpt.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setattr(sys, "argv", ["train_tiny_gpt.py", "--mode", "naive", "--steps", "2"])
+    with pytest.raises(SystemExit) as exit_:
+        example.main()
+    assert exit_.value.code == 1
+    assert "mismatch" in capsys.readouterr().out.lower()
+
+
+def test_a_fresh_state_refuses_the_state_of_another_model():
+    state_a = f8s.Fp8State(f8s.QuantConfig())
+    run_events(state_a, state_a.convert(make_stack(n=4)), event_inputs(2))
+    saved = state_a.state_dict()
+    # loaded before convert(): the conversion finds that the model lacks the saved layers
+    state_b = f8s.Fp8State(f8s.QuantConfig())
+    state_b.load_state_dict(saved)
+    other = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+    with pytest.raises(f8s.StateLoadError, match=r"different model: .*layers \['blocks.0.fc1'"):
+        state_b.convert(other)
+    assert len(state_b.bank) == 0 and state_b.clock.last is None  # the loaded state was discarded
+    # converted first (no step run yet, so no owner is registered): refused before any change
+    state_c = f8s.Fp8State(f8s.QuantConfig())
+    state_c.convert(torch.nn.Sequential(torch.nn.Linear(16, 16)))
+    with pytest.raises(f8s.StateLoadError, match="different model"):
+        state_c.load_state_dict(saved)
+    assert len(state_c.bank) == 0
+    # the model it was saved from still loads, either way round
+    state_d = f8s.Fp8State(f8s.QuantConfig())
+    state_d.load_state_dict(saved)
+    model_d = state_d.convert(make_stack(n=4))
+    run_events(state_d, model_d, event_inputs(3)[2:], step0=2)

@@ -247,6 +247,10 @@ def _operand_digest(data, snap) -> _Operand:
 
 # nn.Module's own bookkeeping attributes: not model state
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_is_hf_initialized"}
+# Attributes an engine keeps on the modules it drives, counted per forward call by design (a
+# recompute is a forward call to it): DeepSpeed ZeRO-3's partitioning hooks (``ds_id``,
+# ``ds_grads_remaining``, ...). Not the model's state, so not reported.
+_ENGINE_PREFIXES = ("ds_",)
 
 
 def _plain(value) -> bool:
@@ -260,7 +264,7 @@ def _module_state(module: nn.Module) -> dict:
         if buf is not None:
             out[("buffer", name)] = buf.detach().clone()
     for name, value in module.__dict__.items():
-        if name in _MODULE_INTERNALS:
+        if name in _MODULE_INTERNALS or name.startswith(_ENGINE_PREFIXES):
             continue
         if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
             out[("attribute", name)] = value.detach().clone()

@@ -9,6 +9,7 @@ states its rules, so that each error names the key and what is allowed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 from .errors import ConfigError
@@ -77,14 +78,14 @@ def require_int(key: str, value: object, low: int, high: int | None = None) -> N
 def require_number(key: str, value: object, low: float, high: float | None = None, *, low_open: bool = False) -> float:
     """``value`` as a float; ``ConfigError`` naming ``key`` unless it is a number in the range
     (``low`` excluded when ``low_open``, ``high`` included)."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
     ok = ok and (value > low if low_open else value >= low) and (high is None or value <= high)
     if not ok:
         if high is None:
             bound = f"> {low:g}" if low_open else f">= {low:g}"
         else:
             bound = f"in ({low:g}, {high:g}]" if low_open else f"in [{low:g}, {high:g}]"
-        raise ConfigError(f"{key}={value!r} is not allowed: expected a number {bound}")
+        raise ConfigError(f"{key}={value!r} is not allowed: expected a finite number {bound}")
     return float(value)
 
 

@@ -80,7 +80,7 @@ def test_list_and_mapping_fields_merge_and_reach_quantconfig():
             "telemetry.wandb='cloud' is not allowed: expected one of ['offline', 'online', 'disabled']",
         ),
         ("trainer.precision=fp8", "trainer.precision='fp8' is not allowed: expected one of"),
-        ("trainer.lr=-0.1", "trainer.lr=-0.1 is not allowed: expected a number >= 0"),
+        ("trainer.lr=-0.1", "trainer.lr=-0.1 is not allowed: expected a finite number >= 0"),
         ("strategy.zero_stage=4", "strategy.zero_stage=4 is not allowed: expected an integer >= 1 and <= 3"),
     ],
 )

@@ -152,3 +152,40 @@ def test_no_state_change_without_recompute_or_with_stateless_modules():
         run_events(state, model, event_inputs(2))
     report = auditor.report()
     assert report.state_changes == [] and report.ok
+
+
+def test_engine_bookkeeping_attributes_are_not_model_state():
+    """DeepSpeed ZeRO-3 counts ``ds_grads_remaining`` on each module per forward call by design
+    (found on the H200: every recompute "changed" it): an engine's ``ds_*`` attributes are not
+    reported, while the model's own attribute next to it still is."""
+
+    class EngineDriven(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+            self.ds_grads_remaining = 0  # what ZeRO-3's pre-forward hook keeps on a module
+            self.calls = 0
+
+        def forward(self, x):
+            self.ds_grads_remaining += 1
+            self.calls += 1
+            return x + self.fc(x)
+
+    torch.manual_seed(0)
+    block = EngineDriven()
+    state = f8s.Fp8State(f8s.QuantConfig())
+    state.convert(block)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            return f8s.checkpoint(self.block, x)
+
+    model = Model()
+    with f8s.RecomputeAuditor(state, model=model) as auditor:
+        run_events(state, model, event_inputs(2))
+    names = {c.name for c in auditor.report().state_changes}
+    assert names == {"calls"}

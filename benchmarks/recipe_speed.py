@@ -14,13 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from scaling import train
-
-
-def effective_throughput(rows: list[dict], skip: int) -> float:
-    windows = [r for r in rows if "train/effective_tokens_per_s" in r][skip:]
-    seconds = sum(r["train/window_seconds"] for r in windows)
-    return sum(r["train/effective_tokens_per_s"] * r["train/window_seconds"] for r in windows) / max(seconds, 1e-9)
+from scaling import throughput, train
 
 
 def main() -> None:
@@ -44,7 +38,7 @@ def main() -> None:
     result = {"recipe": args.recipe, "overrides": args.overrides, "steps": args.steps}
     for name, extra in (("fp8", []), ("bf16", ["quant.recipe=bf16"])):
         code, rows = train(out, name, [*common, *extra])
-        tps = effective_throughput(rows, args.skip_windows) if code == 0 else float("nan")
+        tps = throughput(rows, args.skip_windows, "train/effective_tokens_per_s") if code == 0 else float("nan")
         loss = rows[-1]["train/loss"] if rows else float("nan")
         result[name] = {"effective_tokens_per_s": tps, "exit": code, "final_loss": loss}
         print(f"{name:>5}: {tps:,.0f} effective tokens/s, exit {code}, final loss {loss:.4f}", flush=True)

@@ -38,10 +38,12 @@ def train(out: Path, name: str, overrides: list[str], resume: bool = False) -> t
     return code, rows
 
 
-def throughput(rows: list[dict], skip: int) -> float:
-    windows = [r for r in rows if "train/tokens_per_s" in r][skip:]
+def throughput(rows: list[dict], skip: int, key: str = "train/tokens_per_s") -> float:
+    """Tokens/s (``key``: raw or ``train/effective_tokens_per_s``) over the logged windows after
+    the first ``skip``, weighted by each window's length."""
+    windows = [r for r in rows if key in r][skip:]
     seconds = sum(r["train/window_seconds"] for r in windows)
-    return sum(r["train/tokens_per_s"] * r["train/window_seconds"] for r in windows) / max(seconds, 1e-9)
+    return sum(r[key] * r["train/window_seconds"] for r in windows) / max(seconds, 1e-9)
 
 
 def main() -> None:

@@ -21,7 +21,6 @@ purpose for the audit (``mode="naive"`` / ``"naive_snapshot"``), are quantize po
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import defaultdict
 from collections.abc import Mapping
@@ -118,22 +117,6 @@ class QuantProtocol:
         self._lock = threading.RLock()
 
     # -- events --------------------------------------------------------------------
-    @contextlib.contextmanager
-    def step(self, step: int | None = None, microbatch: int = 0):
-        """One logical event (one microbatch's forward + backward).
-
-        On a clean exit, every observed owner not yet committed is committed, the ledger
-        is checked and the stash released. If the body raises, the event is aborted:
-        pending amaxes are discarded, nothing further commits, and the error propagates.
-        """
-        self.begin_event(step, microbatch)
-        try:
-            yield self
-        except BaseException:
-            self.abort_event()
-            raise
-        self.end_event()
-
     def begin_event(self, step: int | None = None, microbatch: int = 0) -> Event:
         with self._lock:
             event = self.clock.begin(step, microbatch)

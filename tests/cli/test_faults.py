@@ -12,6 +12,7 @@ import errno
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -297,7 +298,9 @@ def test_a_resume_continues_the_same_wandb_run(run_root):
     offline = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
     assert len(offline) == 2
     run_id = (run / "wandb_run_id").read_text().strip()
-    assert all(name.endswith(f"-{run_id}") for name in offline), (offline, run_id)
+    # offline-run-<date>_<time>-<id>, and W&B appends -1 when both runs started in one second
+    ids = [re.fullmatch(r"offline-run-\d{8}_\d{6}-(\w+?)(-\d+)?", name) for name in offline]
+    assert all(m is not None and m.group(1) == run_id for m in ids), (offline, run_id)
 
 
 # -- telemetry ---------------------------------------------------------------------------

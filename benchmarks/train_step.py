@@ -11,9 +11,16 @@ optimizer step; medians). Variants:
 - ``safe_unfused`` (on request): ``safe`` with ``fuse_prologues=false``, the LayerNorm and
   GELU running on their own before the input's quantize (the A/B of the fusion).
 
-With ``--compile`` every block is compiled (``Block.compile()``); our Fp8Linear calls stay
-eager (graph breaks at the protocol's bookkeeping), everything between them is compiled.
+``--modes`` runs every variant in each of: ``eager``; ``compile`` (every block compiled,
+``Block.compile()``: our Fp8Linear calls stay eager, graph breaks at the protocol's
+bookkeeping, everything between them compiled; ``--compile`` is this mode alone); ``graphs``
+(the whole step, forward + backward + optimizer, captured once in a CUDA graph by
+``lightning_fp8state.GraphedStep`` and replayed: ours with the protocol's bookkeeping
+replayed per step, the peers with ``state=None``, the same capture); ``compile+graphs``.
+Each variant is then ranked by its best mode against bf16's best (like with like).
 Blocks always run through ``lightning_fp8state.checkpoint`` (non-reentrant torch engine).
+``host ms`` is the time Python takes to issue a step (steps issued back to back), ``GPU ms``
+(``--busy``) the profiler's device total per step: where host > GPU, the host sets the pace.
 
 Prints tokens/s, ms per step (median of steps timed one by one), peak memory and the ratios
 to bf16, and the mean ms of the same number of steps run back to back (``b2b``: one

@@ -280,6 +280,203 @@ at::Tensor transpose_fp8_cuda(const at::Tensor& q) {
   return out;
 }
 
+// ---------------------------------------------------------------------------------------
+// quantize + transpose (+ column sums), recording the amax: the backward's grad_output in one
+// read. The weight-gradient GEMM wants the codes transposed and the bias gradient is the
+// column sum of the same tensor: separately that is a quantize, a byte transpose and a
+// reduction, three passes over the largest tensor of the backward.
+//
+// One block of 256 threads per 128 x 128 tile of x[R, C]. EPL = 16 / sizeof(T) elements per
+// 16-byte load, LPR = 128 / EPL loads per tile row, RPP = 256 / LPR rows per pass, P = 128 / RPP
+// passes: thread t loads rows i + RPP j (i = t / LPR, j = 0 .. P-1) at columns g EPL .. (g = t % LPR).
+// Its codes go straight to q and into a swizzled shared tile that is written out transposed
+// as in transpose_tile128_kernel. Column sums (the reference's order, in float32, from +0.0):
+// each thread sums its P rows in order j; the RPP partials of a column are summed in order i,
+// one float per column per row tile into a workspace; column_sum_kernel sums those over the
+// row tiles in order. Tiles past the edge (or shapes the 16-byte path cannot take) go element
+// by element in the same order, elements outside x counting as +0.0.
+// ---------------------------------------------------------------------------------------
+template <typename T, bool E4M3, bool COLSUM>
+__global__ void __launch_bounds__(256) quantize_t_kernel(const T* __restrict__ x, uint8_t* __restrict__ q,
+                                                          uint8_t* __restrict__ qt, float* __restrict__ partial,
+                                                          const float* __restrict__ scale_ptr, float* amax_slot,
+                                                          int64_t R, int64_t C, bool vec_ok) {
+  constexpr int EPL = 16 / sizeof(T);
+  constexpr int LPR = kTile / EPL;
+  constexpr int RPP = 256 / LPR;
+  constexpr int P = kTile / RPP;
+  constexpr int WPL = EPL / 4;  // words of codes per load
+  __shared__ uint32_t tile[kTile * kTile / 4];  // 128 rows x 32 words of codes, swizzled
+  __shared__ float s_part[COLSUM ? RPP : 1][COLSUM ? kTile : 1];
+  const int t = threadIdx.x, i = t / LPR, g = t % LPR;
+  const int64_t r0 = int64_t(blockIdx.x) * kTile, c0 = int64_t(blockIdx.y) * kTile;
+  const bool full = vec_ok && r0 + kTile <= R && c0 + kTile <= C;
+  const float scale = *scale_ptr;
+  float amax = 0.0f;
+  float acc[EPL];
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) acc[e] = 0.0f;
+  if (full) {
+    uint4 raw[P];
+#pragma unroll
+    for (int j = 0; j < P; ++j) raw[j] = __ldcs(reinterpret_cast<const uint4*>(x + (r0 + i + RPP * j) * C + c0 + g * EPL));
+    typename Codec<T>::Acc m = Codec<T>::zero();
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      const int row = i + RPP * j;
+      uint32_t words[WPL];
+      Codec<T>::template encode<E4M3, true>(raw[j], scale, words, m);
+      uint8_t* dst = q + (r0 + row) * C + c0 + g * EPL;
+      if constexpr (WPL == 2) {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
+      } else {
+        *reinterpret_cast<uint32_t*>(dst) = words[0];
+      }
+      const int word = (g * WPL) ^ (((row >> 4) & 7) << 2);
+#pragma unroll
+      for (int w = 0; w < WPL; ++w) tile[row * 32 + word + w] = words[w];
+      if (COLSUM) {
+        const T* v = reinterpret_cast<const T*>(&raw[j]);
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) acc[e] += to_f32<T>(v[e]);
+      }
+    }
+    amax = Codec<T>::finish(m);
+  } else {
+    uint8_t* tile_bytes = reinterpret_cast<uint8_t*>(tile);
+    for (int j = 0; j < P; ++j) {
+      const int row = i + RPP * j;
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) {
+        const int col = g * EPL + e;
+        const bool in = r0 + row < R && c0 + col < C;
+        const float v = in ? to_f32<T>(x[(r0 + row) * C + c0 + col]) : 0.0f;
+        amax = fmax_nan(amax, fabsf(v));
+        const uint8_t code = encode1<E4M3>(v * scale);
+        if (in) q[(r0 + row) * C + c0 + col] = code;
+        tile_bytes[(row * 32 + ((col >> 2) ^ (((row >> 4) & 7) << 2))) * 4 + (col & 3)] = code;
+        if (COLSUM) acc[e] += v;
+      }
+    }
+  }
+  if (COLSUM) {
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) s_part[i][g * EPL + e] = acc[e];
+  }
+  __syncthreads();
+  if (full) {  // the byte-permute transpose of transpose_tile128_kernel
+    const int rg = t & 7, cw = t >> 3;
+    uint32_t w[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) w[k] = tile[(rg * 16 + k) * 32 + (cw ^ (rg << 2))];
+    uint32_t o[4][4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const uint32_t a = w[4 * m], b = w[4 * m + 1], c = w[4 * m + 2], d = w[4 * m + 3];
+      const uint32_t t0 = __byte_perm(a, b, 0x5140), t1 = __byte_perm(c, d, 0x5140);
+      const uint32_t t2 = __byte_perm(a, b, 0x7362), t3 = __byte_perm(c, d, 0x7362);
+      o[0][m] = __byte_perm(t0, t1, 0x5410);
+      o[1][m] = __byte_perm(t0, t1, 0x7632);
+      o[2][m] = __byte_perm(t2, t3, 0x5410);
+      o[3][m] = __byte_perm(t2, t3, 0x7632);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      *reinterpret_cast<uint4*>(qt + (c0 + cw * 4 + k) * R + r0 + rg * 16) =
+          make_uint4(o[k][0], o[k][1], o[k][2], o[k][3]);
+    }
+  } else {
+    const uint8_t* tile_bytes = reinterpret_cast<const uint8_t*>(tile);
+    for (int k = 0; k < kTile * kTile / 256; ++k) {
+      const int idx = t + 256 * k, cc = idx / kTile, rr = idx % kTile;
+      if (c0 + cc < C && r0 + rr < R) {
+        qt[(c0 + cc) * R + r0 + rr] = tile_bytes[(rr * 32 + ((cc >> 2) ^ (((rr >> 4) & 7) << 2))) * 4 + (cc & 3)];
+      }
+    }
+  }
+  if (COLSUM && t < kTile) {
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < RPP; ++k) s += s_part[k][t];
+    if (c0 + t < C) partial[int64_t(blockIdx.x) * C + c0 + t] = s;
+  }
+  block_fold_amax<256>(amax, amax_slot);  // fp8state_common.cuh
+}
+
+// out[c] = the partials of column c summed over the row tiles in order, from +0.0; NaN canonical.
+__global__ void column_sum_kernel(const float* __restrict__ partial, float* __restrict__ out, int64_t tiles,
+                                  int64_t C) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  float s = 0.0f;
+  for (int64_t r = 0; r < tiles; ++r) s += partial[r * C + c];
+  out[c] = isnan(s) ? __uint_as_float(kCanonicalNanF32) : s;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_t_record_amax_cuda(const at::Tensor& x_in,
+                                                                              const at::Tensor& scale,
+                                                                              const at::Tensor& amax_pending,
+                                                                              int64_t slot, at::ScalarType dtype,
+                                                                              bool column_sum) {
+  check_input(x_in, dtype);
+  FP8S_CHECK(x_in.dim() == 2, "x.dim()", "2", x_in.dim());
+  check_scalar(scale, "scale", x_in);
+  float* cell = pending_cell(amax_pending, slot, x_in);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t R = x.size(0), C = x.size(1);
+  at::Tensor q = at::empty({R, C}, x.options().dtype(dtype));
+  at::Tensor qt = at::empty({C, R}, x.options().dtype(dtype));
+  at::Tensor sums = at::empty({column_sum ? C : 0}, x.options().dtype(at::kFloat));
+  if (R == 0 || C == 0) {
+    sums.zero_();
+    return {q, qt, sums};
+  }
+  const int64_t row_tiles = (R + kTile - 1) / kTile, col_tiles = (C + kTile - 1) / kTile;
+  TORCH_CHECK(col_tiles <= 65535, "fp8state: quantize_fp8_t_record_amax: x.shape[1] too large (more than 2^23 columns)");
+  TORCH_CHECK(row_tiles <= 0x7fffffff, "fp8state: quantize_fp8_t_record_amax: x.shape[0] too large");
+  at::Tensor partial = at::empty({column_sum ? row_tiles : 0, C}, x.options().dtype(at::kFloat));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int64_t per_load = 16 / int64_t(x.element_size());
+  const bool vec_ok = C % per_load == 0 && R % 16 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  const bool e4m3 = dtype == at::kFloat8_e4m3fn;
+  const dim3 grid{unsigned(row_tiles), unsigned(col_tiles), 1u};
+  auto* qp = reinterpret_cast<uint8_t*>(q.data_ptr());
+  auto* qtp = reinterpret_cast<uint8_t*>(qt.data_ptr());
+  float* pp = column_sum ? partial.data_ptr<float>() : nullptr;
+#define FP8S_QT(T, E, S)                                                                                     \
+  quantize_t_kernel<T, E, S><<<grid, 256, 0, stream>>>(reinterpret_cast<const T*>(x.data_ptr()), qp, qtp, pp, \
+                                                       scale.data_ptr<float>(), cell, R, C, vec_ok)
+#define FP8S_QT_BY_FLAGS(T)      \
+  if (e4m3 && column_sum)        \
+    FP8S_QT(T, true, true);      \
+  else if (e4m3)                 \
+    FP8S_QT(T, true, false);     \
+  else if (column_sum)           \
+    FP8S_QT(T, false, true);     \
+  else                           \
+    FP8S_QT(T, false, false);
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      FP8S_QT_BY_FLAGS(float);
+      break;
+    case at::kBFloat16:
+      FP8S_QT_BY_FLAGS(__nv_bfloat16);
+      break;
+    default:
+      FP8S_QT_BY_FLAGS(__half);
+      break;
+  }
+#undef FP8S_QT_BY_FLAGS
+#undef FP8S_QT
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (column_sum) {
+    column_sum_kernel<<<unsigned((C + 255) / 256), 256, 0, stream>>>(pp, sums.data_ptr<float>(), row_tiles, C);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return {q, qt, sums};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fp8state, CUDA, m) {
@@ -288,4 +485,5 @@ TORCH_LIBRARY_IMPL(fp8state, CUDA, m) {
   m.impl("dequantize_fp8", &dequantize_fp8_cuda);
   m.impl("update_scales", &update_scales_cuda);
   m.impl("transpose_fp8", &transpose_fp8_cuda);
+  m.impl("quantize_fp8_t_record_amax", &quantize_fp8_t_record_amax_cuda);
 }

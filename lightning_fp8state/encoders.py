@@ -27,6 +27,7 @@ from .state import ATTENTION_ROLES, QuantSnapshot, StateBank, role_phase
 
 __all__ = [
     "ACTIVATIONS",
+    "CastTranspose",
     "CenteredFp4Encoder",
     "Fp4Encoder",
     "Fp8Encoder",
@@ -136,6 +137,38 @@ class Fp8Encoder:
         if prologue is not None:
             return prologue.encode(x, snap.scale, self.dtype, bank.amax_pending, index)
         return ops.quantize_fp8_record_amax(x, snap.scale, bank.amax_pending, index, self.dtype)
+
+
+class CastTranspose:
+    """The backward's stage for grad_output: with its FP8 codes, the codes transposed (the
+    weight-gradient GEMM's operand, which cuBLASLt takes only row-major) and, with
+    ``column_sum``, the float32 column sums of the tensor (the bias gradient), all from one
+    read of it (``ops.quantize_fp8_t_record_amax``). The encode's data is the triple
+    ``(codes, codes_t, sums or None)``.
+
+    Only the recording encode exists: a backward role runs once per event, never in a
+    recompute or in inference.
+    """
+
+    __slots__ = ("column_sum",)
+    kind = "cast_transpose"
+
+    def __init__(self, column_sum: bool) -> None:
+        self.column_sum = column_sum
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """What the owner's scale covers: the tensor itself."""
+        return x
+
+    def encode(self, x: torch.Tensor, scale, dtype, amax_pending=None, slot: int = 0):
+        if amax_pending is None:
+            raise ValueError(
+                "CastTranspose: the grad_output stage encodes only with a record (a backward role "
+                "is quantized once per event, in its backward)"
+            )
+        with torch.no_grad():
+            q, q_t, sums = ops.quantize_fp8_t_record_amax(x, scale, amax_pending, slot, dtype, self.column_sum)
+        return q, q_t, (sums if self.column_sum else None)
 
 
 class Fp4Encoder:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..encoders import ACTIVATIONS, Prologue
+from ..encoders import ACTIVATIONS, CastTranspose, Fp8Encoder, Prologue
 from ..protocol import QuantProtocol
 from ..recompute import Phase
 from .gemm import scaled_matmul
@@ -59,11 +59,15 @@ class _Fp8LinearFn(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         if not g2.is_contiguous():
             g2 = g2.contiguous()
-        gq, sg = protocol.quantize(record, "grad_output", g2, Phase.FORWARD)
+        needs = ctx.needs_input_grad
+        want_bias = ctx.has_bias and needs[2]
+        # one read of grad_output: its codes, their transpose and the bias gradient
+        stage = CastTranspose(want_bias) if isinstance(protocol.encoder("grad_output"), Fp8Encoder) else None
+        gq, sg = protocol.quantize(record, "grad_output", g2, Phase.FORWARD, stage)
+        gq, gq_t, g_sums = gq if stage is not None else (gq, gq.t(), None)
         for snap, role in ((sx, "input"), (sw, "weight"), (sg, "grad_output")):
             protocol.check_consumer(record, role, snap)
         grad_x = grad_w = grad_b = grad_nw = grad_nb = None
-        needs = ctx.needs_input_grad
         if needs[0] or needs[3] or needs[4]:
             grad_x = scaled_matmul(gq, wq, sg.descale, sw.descale, ctx.x_dtype, ctx.backend)
             if prologue is not None:
@@ -71,9 +75,10 @@ class _Fp8LinearFn(torch.autograd.Function):
                 grad_x, grad_nw, grad_nb = prologue.backward(grad_x, x2, tuple(stats), (needs[0], needs[3], needs[4]))
             grad_x = None if grad_x is None else grad_x.reshape(ctx.x_shape)
         if needs[1]:
-            grad_w = scaled_matmul(gq.t(), xq, sg.descale, sx.descale, ctx.w_dtype, ctx.backend)
-        if ctx.has_bias and needs[2]:
-            grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)  # no float32 copy of g2
+            grad_w = scaled_matmul(gq_t, xq, sg.descale, sx.descale, ctx.w_dtype, ctx.backend)
+        if want_bias:
+            sums = g2.sum(0, dtype=torch.float32) if g_sums is None else g_sums  # no float32 copy of g2
+            grad_b = sums.to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, grad_nw, grad_nb, None, None, None, None, None, None
 
 

@@ -14,6 +14,7 @@ from . import library_fp4 as _library_fp4  # noqa: F401  (the FP4 schemas and ke
 from . import library_fused as _library_fused  # noqa: F401  (the fused prologue + quantize ops)
 from .reference import (
     amax_reference,
+    column_sum_reference,
     dequantize_fp8_reference,
     quantize_fp8_reference,
     transpose_fp8_reference,
@@ -38,6 +39,7 @@ __all__ = [
     "block_scale_values_reference",
     "cuda",
     "center_stats_reference",
+    "column_sum_reference",
     "dequantize_fp4",
     "dequantize_fp4_reference",
     "dequantize_fp8",
@@ -56,6 +58,7 @@ __all__ = [
     "quantize_fp8",
     "quantize_fp8_record_amax",
     "quantize_fp8_reference",
+    "quantize_fp8_t_record_amax",
     "transpose_fp8",
     "transpose_fp8_reference",
     "unpack_fp4_reference",
@@ -120,6 +123,16 @@ def layer_norm_quantize_fp8(
     if amax_pending is None:
         return _ops.layer_norm_quantize_fp8(x, weight, bias, eps, scale, dtype)
     return _ops.layer_norm_quantize_fp8_record_amax(x, weight, bias, eps, scale, amax_pending, slot, dtype)
+
+
+def quantize_fp8_t_record_amax(
+    x: torch.Tensor, scale: torch.Tensor, amax_pending: torch.Tensor, slot: int, dtype: torch.dtype, column_sum: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 2-D ``x`` encoded as FP8 both ways, ``(codes [R, C], codes transposed [C, R], sums)``,
+    from one read of ``x``; ``max|x|`` folded into ``amax_pending[slot]``. With ``column_sum``,
+    ``sums`` is the float32 column sum of ``x`` (order: :func:`column_sum_reference`), else empty."""
+    _on_cuda(x)
+    return _ops.quantize_fp8_t_record_amax(x, scale, amax_pending, slot, dtype, column_sum)
 
 
 def dequantize_fp8(q: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -30,6 +30,10 @@ LIB.define(
 )
 
 LIB.define("transpose_fp8(Tensor q) -> Tensor")
+LIB.define(
+    "quantize_fp8_t_record_amax(Tensor x, Tensor scale, Tensor(a!) amax_pending, int slot, ScalarType dtype, "
+    "bool column_sum) -> (Tensor, Tensor, Tensor)"
+)
 
 _FP8_DTYPES = tuple(f.dtype for f in FP8_FORMATS.values())
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -133,6 +137,24 @@ def check_transpose_args(q: torch.Tensor) -> None:
 def _transpose_fp8(q: torch.Tensor) -> torch.Tensor:
     check_transpose_args(q)
     return ref.transpose_fp8_reference(q)
+
+
+@torch.library.impl(LIB, "quantize_fp8_t_record_amax", "CompositeExplicitAutograd")
+def _quantize_fp8_t_record_amax(
+    x: torch.Tensor, scale: torch.Tensor, amax_pending: torch.Tensor, slot: int, dtype: torch.dtype, column_sum: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _expect(x.dim() == 2, "x.dim()", "2", x.dim())
+    q = _quantize_fp8_record_amax(x, scale, amax_pending, slot, dtype)
+    sums = ref.column_sum_reference(x) if column_sum else x.new_empty((0,), dtype=torch.float32)
+    return q, ref.transpose_fp8_reference(q), sums
+
+
+@torch.library.register_fake("fp8state::quantize_fp8_t_record_amax")
+def _quantize_fp8_t_record_amax_fake(x, scale, amax_pending, slot, dtype, column_sum):
+    _expect(x.dim() == 2, "x.dim()", "2", x.dim())
+    rows, cols = x.shape
+    sums = x.new_empty((cols if column_sum else 0,), dtype=torch.float32)
+    return x.new_empty((rows, cols), dtype=dtype), x.new_empty((cols, rows), dtype=dtype), sums
 
 
 @torch.library.register_fake("fp8state::transpose_fp8")

@@ -12,6 +12,7 @@ from ..formats import fp8_format
 
 __all__ = [
     "amax_reference",
+    "column_sum_reference",
     "dequantize_fp8_reference",
     "quantize_fp8_reference",
     "transpose_fp8_reference",
@@ -94,3 +95,36 @@ def update_scales_reference(
 def transpose_fp8_reference(q: torch.Tensor) -> torch.Tensor:
     """``q[R, C]`` re-laid out as a contiguous ``[C, R]``: the codes move, none is decoded."""
     return q.t().contiguous()
+
+
+# The tile of the CUDA quantize + transpose kernel (csrc/fp8_ops.cu, quantize_t_kernel): 128 x 128
+# elements for a block of 256 threads, each loading 16 bytes at a time.
+T_TILE = 128
+T_THREADS = 256
+
+
+def column_sum_reference(x: torch.Tensor) -> torch.Tensor:
+    """float32 column sums of ``x [R, C]`` in the CUDA kernel's order, from +0.0 at every step.
+
+    Rows are taken in tiles of 128 (rows past ``R`` count as +0.0). In a tile, with
+    ``rpp = 256 / (128 / (16 / element_size))`` rows per pass (16 for 16-bit ``x``, 8 for
+    float32): the rows ``i, i + rpp, i + 2 rpp, ..`` are summed in that order for each
+    ``i < rpp``; those ``rpp`` partials are summed in order of ``i``; the tiles' sums are
+    summed in order of the tile. A NaN result is the canonical NaN.
+    """
+    rows, cols = x.shape
+    rpp = T_THREADS // (T_TILE // (16 // x.element_size()))
+    tiles = -(-rows // T_TILE)
+    v = torch.zeros(tiles * T_TILE, cols, dtype=torch.float32, device=x.device)
+    v[:rows] = x.detach().to(torch.float32)
+    v = v.view(tiles, T_TILE // rpp, rpp, cols)
+    part = torch.zeros(tiles, rpp, cols, dtype=torch.float32, device=x.device)
+    for j in range(T_TILE // rpp):
+        part = part + v[:, j]
+    tile_sums = torch.zeros(tiles, cols, dtype=torch.float32, device=x.device)
+    for i in range(rpp):
+        tile_sums = tile_sums + part[:, i]
+    total = torch.zeros(cols, dtype=torch.float32, device=x.device)
+    for t in range(tiles):
+        total = total + tile_sums[t]
+    return canonical_nan(total)

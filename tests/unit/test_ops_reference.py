@@ -887,3 +887,67 @@ def test_transpose_fp8_bad_inputs_raise_value_errors():
         ops.transpose_fp8(torch.zeros(2, 2))
     with pytest.raises(ValueError, match=r"q.dim\(\): expected 2, got 1"):
         ops.transpose_fp8(torch.zeros(4, dtype=torch.uint8).view(torch.float8_e4m3fn))
+
+
+# --------------------------------------------------------------------------------------
+# quantize + transpose + column sums (the backward's grad_output in one read)
+# --------------------------------------------------------------------------------------
+def _column_sums_by_hand(x: torch.Tensor) -> list[float]:
+    """The kernel's summation order written as scalar float32 loops (numpy-free: each add is
+    rounded to float32 through a one-element tensor): per column, per 128-row tile, per row
+    ``i < rpp`` of a pass, rows ``i, i + rpp, ..`` in order; then the ``rpp`` partials; then the tiles."""
+
+    def add(a: float, b: float) -> float:
+        return float(torch.tensor([a], dtype=torch.float32) + torch.tensor([b], dtype=torch.float32))
+
+    rows, cols = x.shape
+    rpp = 256 // (128 // (16 // x.element_size()))
+    vals = x.to(torch.float32).tolist()
+    out = []
+    for c in range(cols):
+        total = 0.0
+        for t0 in range(0, rows, 128):
+            tile = 0.0
+            for i in range(rpp):
+                part = 0.0
+                for r in range(t0 + i, t0 + 128, rpp):
+                    part = add(part, vals[r][c] if r < rows else 0.0)
+                tile = add(tile, part)
+            total = add(total, tile)
+        out.append(total)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_column_sum_reference_follows_the_documented_order(dtype):
+    g = torch.Generator().manual_seed(0)
+    # magnitudes over many decades, so that the order of the adds shows in the last bits
+    x = (torch.randn(300, 3, generator=g) * torch.exp2(torch.randint(-20, 20, (300, 3), generator=g).float())).to(dtype)
+    got = ops.column_sum_reference(x)
+    assert got.dtype == torch.float32
+    assert got.tolist() == _column_sums_by_hand(x)
+    # the order is not torch's: some column differs from a plain float32 sum, all are close
+    assert not torch.equal(got, x.float().sum(0)) or dtype == torch.float32
+    assert torch.allclose(got.double(), x.double().sum(0), rtol=1e-4, atol=0)
+
+
+def test_quantize_t_record_amax_reference():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(200, 48, generator=g).to(torch.bfloat16) * 7
+    scale, pending = torch.tensor([3.0]), torch.tensor([0.5, 0.0])
+    q, q_t, sums = ops.quantize_fp8_t_record_amax(x, scale, pending, 1, torch.float8_e5m2, True)
+    assert torch.equal(q.view(torch.uint8), quantize_fp8_reference(x, scale, torch.float8_e5m2).view(torch.uint8))
+    assert q_t.is_contiguous() and torch.equal(q_t.view(torch.uint8), q.view(torch.uint8).t())
+    assert torch.equal(sums, ops.column_sum_reference(x))
+    assert pending.tolist() == [0.5, x.float().abs().max().item()]
+    _, _, none = ops.quantize_fp8_t_record_amax(x, scale, pending, 0, torch.float8_e5m2, False)
+    assert none.shape == (0,)
+    with pytest.raises(ValueError, match=r"x.dim\(\): expected 2"):
+        ops.quantize_fp8_t_record_amax(x.view(2, 100, 48), scale, pending, 0, torch.float8_e5m2, True)
+    with pytest.raises(ValueError, match=r"slot: expected 0 <= slot < 2"):
+        ops.quantize_fp8_t_record_amax(x, scale, pending, 2, torch.float8_e5m2, True)
+    torch.library.opcheck(
+        torch.ops.fp8state.quantize_fp8_t_record_amax.default,
+        (x, scale, pending, 0, torch.float8_e5m2, True),
+        test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
+    )

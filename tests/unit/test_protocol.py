@@ -84,6 +84,30 @@ def test_consumer_reads_the_descale_paired_with_its_data(mode):
         assert not any(matches), "naive mode must consume the descale advanced for the next call"
 
 
+def test_backward_reads_grad_output_once_for_codes_transpose_and_bias():
+    """The grad_output's one encode (CastTranspose) gives the bias gradient as its column sums
+    in the kernel's order, and its transposed codes feed the weight gradient: the gradients
+    equal the hand computation from the separately quantized grad_output."""
+    torch.manual_seed(0)
+    state = f8s.Fp8State(f8s.QuantConfig(strict=False))
+    model = state.convert(nn.Sequential(nn.Linear(32, 48)))
+    x = torch.randn(300, 32)
+    r = torch.randn(300, 48)  # d (y * r).sum() / dy
+    with state.step(0):
+        y = model(x)
+        state.commit_forward()
+        (y * r).sum().backward()
+    assert torch.equal(model[0].bias.grad, ops.column_sum_reference(r))
+    owner = f8s.OwnerKey("0", "grad_output")
+    assert torch.equal(state.bank.amax_history[0, state.bank.index[owner]], r.abs().max())
+    scale_x = torch.tensor([448.0]) / x.abs().max()
+    scale_g = torch.tensor([57344.0]) / r.abs().max()
+    xq = ops.quantize_fp8_reference(x, scale_x, E4M3)
+    gq = ops.quantize_fp8_reference(r, scale_g, E5M2)
+    grad_w = ((gq.float().t() @ xq.float()) * ((1 / scale_g) * (1 / scale_x))).to(torch.float32)
+    assert torch.equal(model[0].weight.grad, grad_w)
+
+
 def test_snapshot_values_match_hand_computed_delayed_scales():
     state, model = one_linear()
     xs = event_inputs(4, d=32, scale_growth=2.0)

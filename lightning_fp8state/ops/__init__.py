@@ -47,6 +47,7 @@ __all__ = [
     "fold_center_stats_reference",
     "fp4_amax_reference",
     "gelu_quantize_fp8",
+    "layer_norm_backward",
     "layer_norm_quantize_fp8",
     "pack_fp4_reference",
     "quantize_fp4",
@@ -120,6 +121,21 @@ def layer_norm_quantize_fp8(
     if amax_pending is None:
         return _ops.layer_norm_quantize_fp8(x, weight, bias, eps, scale, dtype)
     return _ops.layer_norm_quantize_fp8_record_amax(x, weight, bias, eps, scale, amax_pending, slot, dtype)
+
+
+def layer_norm_backward(
+    grad_y: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    output_mask: tuple[bool, bool, bool] | list[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients ``(dx, dgamma, dbeta)`` of the LayerNorm over the last dim of ``x`` (numerics:
+    :mod:`.reference_ln`) from its ``(mean, rstd)`` and the output's gradient ``grad_y``; an
+    output whose ``output_mask`` entry is False is None. ``dgamma``/``dbeta`` are float32."""
+    _on_cuda(x)
+    return _ops.layer_norm_backward(grad_y, x, mean, rstd, weight, list(output_mask))
 
 
 def dequantize_fp8(q: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

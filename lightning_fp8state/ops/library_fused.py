@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from . import reference_fused as ref
-from .reference_ln import layer_norm_backward_reference
 from .library import _IN_DTYPES, LIB, _check_pending, _expect, check_quantize_args
 from .reference import canonical_nan
+from .reference_ln import layer_norm_backward_reference
 
 __all__ = ["check_layer_norm_args", "check_layer_norm_backward_args", "layer_norm_max_width", "layer_norm_width_ok"]
 
@@ -50,11 +50,8 @@ def layer_norm_width_ok(dtype: torch.dtype, d: int) -> bool:
     return d % ref._chunk_width(dtype) == 0 and 0 < d <= layer_norm_max_width(dtype)
 
 
-def check_layer_norm_args(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, scale, dtype
-) -> None:
-    """Validate the fused LayerNorm's arguments (the quantize ones, the row width, the affine)."""
-    check_quantize_args(x, scale, dtype)
+def _check_row_width(x: torch.Tensor) -> int:
+    """The width of ``x``'s rows (its last dim), checked against the LayerNorm kernels'."""
     _expect(x.dim() >= 1, "x.dim()", ">= 1", x.dim())
     d = x.shape[-1]
     _expect(
@@ -63,6 +60,15 @@ def check_layer_norm_args(
         f"a positive multiple of {ref._chunk_width(x.dtype)} up to {layer_norm_max_width(x.dtype)} for {x.dtype}",
         d,
     )
+    return d
+
+
+def check_layer_norm_args(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, scale, dtype
+) -> None:
+    """Validate the fused LayerNorm's arguments (the quantize ones, the row width, the affine)."""
+    check_quantize_args(x, scale, dtype)
+    _check_row_width(x)
     _expect(eps >= 0, "eps", ">= 0", eps)
     _check_affine("weight", weight, x)
     _check_affine("bias", bias, x)
@@ -81,14 +87,7 @@ def check_layer_norm_backward_args(grad_y, x, mean, rstd, weight, output_mask) -
     """Validate ``layer_norm_backward``'s arguments (``x``'s width as the forward's, ``grad_y``
     like ``x``, one float32 statistic per row, the optional float32 weight)."""
     _expect(x.dtype in _IN_DTYPES, "x.dtype", f"one of {list(_IN_DTYPES)}", x.dtype)
-    _expect(x.dim() >= 1, "x.dim()", ">= 1", x.dim())
-    d = x.shape[-1]
-    _expect(
-        layer_norm_width_ok(x.dtype, d),
-        "x.shape[-1]",
-        f"a positive multiple of {ref._chunk_width(x.dtype)} up to {layer_norm_max_width(x.dtype)} for {x.dtype}",
-        d,
-    )
+    d = _check_row_width(x)
     _expect(grad_y.dtype == x.dtype, "grad_y.dtype", str(x.dtype), grad_y.dtype)
     _expect(grad_y.shape == x.shape, "grad_y.shape", tuple(x.shape), tuple(grad_y.shape))
     _expect(grad_y.device == x.device, "grad_y.device", str(x.device), grad_y.device)

@@ -49,16 +49,19 @@ class BackwardGeometry(NamedTuple):
     tiles: int  # B: CTAs, each writing one partial row of dgamma and of dbeta
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def backward_geometry(m: int, n: int, dtype: torch.dtype) -> BackwardGeometry:
     """The backward's cut of ``m`` rows of ``n`` elements of ``dtype`` (``n`` a whole number of chunks)."""
     width = _chunk_width(dtype)
     chunks = n // width
-    rounds = -(-chunks // BWD_MAX_THREADS)
-    threads = -(-(-(-chunks // rounds)) // _WARP) * _WARP
+    rounds = _ceil_div(chunks, BWD_MAX_THREADS)
+    threads = _ceil_div(_ceil_div(chunks, rounds), _WARP) * _WARP
     groups = max(1, BWD_MAX_THREADS // threads)
-    rows = -(-m // BWD_TILES)
-    rows_per_tile = max(1, -(-rows // groups)) * groups
-    tiles = -(-m // rows_per_tile)
+    rows_per_tile = max(1, _ceil_div(_ceil_div(m, BWD_TILES), groups)) * groups
+    tiles = _ceil_div(m, rows_per_tile)
     return BackwardGeometry(width, rounds, threads, groups, rows_per_tile, tiles)
 
 
@@ -82,7 +85,7 @@ def _tile_column_sums(c: torch.Tensor, geo: BackwardGeometry) -> torch.Tensor:
 def _sum_partials(part: torch.Tensor) -> torch.Tensor:
     """Stage two: the ``[N]`` total of ``part [B, N]`` in the second kernel's order."""
     b, n = part.shape
-    rounds = -(-b // SUM_WARPS)
+    rounds = _ceil_div(b, SUM_WARPS)
     pad = rounds * SUM_WARPS - b
     if pad:
         part = torch.cat([part, part.new_zeros(pad, n)])

@@ -171,7 +171,7 @@ def test_output_mask_empty_rows_and_batched_shapes():
     full = ops.layer_norm_backward(dy, x, mean, rstd, w, ALL)
     for mask in ((True, False, False), (False, True, False), (False, False, True), (False, False, False)):
         got = ops.layer_norm_backward(dy, x, mean, rstd, w, mask)
-        for want, g, on in zip(full, got, mask):
+        for want, g, on in zip(full, got, mask, strict=True):
             assert (g is None) == (not on) and (g is None or torch.equal(g, want))
     batched = ops.layer_norm_backward(dy.reshape(2, 12, 64), x.reshape(2, 12, 64), mean, rstd.reshape(2, 12, 1), w, ALL)
     assert batched[0].shape == (2, 12, 64) and torch.equal(batched[0].reshape(24, 64), full[0])
@@ -221,7 +221,7 @@ def check_kernel(dy, x, mean, rstd, w, mask=ALL, what=""):
     got = ops.layer_norm_backward(dy, x, mean, rstd, w, mask)
     cpu = (t if t is None else t.cpu() for t in (dy, x, mean, rstd, w))
     want = ref.layer_norm_backward_reference(*cpu, mask)
-    for name, g, r in zip(("dx", "dgamma", "dbeta"), got, want):
+    for name, g, r in zip(("dx", "dgamma", "dbeta"), got, want, strict=True):
         assert (g is None) == (r is None), f"{name} {what}"
         if g is not None:
             assert g.is_cuda and same_bits(g, r), f"{name} differs from the reference {what}"
@@ -298,11 +298,11 @@ def test_kernel_in_a_cuda_graph_without_host_sync(kernels):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     for inputs in fresh:  # fresh data into the captured inputs, then replay
-        for dst, src in zip((dy, x, mean, rstd, w), inputs):
+        for dst, src in zip((dy, x, mean, rstd, w), inputs, strict=True):
             dst.copy_(src)
         graph.replay()
         eager = ops.layer_norm_backward(dy, x, mean, rstd, w, ALL)
-        for g, e in zip(out, eager):
+        for g, e in zip(out, eager, strict=True):
             assert same_bits(g, e)
     check_kernel(dy, x, mean, rstd, w, what="(after the graph)")
 
@@ -313,6 +313,5 @@ def test_kernel_close_to_torch(kernels):
     dy, x, mean, rstd, w = problem(2048, 1024, torch.float32, seed=11, device="cuda")
     got = ops.layer_norm_backward(dy, x, mean, rstd, w, ALL)
     want = torch.ops.aten.native_layer_norm_backward(dy, x, [1024], mean, rstd, w, torch.zeros_like(w), list(ALL))
-    for g, t in zip(got, want):
+    for g, t in zip(got, want, strict=True):
         torch.testing.assert_close(g, t, rtol=1e-4, atol=1e-4 * t.abs().max().item())
-

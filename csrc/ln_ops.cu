@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(kSumWarps * 32)
   const int col = blockIdx.x * 32 + lane;
   float a = 0.0f, b = 0.0f;
   if (col < n) {
-#pragma unroll 4
+#pragma unroll 8
     for (int64_t j = warp; j < tiles; j += kSumWarps) {
       a = __fadd_rn(a, partial[j * n + col]);
       b = __fadd_rn(b, partial[(tiles + j) * n + col]);

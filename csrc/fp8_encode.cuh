@@ -1,4 +1,4 @@
-// FP8 encoding shared by fp8_ops.cu and fused_ops.cu: element conversions, the quantize
+// FP8 encoding shared by fp8_ops.cu, fused_ops.cu and ln_ops.cu: element conversions, the quantize
 // kernel (with its GELU-prologue variant), its launcher and the input checks, so that the
 // plain and the fused encodes compile from one definition. Numerics: see fp8_ops.cu.
 #pragma once
@@ -363,6 +363,26 @@ inline float* pending_cell(const at::Tensor& amax_pending, int64_t slot, const a
   FP8S_CHECK(amax_pending.device() == x.device(), "amax_pending.device", x.device(), amax_pending.device());
   check_slot(slot, amax_pending.numel());
   return amax_pending.data_ptr<float>() + slot * amax_pending.stride(0);
+}
+
+// ``t`` contiguous and 16-byte aligned (the vector loads' requirement): a misaligned view
+// (storage offset) is copied to a fresh buffer.
+inline at::Tensor contiguous16(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+}
+
+// A LayerNorm's optional float32 affine parameter of d values, checked against x and made
+// contiguous16 into ``keep``; nullptr when absent.
+inline const float* ln_affine(const c10::optional<at::Tensor>& t, const char* name, const at::Tensor& x, int64_t d,
+                              at::Tensor& keep) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  FP8S_CHECK(t->scalar_type() == at::kFloat, std::string(name) + ".dtype", "torch.float32", t->scalar_type());
+  FP8S_CHECK(t->dim() == 1 && t->size(0) == d, std::string(name) + ".shape", "(" + std::to_string(d) + ",)",
+             t->sizes());
+  FP8S_CHECK(t->device() == x.device(), std::string(name) + ".device", x.device(), t->device());
+  keep = contiguous16(*t);
+  return keep.data_ptr<float>();
 }
 
 }  // namespace

@@ -150,18 +150,6 @@ void launch_layer_norm(const at::Tensor& x, const float* w, const float* b, floa
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-const float* ln_affine(const c10::optional<at::Tensor>& t, const char* name, const at::Tensor& x, int64_t d,
-                       at::Tensor& keep) {
-  if (!t.has_value() || !t->defined()) return nullptr;
-  FP8S_CHECK(t->scalar_type() == at::kFloat, std::string(name) + ".dtype", "torch.float32", t->scalar_type());
-  FP8S_CHECK(t->dim() == 1 && t->size(0) == d, std::string(name) + ".shape", "(" + std::to_string(d) + ",)",
-             t->sizes());
-  FP8S_CHECK(t->device() == x.device(), std::string(name) + ".device", x.device(), t->device());
-  keep = t->contiguous();
-  if (reinterpret_cast<uintptr_t>(keep.data_ptr()) % 16 != 0) keep = keep.clone();
-  return keep.data_ptr<float>();
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_quantize(const at::Tensor& x_in,
                                                                    const c10::optional<at::Tensor>& weight,
                                                                    const c10::optional<at::Tensor>& bias, double eps,
@@ -177,8 +165,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_quantize(const at::Ten
              "a positive multiple of " + std::to_string(V) + " up to " + std::to_string(limit), d);
   FP8S_CHECK(eps >= 0, "eps", ">= 0", std::to_string(eps));
   const c10::cuda::CUDAGuard guard(x_in.device());
-  at::Tensor x = x_in.contiguous();
-  if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) x = x.clone();
+  const at::Tensor x = contiguous16(x_in);
   at::Tensor keep_w, keep_b;
   const float* w = ln_affine(weight, "weight", x, d, keep_w);
   const float* b = ln_affine(bias, "bias", x, d, keep_b);

@@ -51,14 +51,17 @@ class Prologue:
     that produces an FP8 role's tensor, run as the first stage of its encode.
 
     ``stats`` holds the LayerNorm's ``(mean, rstd)`` after :meth:`encode` or :meth:`apply`
-    ran (the caller saves them for :meth:`backward`).
+    ran (the caller saves them for :meth:`backward`); ``fused`` says which ran last: the fused
+    kernel (our LayerNorm numerics, whose backward is ``ops.layer_norm_backward``) or torch's
+    LayerNorm (whose backward is torch's).
     """
 
-    __slots__ = ("bias", "eps", "kind", "stats", "weight")
+    __slots__ = ("bias", "eps", "fused", "kind", "stats", "weight")
 
     def __init__(self, kind: str, weight=None, bias=None, eps: float = 0.0) -> None:
         self.kind, self.weight, self.bias, self.eps = kind, weight, bias, eps
         self.stats: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fused = False
 
     @classmethod
     def layer_norm(cls, norm: nn.LayerNorm) -> Prologue:
@@ -78,7 +81,7 @@ class Prologue:
                 return F.gelu(x)
             d = x.shape[-1]
             y, mean, rstd = torch.ops.aten.native_layer_norm(x, [d], self.weight, self.bias, self.eps)
-            self.stats = (mean, rstd)
+            self.stats, self.fused = (mean, rstd), False
             return y
 
     def encode(self, x: torch.Tensor, scale, dtype, amax_pending=None, slot: int = 0) -> torch.Tensor:
@@ -95,15 +98,19 @@ class Prologue:
             q, mean, rstd = ops.layer_norm_quantize_fp8(
                 x, self.weight, self.bias, self.eps, scale, dtype, amax_pending, slot
             )
-            self.stats = (mean, rstd)
+            self.stats, self.fused = (mean, rstd), True
             return q
 
     def backward(self, grad_y: torch.Tensor, x: torch.Tensor, stats: tuple, needs: tuple[bool, bool, bool]):
         """Gradients of ``(x, weight, bias)`` from the gradient of the prologue's output
-        (``stats``: the LayerNorm's saved ``(mean, rstd)``; empty for the GELU)."""
+        (``stats``: the LayerNorm's saved ``(mean, rstd)``; empty for the GELU). The backward
+        of the LayerNorm that ran: ours after the fused kernel (one pass, deterministic),
+        torch's after torch's LayerNorm."""
         if self.kind == "gelu":
             return torch.ops.aten.gelu_backward(grad_y, x), None, None
         mean, rstd = stats
+        if self.fused:
+            return ops.layer_norm_backward(grad_y, x, mean, rstd, self.weight, needs)
         return torch.ops.aten.native_layer_norm_backward(
             grad_y, x, [x.shape[-1]], mean, rstd, self.weight, self.bias, list(needs)
         )

@@ -49,6 +49,7 @@ __all__ = [
     "fold_center_stats_reference",
     "fp4_amax_reference",
     "gelu_quantize_fp8",
+    "layer_norm_backward",
     "layer_norm_quantize_fp8",
     "pack_fp4_reference",
     "quantize_fp4",
@@ -133,6 +134,21 @@ def quantize_fp8_t_record_amax(
     ``sums`` is the float32 column sum of ``x`` (order: :func:`column_sum_reference`), else empty."""
     _on_cuda(x)
     return _ops.quantize_fp8_t_record_amax(x, scale, amax_pending, slot, dtype, column_sum)
+
+
+def layer_norm_backward(
+    grad_y: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    output_mask: tuple[bool, bool, bool] | list[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients ``(dx, dgamma, dbeta)`` of the LayerNorm over the last dim of ``x`` (numerics:
+    :mod:`.reference_ln`) from its ``(mean, rstd)`` and the output's gradient ``grad_y``; an
+    output whose ``output_mask`` entry is False is None. ``dgamma``/``dbeta`` are float32."""
+    _on_cuda(x)
+    return _ops.layer_norm_backward(grad_y, x, mean, rstd, weight, list(output_mask))
 
 
 def dequantize_fp8(q: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

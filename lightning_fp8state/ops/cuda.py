@@ -56,7 +56,8 @@ __all__ = [
 ]
 
 _NAME = "fp8state_cuda"
-SOURCES = ("fp8_ops.cu", "fused_ops.cu", "fp4_ops.cu")  # compiled: FP8, fused prologues, FP4 (as ops/ splits them)
+# compiled: FP8, fused prologues, FP4, the LayerNorm backward (as ops/ splits them)
+SOURCES = ("fp8_ops.cu", "fused_ops.cu", "fp4_ops.cu", "ln_ops.cu")
 HEADERS = ("fp8state_common.cuh", "fp8_encode.cuh")  # included by the sources; not compiled on their own
 _HASHED_SUFFIXES = (".cu", ".cuh", ".h")
 _lock = threading.Lock()
@@ -138,7 +139,7 @@ def build(verbose: bool = False) -> Path:
 def _schema_hash() -> str:
     """Hash of the Python files defining the ops' schemas (the other side of registration)."""
     h = hashlib.sha256()
-    for name in ("library.py", "library_fp4.py"):
+    for name in ("library.py", "library_fp4.py", "library_fused.py"):
         h.update((Path(__file__).resolve().parent / name).read_bytes())
     return h.hexdigest()[:16]
 

@@ -1,8 +1,10 @@
 """The fused prologue + FP8 quantize ops of the ``fp8state`` library: schemas, checks,
-reference and fake kernels (numerics: :mod:`.reference_fused`; CUDA: ``csrc/fused_ops.cu``).
+reference and fake kernels (numerics: :mod:`.reference_fused`; CUDA: ``csrc/fused_ops.cu``),
+and the LayerNorm's backward (numerics: :mod:`.reference_ln`; CUDA: ``csrc/ln_ops.cu``).
 
 Same conventions as :mod:`.library`. The LayerNorm ops return ``(codes, mean, rstd)``; the
-statistics feed ``aten.native_layer_norm_backward``.
+statistics feed ``layer_norm_backward``, which returns ``(dx, dgamma, dbeta)`` (None where
+``output_mask`` says so).
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from __future__ import annotations
 import torch
 
 from . import reference_fused as ref
-from .library import LIB, _check_pending, _expect, check_quantize_args
+from .library import _IN_DTYPES, LIB, _check_pending, _expect, check_quantize_args
 from .reference import canonical_nan
+from .reference_ln import layer_norm_backward_reference
 
-__all__ = ["check_layer_norm_args", "layer_norm_max_width", "layer_norm_width_ok"]
+__all__ = ["check_layer_norm_args", "check_layer_norm_backward_args", "layer_norm_max_width", "layer_norm_width_ok"]
 
 LIB.define("gelu_quantize_fp8(Tensor x, Tensor scale, ScalarType dtype) -> Tensor")
 LIB.define(
@@ -27,6 +30,10 @@ LIB.define(
 LIB.define(
     "layer_norm_quantize_fp8_record_amax(Tensor x, Tensor? weight, Tensor? bias, float eps, Tensor scale, "
     "Tensor(a!) amax_pending, int slot, ScalarType dtype) -> (Tensor, Tensor, Tensor)"
+)
+LIB.define(
+    "layer_norm_backward(Tensor grad_y, Tensor x, Tensor mean, Tensor rstd, Tensor? weight, bool[3] output_mask) "
+    "-> (Tensor?, Tensor?, Tensor?)"
 )
 
 _MAX_CHUNKS_PER_THREAD = 8  # the kernel keeps a row in registers: at most 8 chunks of 16 bytes a thread
@@ -43,11 +50,8 @@ def layer_norm_width_ok(dtype: torch.dtype, d: int) -> bool:
     return d % ref._chunk_width(dtype) == 0 and 0 < d <= layer_norm_max_width(dtype)
 
 
-def check_layer_norm_args(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, scale, dtype
-) -> None:
-    """Validate the fused LayerNorm's arguments (the quantize ones, the row width, the affine)."""
-    check_quantize_args(x, scale, dtype)
+def _check_row_width(x: torch.Tensor) -> int:
+    """The width of ``x``'s rows (its last dim), checked against the LayerNorm kernels'."""
     _expect(x.dim() >= 1, "x.dim()", ">= 1", x.dim())
     d = x.shape[-1]
     _expect(
@@ -56,13 +60,44 @@ def check_layer_norm_args(
         f"a positive multiple of {ref._chunk_width(x.dtype)} up to {layer_norm_max_width(x.dtype)} for {x.dtype}",
         d,
     )
+    return d
+
+
+def check_layer_norm_args(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, scale, dtype
+) -> None:
+    """Validate the fused LayerNorm's arguments (the quantize ones, the row width, the affine)."""
+    check_quantize_args(x, scale, dtype)
+    _check_row_width(x)
     _expect(eps >= 0, "eps", ">= 0", eps)
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is None:
-            continue
+    _check_affine("weight", weight, x)
+    _check_affine("bias", bias, x)
+
+
+def _check_affine(name: str, t: torch.Tensor | None, x: torch.Tensor) -> None:
+    if t is None:
+        return
+    d = x.shape[-1]
+    _expect(t.dtype == torch.float32, f"{name}.dtype", "torch.float32", t.dtype)
+    _expect(tuple(t.shape) == (d,), f"{name}.shape", f"({d},) (one value per channel of x)", tuple(t.shape))
+    _expect(t.device == x.device, f"{name}.device", str(x.device), t.device)
+
+
+def check_layer_norm_backward_args(grad_y, x, mean, rstd, weight, output_mask) -> None:
+    """Validate ``layer_norm_backward``'s arguments (``x``'s width as the forward's, ``grad_y``
+    like ``x``, one float32 statistic per row, the optional float32 weight)."""
+    _expect(x.dtype in _IN_DTYPES, "x.dtype", f"one of {list(_IN_DTYPES)}", x.dtype)
+    d = _check_row_width(x)
+    _expect(grad_y.dtype == x.dtype, "grad_y.dtype", str(x.dtype), grad_y.dtype)
+    _expect(grad_y.shape == x.shape, "grad_y.shape", tuple(x.shape), tuple(grad_y.shape))
+    _expect(grad_y.device == x.device, "grad_y.device", str(x.device), grad_y.device)
+    rows = x.numel() // d
+    for name, t in (("mean", mean), ("rstd", rstd)):
         _expect(t.dtype == torch.float32, f"{name}.dtype", "torch.float32", t.dtype)
-        _expect(tuple(t.shape) == (d,), f"{name}.shape", f"({d},) (one value per channel of x)", tuple(t.shape))
+        _expect(t.numel() == rows, f"{name}.numel()", f"{rows} (one per row of x)", t.numel())
         _expect(t.device == x.device, f"{name}.device", str(x.device), t.device)
+    _check_affine("weight", weight, x)
+    _expect(len(output_mask) == 3, "len(output_mask)", "3", len(output_mask))
 
 
 def _fold(amax_pending: torch.Tensor, slot: int, amax: torch.Tensor) -> None:
@@ -100,6 +135,13 @@ def _layer_norm_quantize_fp8_record_amax(x, weight, bias, eps, scale, amax_pendi
     return q, mean, rstd
 
 
+@torch.library.impl(LIB, "layer_norm_backward", "CompositeExplicitAutograd")
+def _layer_norm_backward(grad_y, x, mean, rstd, weight, output_mask):
+    check_layer_norm_backward_args(grad_y, x, mean, rstd, weight, output_mask)
+    dx, dgamma, dbeta = layer_norm_backward_reference(grad_y, x, mean, rstd, weight, output_mask)
+    return None if dx is None else dx.contiguous(), dgamma, dbeta
+
+
 def _codes_like(x, dtype):
     return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
 
@@ -127,3 +169,14 @@ def _layer_norm_quantize_fp8_fake(x, weight, bias, eps, scale, dtype):
 @torch.library.register_fake("fp8state::layer_norm_quantize_fp8_record_amax")
 def _layer_norm_quantize_fp8_record_amax_fake(x, weight, bias, eps, scale, amax_pending, slot, dtype):
     return _ln_fake(x, dtype)
+
+
+@torch.library.register_fake("fp8state::layer_norm_backward")
+def _layer_norm_backward_fake(grad_y, x, mean, rstd, weight, output_mask):
+    check_layer_norm_backward_args(grad_y, x, mean, rstd, weight, output_mask)
+    column = x.new_empty((x.shape[-1],), dtype=torch.float32)
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format) if output_mask[0] else None,
+        column if output_mask[1] else None,
+        torch.empty_like(column) if output_mask[2] else None,
+    )

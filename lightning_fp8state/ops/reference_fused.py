@@ -51,14 +51,16 @@ def _chunk_width(dtype: torch.dtype) -> int:
     return 16 // dtype.itemsize
 
 
-def _row_sum(v: torch.Tensor, width: int) -> torch.Tensor:
-    """Float32 sum over the last dim of ``v [M, d]`` in the kernel's order (module docstring)."""
+def _row_sum(v: torch.Tensor, width: int, threads: int = LN_THREADS) -> torch.Tensor:
+    """Float32 sum over the last dim of ``v [M, d]`` in the kernel's order (module docstring),
+    ``threads`` (whole warps) sharing a row."""
     m, d = v.shape
     nchunks = d // width
     # Threads without a chunk hold +0.0, and adding +0.0 changes no sum here (a sum from +0.0
     # is never -0.0): with fewer chunks than threads, only the first power of two of threads
     # that covers them takes part, and butterfly offsets past it add zeros.
-    threads = LN_THREADS if nchunks >= LN_THREADS else 1 << (nchunks - 1).bit_length()
+    if nchunks < threads:
+        threads = min(threads, 1 << (nchunks - 1).bit_length())
     rounds = -(-nchunks // threads)
     chunks = v.reshape(m, nchunks, width)
     pad = rounds * threads - nchunks

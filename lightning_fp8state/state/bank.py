@@ -207,9 +207,23 @@ class StateBank:
         """
         if x.numel() == 0:
             return
+        self.calibrate_from_amax(index, self.amax_of(x, center), scale, descale, margin)
+
+    @staticmethod
+    def amax_of(x: torch.Tensor, center: torch.Tensor | None = None) -> torch.Tensor:
+        """``max |x|`` (of ``x - center`` for a centered owner) as a float32 ``[1]`` tensor, on
+        ``x``'s device (no host sync)."""
         with torch.no_grad():  # x may require grad (an attention operand): the scale must not
             lo, hi = torch.aminmax(x if center is None else x.float() - center)
-            pending = torch.maximum(lo.abs(), hi.abs()).float().reshape(1)
+            return torch.maximum(lo.abs(), hi.abs()).float().reshape(1)
+
+    def calibrate_from_amax(
+        self, index: int, amax: torch.Tensor, scale: torch.Tensor, descale: torch.Tensor, margin: int
+    ) -> None:
+        """:meth:`calibrate` from an amax already computed (``[1]``, float32): e.g. the MAX of
+        the shards' amaxes of a weight sharded across ranks (FSDP), which is the full weight's."""
+        with torch.no_grad():
+            pending = amax.reshape(1)
             device = pending.device
             ops.update_scales(
                 torch.zeros(1, 1, dtype=torch.float32, device=device),  # an empty one-entry history

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -117,9 +117,9 @@ class QuantProtocol:
         self._policy = policy
         self._lock = threading.RLock()
         # Layers whose weight arrives quantized from an FP8 all-gather (FSDP2, nn/fsdp.py):
-        # layer -> device. Their weight owners are registered and the event's scales frozen
+        # layer -> a callable giving its weight's device. Their weight owners are registered and the event's scales frozen
         # at begin_event, on the training stream, before any all-gather reads them.
-        self.gathered_layers: dict[str, torch.device] = {}
+        self.gathered_layers: dict[str, Callable[[], torch.device]] = {}
 
     # -- events --------------------------------------------------------------------
     def begin_event(self, step: int | None = None, microbatch: int = 0) -> Event:
@@ -135,9 +135,10 @@ class QuantProtocol:
         scales now, on the training stream: FSDP2 runs the all-gather's quantize on its own
         copy-in stream, which it orders after the training stream at the root's forward, so
         no structural change of the bank may happen there (see :meth:`gather_weight`)."""
-        for layer, device in self.gathered_layers.items():
+        device = None
+        for layer, device_of in self.gathered_layers.items():
+            device = device_of()
             self._gather_owner(layer, device)
-        device = next(iter(self.gathered_layers.values()))
         self.stream_order.structural(device)
         ev.frozen = self.bank.freeze()
 

@@ -230,7 +230,8 @@ def enable_fp8_all_gather(model: nn.Module) -> list[str]:
                 "call enable_fp8_all_gather before fully_shard"
             )
         module.weight = nn.Parameter(Fp8ShardedWeight(weight.data), requires_grad=weight.requires_grad)
-        module.protocol.gathered_layers[module.layer_name] = weight.device
+        # the device is read at each event's start: fully_shard may move the shard
+        module.protocol.gathered_layers[module.layer_name] = lambda m=module: m.weight.device
         names.append(module.layer_name)
     return names
 

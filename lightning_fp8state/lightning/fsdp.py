@@ -23,10 +23,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_load, _is_sharded_checkpoint
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
@@ -45,13 +45,23 @@ __all__ = ["Fp8StateFSDPStrategy", "default_shard_units"]
 
 def default_shard_units(model: nn.Module) -> list[str]:
     """The modules FSDP2 shards by default: every member of every ``nn.ModuleList`` (a
-    transformer's blocks); the root is sharded too, holding what is left."""
-    return [
+    transformer's blocks), then every direct child of ``model`` holding parameters outside
+    those (the network a LightningModule wraps, e.g. ``self.model``, whose forward its
+    ``training_step`` calls: its remaining parameters are gathered when that forward runs,
+    not at the LightningModule's own forward, which ``training_step`` may never call). The
+    root is sharded too, holding what is left."""
+    names = [
         f"{name}.{i}" if name else str(i)
         for name, module in model.named_modules()
         if isinstance(module, nn.ModuleList)
         for i in range(len(module))
     ]
+    modules = dict(model.named_modules())
+    covered = {id(p) for n in names for p in modules[n].parameters()}
+    for name, child in model.named_children():
+        if not isinstance(child, nn.ModuleList) and any(id(p) not in covered for p in child.parameters()):
+            names.append(name)
+    return names
 
 
 class Fp8StateFSDPStrategy(ModelParallelStrategy):
@@ -62,8 +72,9 @@ class Fp8StateFSDPStrategy(ModelParallelStrategy):
             delayed scale (1 byte an element); ``False`` gathers them in the parameters' dtype
             and each layer quantizes its full weight, as under DDP.
         shard_modules: ``fnmatch`` patterns over module names: each match is its own FSDP2
-            unit (one all-gather); default: every member of every ``nn.ModuleList``. The root
-            is always a unit.
+            unit (one all-gather); default: :func:`default_shard_units` (every member of every
+            ``nn.ModuleList``, and each direct child with other parameters). The root is
+            always a unit.
         reshard_after_forward: free each unit's gathered parameters after its forward and
             gather them again in the backward (FSDP2's default; with FP8 all-gather the
             backward gather quantizes with the forward's snapshot: the same bytes).
@@ -213,7 +224,9 @@ class Fp8StateFSDPStrategy(ModelParallelStrategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False))
-        return {k: plain_shard(v).detach().cpu() if v.device.type != "cpu" else plain_shard(v) for k, v in state.items()}
+        return {
+            k: plain_shard(v).detach().cpu() if v.device.type != "cpu" else plain_shard(v) for k, v in state.items()
+        }
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -181,3 +181,45 @@ def test_two_rank_ddp_resume_through_the_cli_is_bit_identical(run_root):
     whole, split = tail("whole"), tail("split")
     assert sorted(whole) == list(range(11, 21))
     assert split == whole
+
+
+def test_two_rank_fsdp_resume_through_the_cli_is_bit_identical(run_root):
+    """``strategy.name=fp8state_fsdp`` on two CPU ranks (FSDP2 over gloo, weights all-gathered in
+    FP8): the run writes sharded checkpoint directories, and 4 steps resumed to 8 log the same
+    loss and gradient norm (the norm of the sharded gradients), bit for bit, on steps 5-8 as one
+    run of 8."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from tests.lightning.launch import launch_env  # noqa: PLC0415
+
+    common = [
+        *SMALL,
+        "strategy.name=fp8state_fsdp",
+        "trainer.devices=2",
+        "trainer.deterministic=true",
+        "trainer.schedule_steps=8",
+        "trainer.checkpoint_every_n_steps=4",
+        "telemetry.wandb=disabled",
+        "telemetry.log_every_n_steps=2",
+        "quant.strict=true",
+    ]
+
+    def train(*args):
+        cmd = [sys.executable, "-m", "lightning_fp8state", "train", *args]
+        done = subprocess.run(cmd, cwd=run_root, env=launch_env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+    train(*common, "trainer.max_steps=8", f"out_dir={run_root}", "name=whole")
+    train(*common, "trainer.max_steps=4", f"out_dir={run_root}", "name=split")
+    last = run_root / "split" / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and len(list(last.glob("*.distcp"))) == 2  # one shard file per rank
+    train("--resume", str(run_root / "split"), "trainer.max_steps=8")
+
+    def tail(name):
+        rows = read_jsonl(run_root / name / "telemetry.jsonl")
+        return {r["step"]: (r["train/loss"], r["train/grad_norm"]) for r in rows if r["step"] > 4}
+
+    whole, split = tail("whole"), tail("split")
+    assert sorted(whole) == [5, 6, 7, 8]
+    assert split == whole

@@ -156,13 +156,7 @@ class Fp8StateFSDPStrategy(ModelParallelStrategy):
 
         _require_callback(trainer, self.strategy_name)
         config = self._callback(trainer).state.config
-        if self.fp8_all_gather and config.quantized:
-            problem = fp8_all_gather_problem(config)
-            if problem is not None:
-                raise MisconfigurationException(
-                    f"strategy '{self.strategy_name}' with fp8_all_gather=True cannot run {problem}; or pass "
-                    "Fp8StateFSDPStrategy(fp8_all_gather=False)"
-                )
+        self.check_config(config)
         assert self.model is not None
         self.accelerator.setup(trainer)
         if any(isinstance(m, FSDPModule) for m in self.model.modules()):
@@ -178,6 +172,17 @@ class Fp8StateFSDPStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def check_config(self, config) -> None:
+        """Refuse a quantizer configuration this strategy cannot serve (before anything is
+        sharded): with ``fp8_all_gather``, see :func:`~lightning_fp8state.nn.fsdp.fp8_all_gather_problem`."""
+        if self.fp8_all_gather and config.quantized:
+            problem = fp8_all_gather_problem(config)
+            if problem is not None:
+                raise MisconfigurationException(
+                    f"strategy '{self.strategy_name}' with fp8_all_gather=True cannot run {problem}; or pass "
+                    "Fp8StateFSDPStrategy(fp8_all_gather=False)"
+                )
 
     def _shard(self, model: nn.Module) -> None:
         from torch.distributed.fsdp import fully_shard  # noqa: PLC0415

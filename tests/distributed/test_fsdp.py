@@ -6,6 +6,10 @@ model is the protocol tests' checkpointed stack (``tests/conftest.py``): every b
 unit run through ``lightning_fp8state.checkpoint`` (torch non-reentrant), so FSDP2 reshards
 after the forward and re-gathers each block's weights in the backward, where the recompute
 reads them.
+
+``run_pair`` is shared with ``tests/gpu/test_fsdp.py``, which runs the same scenarios on two
+CUDA GPUs (NCCL, ``_scaled_mm``, the CUDA kernels) and steady-state steps under
+``torch.cuda.set_sync_debug_mode("error")``.
 """
 
 from __future__ import annotations
@@ -105,13 +109,13 @@ class _CollectiveCounter:
         dist.all_reduce, dist.all_gather_single, dist.all_gather_into_tensor = self._orig
 
 
-def _model(state, *, fsdp: bool, fp8_all_gather: bool = True):
+def _model(state, device: torch.device, *, fsdp: bool, fp8_all_gather: bool = True):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = state.convert(make_stack(n=2, d=D, seed=0, ckpt=("torch", False)))
+    model = state.convert(make_stack(n=2, d=D, seed=0, ckpt=("torch", False)).to(device))
     if fsdp:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         if fp8_all_gather:
             enable_fp8_all_gather(model)
         for block in model.blocks:
@@ -130,10 +134,21 @@ def _full_weights(model) -> dict:
     return out
 
 
-def _train(rank: int, *, fsdp: bool, loud: float = 1.0, fp8_all_gather: bool = True, config=None):
-    """N_EVENTS steps of SGD; rank 1's inputs times ``loud``. Returns what the tests compare."""
-    state = f8s.Fp8State(f8s.QuantConfig(**(config or {})), rank=rank)
-    model = _model(state, fsdp=fsdp, fp8_all_gather=fp8_all_gather)
+def _train(
+    rank: int,
+    device: torch.device,
+    *,
+    fsdp: bool,
+    loud: float = 1.0,
+    fp8_all_gather: bool = True,
+    sync_check_from: int | None = None,
+):
+    """N_EVENTS steps of SGD; rank 1's inputs times ``loud``. Returns what the tests compare.
+
+    ``sync_check_from``: from that event on (CUDA), each step (forward, backward, optimizer)
+    runs under ``torch.cuda.set_sync_debug_mode("error")``: a host sync raises."""
+    state = f8s.Fp8State(f8s.QuantConfig(), rank=rank)
+    model = _model(state, device, fsdp=fsdp, fp8_all_gather=fp8_all_gather)
     recorder = _Recorder(state)
     counter = _CollectiveCounter(state) if fsdp else None
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -141,14 +156,21 @@ def _train(rank: int, *, fsdp: bool, loud: float = 1.0, fp8_all_gather: bool = T
     try:
         for i, x in enumerate(event_inputs(N_EVENTS, d=D, seed=11)):
             full_before.append(_full_weights(model))
-            x = x * (loud if rank == 1 else 1.0)
-            with state.step(i):
-                loss = model(x).float().pow(2).mean()
-                state.commit_forward()
-                loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach().clone())
+            x = (x * (loud if rank == 1 else 1.0)).to(device)
+            checked = sync_check_from is not None and i >= sync_check_from
+            if checked:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                with state.step(i):
+                    loss = model(x).float().pow(2).mean()
+                    state.commit_forward()
+                    loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.detach().clone())
+            finally:
+                if checked:
+                    torch.cuda.set_sync_debug_mode(0)
     finally:
         if counter is not None:
             counter.close()
@@ -176,16 +198,18 @@ def _train(rank: int, *, fsdp: bool, loud: float = 1.0, fp8_all_gather: bool = T
         "gather_bytes": None if counter is None else counter.gather_bytes,
         "weight_numel": sum(m.weight.numel() for m in _layers(model).values()),
         "bias_numel": sum(m.bias.numel() for m in _layers(model).values()),
+        "bank_device": str(bank.device),
+        "sync_checked": 0 if sync_check_from is None else N_EVENTS - sync_check_from,
     }
 
 
-def _refusals(rank: int) -> dict:
+def _refusals(rank: int, device: torch.device) -> dict:
     """What is refused under FSDP2 with FP8 all-gather (each message, or None if it ran)."""
     out = {}
     state = f8s.Fp8State(f8s.QuantConfig(), rank=rank)
-    model = _model(state, fsdp=True)
+    model = _model(state, device, fsdp=True)
     layer = _layers(model)["blocks.0.fc1"]
-    x = event_inputs(1, d=D)[0]
+    x = event_inputs(1, d=D)[0].to(device)
     # the gathered weight read outside Fp8Linear (it holds codes only)
     try:
         hook = layer.register_forward_pre_hook(lambda m, args: m.weight.sum())
@@ -200,7 +224,7 @@ def _refusals(rank: int) -> dict:
     # (a fresh model: the refused read above left block 0 unsharded with its weight gathered
     # outside any event, which the next training call would refuse as stale)
     state = f8s.Fp8State(f8s.QuantConfig(), rank=rank)
-    model = _model(state, fsdp=True)
+    model = _model(state, device, fsdp=True)
     try:
         with state.step(0):
             h = model.blocks[0](x)
@@ -212,18 +236,27 @@ def _refusals(rank: int) -> dict:
     return out
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, port: int, out: str, device_type: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
+        sync_check_from = 2  # the first events register owners and verify the registry (host reads)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        sync_check_from = None
     torch.manual_seed(0)
     results = {
-        "same": _train(rank, fsdp=True),
-        "loud": _train(rank, fsdp=True, loud=8.0),
-        "loud_off": _train(rank, fsdp=True, loud=8.0, fp8_all_gather=False),
-        "refusals": _refusals(rank),
+        "same": _train(rank, device, fsdp=True, sync_check_from=sync_check_from),
+        "loud": _train(rank, device, fsdp=True, loud=8.0, sync_check_from=sync_check_from),
+        "loud_off": _train(rank, device, fsdp=True, loud=8.0, fp8_all_gather=False),
+        "refusals": _refusals(rank, device),
+        "cuda_kernels": device_type == "cuda" and f8s.ops.cuda.is_loaded(),
     }
     if rank == 0:  # the unsharded run: one process, the same model and data as each rank of "same"
-        results["unsharded"] = _train(rank, fsdp=False)
+        results["unsharded"] = _train(rank, device, fsdp=False)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -234,17 +267,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
-    ctx = mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=2, start_method="spawn", join=False)
-    deadline = time.monotonic() + 300
+def run_pair(out, device_type: str = "cpu", timeout: float = 300) -> list[dict]:
+    """Run every scenario in two spawned ranks (gloo on the CPU, NCCL on two GPUs); what each saw."""
+    args = (_free_port(), str(out), device_type)
+    ctx = mp.start_processes(_worker, args=args, nprocs=2, start_method="spawn", join=False)
+    deadline = time.monotonic() + timeout
     while not ctx.join(timeout=5):  # raises if a worker failed
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail("the two gloo workers did not finish within 300 s")
+            pytest.fail(f"the two {device_type} workers did not finish within {timeout} s")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return run_pair(tmp_path_factory.mktemp("fsdp"))
 
 
 # -- FP8 all-gather: the bytes --------------------------------------------------------

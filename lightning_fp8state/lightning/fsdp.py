@@ -229,9 +229,7 @@ class Fp8StateFSDPStrategy(ModelParallelStrategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False))
-        return {
-            k: plain_shard(v).detach().cpu() if v.device.type != "cpu" else plain_shard(v) for k, v in state.items()
-        }
+        return {k: plain_shard(v) for k, v in state.items()}  # DCP writes device tensors itself
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

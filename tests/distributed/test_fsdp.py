@@ -15,19 +15,17 @@ CUDA GPUs (NCCL, ``_scaled_mm``, the CUDA kernels) and steady-state steps under
 from __future__ import annotations
 
 import os
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import lightning_fp8state as f8s
 from lightning_fp8state import ops
 from lightning_fp8state.nn.fsdp import Fp8GatheredWeight, enable_fp8_all_gather, plain_shard
 from lightning_fp8state.recompute import Phase
 from tests.conftest import bitwise_equal, event_inputs, make_stack
+from tests.distributed.spawn import spawn
 
 N_EVENTS = 4
 N_LAYERS = 4  # 2 blocks x (fc1, fc2)
@@ -261,22 +259,9 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_pair(out, device_type: str = "cpu", timeout: float = 300) -> list[dict]:
     """Run every scenario in two spawned ranks (gloo on the CPU, NCCL on two GPUs); what each saw."""
-    args = (_free_port(), str(out), device_type)
-    ctx = mp.start_processes(_worker, args=args, nprocs=2, start_method="spawn", join=False)
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=5):  # raises if a worker failed
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the two {device_type} workers did not finish within {timeout} s")
+    spawn(_worker, (str(out), device_type), timeout=timeout, what=f"{device_type} workers")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

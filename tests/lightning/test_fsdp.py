@@ -13,7 +13,8 @@ import torch
 
 import lightning_fp8state as f8s
 from lightning_fp8state.lightning.callback import check_resume_world_size
-from tests.lightning.launch import load_ranks, run_plan
+from tests.lightning.launch import run_plan
+from tests.lightning.test_ddp import bitwise, ranks
 
 BATCHES_PER_EPOCH = 8  # 32 samples, batch 2, 2 ranks
 EPOCHS = 2
@@ -33,14 +34,6 @@ def out(tmp_path_factory):
     path = tmp_path_factory.mktemp("fsdp")
     run_plan(PLAN, path, timeout=420)
     return path
-
-
-def ranks(out, name):
-    return load_ranks(out, name, 2)
-
-
-def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_bf16_gather"])

@@ -57,8 +57,6 @@ _KEEP_WRAPPER = {
     aten.split.Tensor,
     aten.split_with_sizes.default,
     aten.new_zeros.default,
-    aten.new_empty.default,
-    aten.empty_like.default,
     aten._to_copy.default,
     aten.copy_.default,
 }
@@ -91,8 +89,11 @@ class Fp8ShardedWeight(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func is aten.detach.default:
             return cls(args[0]._tensor.detach())
+        target = args[0] if func is aten.copy_.default else None  # in place: the same wrapper back
         args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
+        if isinstance(target, cls):
+            return target
         if func not in _KEEP_WRAPPER:
             return out
         return pytree.tree_map_only(torch.Tensor, cls, out)

@@ -25,7 +25,11 @@ the collective**: ``torch.distributed.all_gather_single`` / ``all_gather_into_te
 and the bytes of the tensor this rank contributes are summed over the timed steps (per rank and
 step; every rank receives ``world_size`` times that). They cover every FSDP2 gather: the forward
 and the backward re-gather of each block, and the GPT unit's own parameters (embedding, final
-norm, head), which stay in ``--param-dtype`` in every variant. ``--json PATH`` writes the rows.
+norm, head), which stay in ``--param-dtype`` in every variant. All-reduces are the
+``torch.distributed.all_reduce`` calls per step (ours: the one amax reduction at
+``commit_forward``); torchao's amax reduction runs through DTensor's functional collectives and
+is not in that count. ``--json PATH`` writes the rows. A variant that raises (an out-of-memory,
+a torchao API change) is printed as "not measured" with the error, and the run goes on.
 
 Run on two GPUs (either launches two processes, one per GPU, NCCL):
 
@@ -282,7 +286,13 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     results = []
     try:
         for variant in args.variants:
-            results.append(measure(variant, cfg, args, data, device, counter))
+            try:
+                results.append(measure(variant, cfg, args, data, device, counter))
+            except Exception as exc:  # noqa: BLE001  (report it, measure the others)
+                counter.on = False
+                results.append({"variant": variant, "measured": False, "why": f"{type(exc).__name__}: {exc}"[:200]})
+                if cuda:
+                    torch.cuda.empty_cache()
             if rank == 0:
                 r = results[-1]
                 state = f"{r['ms']:.1f} ms/step" if r["measured"] else f"not measured ({r['why']})"

@@ -222,7 +222,8 @@ def enable_fp8_all_gather(model: nn.Module) -> list[str]:
         if problem is not None:
             raise ConfigError(f"fp8_all_gather=True is not allowed with {problem}")
         weight = module.weight
-        if isinstance(weight.data, Fp8ShardedWeight):
+        if isinstance(weight, Fp8ShardedWeight):  # enabled before: only the registration below
+            module.protocol.gathered_layers[module.layer_name] = lambda m=module: m.weight.device
             names.append(module.layer_name)
             continue
         if type(weight.data) is not torch.Tensor:
@@ -242,11 +243,8 @@ def gathered_layers(model: nn.Module) -> list[str]:
     out = []
     for module in model.modules():
         if isinstance(module, Fp8Linear):
-            w = module.weight
-            local = getattr(w, "_local_tensor", w)
-            if isinstance(getattr(local, "data", local), (Fp8ShardedWeight, Fp8GatheredWeight)) or isinstance(
-                local, (Fp8ShardedWeight, Fp8GatheredWeight)
-            ):
+            local = getattr(module.weight, "_local_tensor", module.weight)  # a sharded DTensor's shard
+            if isinstance(local, (Fp8ShardedWeight, Fp8GatheredWeight)):
                 out.append(module.layer_name)
     return out
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import lightning_fp8state as f8s
 from lightning_fp8state import ops
-from lightning_fp8state.nn.fsdp import Fp8GatheredWeight, enable_fp8_all_gather, plain_shard
+from lightning_fp8state.nn.fsdp import Fp8GatheredWeight, enable_fp8_all_gather, gathered_layers, plain_shard
 from lightning_fp8state.recompute import Phase
 from tests.conftest import bitwise_equal, event_inputs, make_stack
 from tests.distributed.spawn import spawn
@@ -397,3 +397,32 @@ def test_gathered_weight_carries_its_snapshot_and_parameter_dtype():
     assert type(w.detach()) is Fp8GatheredWeight
     with pytest.raises(RuntimeError, match="consumed by Fp8Linear"):
         w + 1
+
+
+def test_the_sharded_weight_wrapper_changes_nothing_without_fsdp():
+    """enable_fp8_all_gather wraps each converted weight (idempotent); unsharded, the wrapped
+    model trains bitwise like the unwrapped one (the wrapper is the plain shard to every op),
+    and optimizer states stay plain tensors."""
+    runs = []
+    for wrap in (False, True):
+        state = f8s.Fp8State(f8s.QuantConfig())
+        model = state.convert(make_stack(n=2, d=D, seed=0, ckpt=("torch", False)))
+        if wrap:
+            names = enable_fp8_all_gather(model)
+            assert names == enable_fp8_all_gather(model) == gathered_layers(model) == sorted(_layers(model))
+            assert type(model.blocks[0].fc1.weight).__name__ == "Fp8ShardedWeight"
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        losses = []
+        for i, x in enumerate(event_inputs(3, d=D)):
+            with state.step(i):
+                loss = model(x).float().pow(2).mean()
+                state.commit_forward()
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        assert all(type(v) is torch.Tensor for s in opt.state.values() for v in s.values())
+        runs.append((losses, {k: plain_shard(v).detach().clone() for k, v in model.named_parameters()}))
+    (la, pa), (lb, pb) = runs
+    assert all(bitwise_equal(a, b) for a, b in zip(la, lb, strict=True))
+    assert all(bitwise_equal(pa[k], pb[k].as_subclass(torch.Tensor)) for k in pa)

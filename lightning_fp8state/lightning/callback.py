@@ -291,10 +291,12 @@ class Fp8StateCallback(Callback):
         # fp8state_deepspeed keeps its engine's window itself (and marks what it could not keep)
         mid_window = self._grads_pending and not getattr(trainer.strategy, "fp8state_saves_accumulation", False)
         if mid_window and self.save_accumulated_grads:
-            if trainer.strategy.handles_gradient_accumulation or getattr(trainer.strategy, "fp8state_sharded", False):
+            sharded = getattr(trainer.strategy, "fp8state_sharded", False)
+            if trainer.strategy.handles_gradient_accumulation or sharded:
+                where = "sharded across ranks" if sharded else "inside its engine"
                 rank_zero_warn(
                     f"lightning_fp8state: a checkpoint is saved inside a gradient-accumulation window, but "
-                    f"{type(trainer.strategy).__name__} keeps the accumulated gradients sharded or inside its engine, "
+                    f"{type(trainer.strategy).__name__} keeps the accumulated gradients {where}, "
                     "where they cannot be saved: resuming from it loses this window's earlier microbatches. Save at an "
                     "optimizer-step boundary (ModelCheckpoint(every_n_train_steps=...)) for an exact resume"
                 )

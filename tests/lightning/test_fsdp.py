@@ -93,3 +93,15 @@ def test_resume_on_another_world_size_is_refused_with_a_clear_message():
         check_resume_world_size(2, 1, fitting=True, sharded=True)
     check_resume_world_size(2, 1, fitting=False, sharded=True)  # evaluation may
     check_resume_world_size(2, 2, fitting=True, sharded=True)
+
+
+def test_a_one_rank_resume_of_the_two_rank_checkpoint_is_refused_before_loading(out, tmp_path):
+    """The real path: ``Trainer(devices=1, strategy="fp8state_fsdp").fit(ckpt_path=<the two-rank
+    sharded checkpoint>)`` stops in the strategy's load_checkpoint with the message, before the
+    weights are loaded."""
+    plan = [{**FSDP, "name": "one_rank", "devices": 1, "resume_from": str(out / "fsdp_step.ckpt")}]
+    done = run_plan(plan, tmp_path, check=False)
+    assert done.returncode != 0
+    assert "StateLoadError" in done.stderr and "2 rank(s), this run has 1" in done.stderr, done.stderr[-3000:]
+    assert "refused, not resharded" in done.stderr
+    assert "lightning/fsdp.py" in done.stderr  # raised by the strategy, before the DCP load

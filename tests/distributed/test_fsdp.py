@@ -19,6 +19,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 import lightning_fp8state as f8s
 from lightning_fp8state import ops
@@ -255,6 +256,8 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
     }
     if rank == 0:  # the unsharded run: one process, the same model and data as each rank of "same"
         results["unsharded"] = _train(rank, device, fsdp=False)
+    # host copies: the test compares ranks whose tensors lived on different GPUs
+    results = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), results)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -259,6 +259,7 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
     # host copies: the test compares ranks whose tensors lived on different GPUs
     results = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), results)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()  # rank 1 waits for rank 0's unsharded run before the group goes
     dist.destroy_process_group()
 
 

@@ -14,7 +14,10 @@ bf16 autocast, each variant trains ``--warmup`` steps, then ``--steps`` timed st
 - ``ours_hpag``: our Fp8Linear (delayed scaling), weights gathered in ``--param-dtype`` and
   quantized by each layer; ``ours``: the same with FP8 all-gather at the frozen delayed scale
   (``lightning_fp8state.nn.fsdp.enable_fp8_all_gather``), the weight amaxes MAX-reduced in the
-  one all-reduce at ``commit_forward``.
+  one all-reduce at ``commit_forward``. Its blocks keep ``param_dtype`` float32 (``--ours-block-dtype``):
+  their weights travel as FP8 whatever ``param_dtype`` says, and the LayerNorm weights and biases
+  (a few KB a block) in float32 keep the LayerNorm fused into the input's quantize (the fused
+  kernel takes a float32 affine); the GPT unit uses ``--param-dtype`` as every variant's does.
 
 The output head stays in high precision for every variant (``--no-exclude-head`` converts it).
 
@@ -144,8 +147,11 @@ def build(variant: str, cfg: GPTConfig, args, device: torch.device, rank: int):
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.param_dtype]
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    block_policy = policy
+    if variant == "ours" and args.ours_block_dtype == "fp32":
+        block_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=block_policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     if state is not None:
         state.enable_amax_reduction(group=mesh.get_group(), device=device)
@@ -257,6 +263,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp32"), help="FSDP2's param_dtype")
+    p.add_argument(
+        "--ours-block-dtype",
+        default="fp32",
+        choices=("fp32", "same"),
+        help="param_dtype of the blocks for 'ours' (its weights are FP8 either way); same: --param-dtype",
+    )
     p.add_argument("--no-exclude-head", dest="exclude_head", action="store_false")
     p.add_argument("--nprocs", type=int, default=2, help="processes to spawn when not under torchrun")
     p.add_argument("--smoke", action="store_true", help="a tiny GPT, 2 steps, two CPU processes (gloo)")

@@ -80,6 +80,7 @@ class StateBank:
         self.fresh: set[int] = set()
         self._alloc(torch.device("cpu"), 0)
 
+    @torch.inference_mode(False)  # an owner first seen in evaluation (inference_mode) stays trainable
     def _alloc(self, device: torch.device, n: int) -> None:
         f32 = {"dtype": torch.float32, "device": device}
         c = max(self.center_width, default=0)
@@ -119,6 +120,7 @@ class StateBank:
             "center_min": self.center_min,
         }
 
+    @torch.inference_mode(False)
     def to(self, device: torch.device) -> None:
         """Move every tensor to ``device`` (the bank follows the first tensor it serves)."""
         with self._lock:
@@ -237,6 +239,7 @@ class StateBank:
                 margin,
             )
 
+    @torch.inference_mode(False)
     def mask(self, indices: tuple[int, ...]) -> torch.Tensor:
         """A device bool mask selecting ``indices`` (cached: the same set recurs every step)."""
         m = self._masks.get(indices)

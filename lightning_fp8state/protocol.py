@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .config import QuantConfig
 from .encoders import Prologue, encoder_for
-from .errors import ConfigError, StateTransitionError
+from .errors import ConfigError, StaleSnapshotError, StateTransitionError
 from .recompute import CallRecord, Phase, SnapshotStash, current_frame, in_backward
 from .sac import outside_selective_checkpoint
 from .state import (
@@ -73,6 +73,7 @@ class _OpenEvent:
     committed: set = field(default_factory=set)
     forward_committed: bool = False  # commit_forward() ran in this event
     calibrated: set = field(default_factory=set)  # bank indices whose frozen scale this event calibrated
+    gathered: dict = field(default_factory=dict)  # layer -> the weight snapshot its FP8 all-gather used
 
 
 class QuantProtocol:
@@ -115,13 +116,31 @@ class QuantProtocol:
         self._discard: dict[tuple, _Scratch] = {}  # (device, center width) -> recompute's scratch slot
         self._policy = policy
         self._lock = threading.RLock()
+        # Layers whose weight arrives quantized from an FP8 all-gather (FSDP2, nn/fsdp.py):
+        # layer -> a callable giving its weight's device. Their weight owners are registered and the event's scales frozen
+        # at begin_event, on the training stream, before any all-gather reads them.
+        self.gathered_layers: dict[str, Callable[[], torch.device]] = {}
 
     # -- events --------------------------------------------------------------------
     def begin_event(self, step: int | None = None, microbatch: int = 0) -> Event:
         with self._lock:
             event = self.clock.begin(step, microbatch)
             self._open = _OpenEvent(event)
+            if self.gathered_layers and self.config.quantized and self._policy is None:
+                self._prepare_gathers(self._open)
             return event
+
+    def _prepare_gathers(self, ev: _OpenEvent) -> None:
+        """Register the gathered layers' weight owners (first event) and freeze the event's
+        scales now, on the training stream: FSDP2 runs the all-gather's quantize on its own
+        copy-in stream, which it orders after the training stream at the root's forward, so
+        no structural change of the bank may happen there (see :meth:`gather_weight`)."""
+        device = None
+        for layer, device_of in self.gathered_layers.items():
+            device = device_of()
+            self._gather_owner(layer, device)
+        self.stream_order.structural(device)
+        ev.frozen = self.bank.freeze()
 
     def _require_open(self, what: str) -> _OpenEvent:
         if self._open is None:
@@ -386,6 +405,123 @@ class QuantProtocol:
             StaleSnapshotError: the snapshot is another owner's or another event's.
         """
         return snap.expect(owner=record.owners[role], event=self.clock.event)
+
+    # -- FP8 all-gather of sharded weights (FSDP2: lightning_fp8state.nn.fsdp) ---------
+    def _gather_owner(self, layer: str, device: torch.device) -> tuple[object, int]:
+        """The weight owner of ``layer``'s one call site (site 0, stream 0), registered."""
+        owners, indices = self._owners(layer, ("weight",), device, 0, 0, None)
+        return owners["weight"], indices["weight"]
+
+    def gather_weight(self, layer: str, shard: torch.Tensor, group=None) -> tuple[torch.Tensor, QuantSnapshot]:
+        """Quantize this rank's shard of ``layer``'s weight for an FP8 all-gather.
+
+        The scale is the event's frozen weight scale (the snapshot the layer's call will use),
+        so the gathered codes are bitwise those of quantizing the full weight at that scale.
+
+        - True forward: the shard's amax is recorded into the weight owner's pending slot
+          (the amax reduction at ``commit_forward`` takes the MAX over the shard group: the
+          full weight's amax); an owner with no scale yet (``initial_scale="calibrate"``)
+          takes it from the MAX of the shards' amaxes (one all-reduce over ``group``, in its
+          first event only). The snapshot is kept for the event.
+        - Backward (FSDP re-gathers a resharded weight, also for a recompute): read-only, with
+          the snapshot of the event's forward gather: the same bytes.
+        - No event, gradients off (evaluation): a copy of the live scale, nothing recorded.
+
+        Every structural change (registration, the event's freeze) happened at
+        :meth:`begin_event`; here the bank is only read and one pending amax recorded, on the
+        stream FSDP2 quantizes on (its copy-in stream, ordered after the training stream at
+        the root's forward; the training stream waits for the gather before the layer runs).
+
+        Raises:
+            StateTransitionError: a training forward outside an event, a second forward gather
+                of the layer in one event, or a backward gather with no forward gather.
+        """
+        ev = self._open
+        if layer not in self.gathered_layers:
+            raise StateTransitionError(
+                f"layer {layer!r} gathers its weight in FP8 but was not prepared for it: call "
+                "lightning_fp8state.nn.enable_fp8_all_gather(model) before fully_shard"
+            )
+        if ev is None:
+            if torch.is_grad_enabled() or in_backward():
+                raise StateTransitionError(
+                    f"layer {layer!r}: its weight was all-gathered for a training forward outside a logical "
+                    "event. Wrap forward and backward in `with state.step(step, microbatch)` (the Lightning "
+                    "callback does this), or run under torch.no_grad() for evaluation"
+                )
+            owner, index = self._gather_owner(layer, shard.device)
+            snap = self._live_snapshot(owner, index, None, None, 0, "weight")
+            if index in self.bank.fresh and self.config.initial_scale == "calibrate":
+                self._calibrate_sharded(index, shard, snap, group)
+            return self._encode(shard, snap, "weight"), snap
+        frame = current_frame()
+        if in_backward() or (frame is not None and frame.phase is Phase.RECOMPUTE):
+            snap = ev.gathered.get(layer)
+            if snap is None:
+                raise StateTransitionError(
+                    f"layer {layer!r}: its weight is all-gathered in the backward of event {ev.event}, but "
+                    "its forward gathered none in this event: no snapshot to re-gather with"
+                )
+            return self._encode(shard, snap, "weight"), snap
+        if layer in ev.gathered:
+            raise StateTransitionError(
+                f"layer {layer!r}: its weight was all-gathered twice in the forward of event {ev.event}. With "
+                "FP8 all-gather a layer is called once per event (one weight owner, one gathered scale); "
+                "a layer called at several sites (weight tying, a module reused) needs fp8_all_gather=False"
+            )
+        owner, index = self._gather_owner(layer, shard.device)  # registered at begin_event
+        # begin_event's frozen copy holds every gathered weight owner; owners registered later
+        # in the event (inputs, in the first event) make the layers' calls freeze a newer copy,
+        # with the same values: no commit happens before the forward ends
+        frozen = ev.frozen
+        snap = self._snapshot(owner, "weight", frozen.scale(index), frozen.descale(index), None, ev.event, None, 0)
+        if index in self.bank.fresh and self.config.initial_scale == "calibrate" and index not in ev.calibrated:
+            ev.calibrated.add(index)
+            self._calibrate_sharded(index, shard, snap, group)
+        ev.gathered[layer] = snap
+        return self._encode_record(index, shard, snap, "weight"), snap
+
+    def _calibrate_sharded(self, index: int, shard: torch.Tensor, snap: QuantSnapshot, group) -> None:
+        """The first scale of a sharded weight from the full weight's amax: the MAX of every
+        rank's shard amax (one all-reduce; an owner's first event only)."""
+        amax = self.bank.amax_of(shard) if shard.numel() else torch.zeros(1, device=shard.device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        self.bank.calibrate_from_amax(index, amax, snap.scale, snap.descale, self.config.margin)
+
+    def adopt(self, record: CallRecord, role: str, data: torch.Tensor, snap: QuantSnapshot, phase: Phase):
+        """Take ``role``'s operand already quantized before the call (an FP8 all-gather of the
+        weight, :meth:`gather_weight`) with its snapshot, instead of quantizing it here: the
+        true forward observes the owner (its amax was recorded at the gather), a recompute
+        reads it. Returns ``(data, snap)`` as :meth:`quantize` does.
+
+        Raises:
+            StateTransitionError: the snapshot belongs to another owner of the layer (a second
+                call site of a layer whose weight is gathered once per event).
+            StaleSnapshotError: the snapshot belongs to another event.
+        """
+        owner = record.owners[role]
+        if snap.owner != owner:
+            raise StateTransitionError(
+                f"layer {record.layer!r}: its all-gathered FP8 weight belongs to {snap.owner}, this call is "
+                f"{owner}: with FP8 all-gather a layer is called once per event; a layer called at several "
+                "sites (weight tying, a module reused) needs fp8_all_gather=False"
+            )
+        if phase is not Phase.INFERENCE:
+            event = self._require_open(f"adopting {owner}'s operand").event
+            if snap.event != event:
+                raise StaleSnapshotError(
+                    f"{owner}: the all-gathered FP8 weight was quantized in event {snap.event}, this is event "
+                    f"{event}: a weight gathered in one event cannot serve another"
+                )
+            if phase is Phase.RECOMPUTE:
+                self.ledger.recompute_read(event, owner)
+            else:
+                self._observe(record, role, event, recompute=False)
+        record.used[role] = snap
+        if self.auditors:
+            self._observe_operand(record, role, phase, data, snap)
+        return data, snap
 
     def _encode(self, x: torch.Tensor, snap: QuantSnapshot, role: str, prologue: Prologue | None = None):
         """Quantize with ``snap``, recording nothing."""

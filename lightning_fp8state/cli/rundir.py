@@ -199,7 +199,9 @@ def _checkpoint_candidates(run_dir: Path) -> list[Path]:
 def _read_checkpoint(path: Path) -> dict:
     """The checkpoint's contents (memory-mapped: tensors are not read), or RunDirectoryError."""
     target = path
-    if path.is_dir():  # DeepSpeed: a directory of shards; the client state is in mp_rank_00
+    if path.is_dir() and (path / "meta.pt").is_file():  # FSDP2 (DCP): Lightning's state beside the shards
+        target = path / "meta.pt"
+    elif path.is_dir():  # DeepSpeed: a directory of shards; the client state is in mp_rank_00
         shards = sorted(path.rglob("*mp_rank_00_model_states.pt"))  # ZeRO-3: zero_pp_rank_0_...
         if not shards:
             raise ValueError("a checkpoint directory without mp_rank_00_model_states.pt")

@@ -40,7 +40,7 @@ __all__ = [
 WANDB_MODES = ("offline", "online", "disabled")
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
-STRATEGIES = ("auto", "fp8state_ddp", "fp8state_deepspeed")
+STRATEGIES = ("auto", "fp8state_ddp", "fp8state_deepspeed", "fp8state_fsdp")
 ZERO_STAGES = (1, 3)  # lowest and highest DeepSpeed ZeRO stage
 
 
@@ -152,16 +152,21 @@ class TrainerCfg:
 
 @dataclass
 class StrategyCfg:
-    name: str = "auto"  # auto | fp8state_ddp | fp8state_deepspeed
+    name: str = "auto"  # auto | fp8state_ddp | fp8state_deepspeed | fp8state_fsdp
     zero_stage: int = 2  # DeepSpeed ZeRO stage 1-3
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
+    # fp8state_fsdp: all-gather converted weights as FP8 codes at the delayed scale (else in
+    # the parameters' dtype); free each block's gathered parameters after its forward
+    fp8_all_gather: bool = True
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         require_choice("name", self.name, STRATEGIES)
         require_int("zero_stage", self.zero_stage, *ZERO_STAGES)
-        for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
+        keys = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
+        for key in (*keys, "fp8_all_gather", "reshard_after_forward"):
             require_bool(key, getattr(self, key))
 
 

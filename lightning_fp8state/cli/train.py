@@ -131,6 +131,10 @@ def _strategy(cfg: DictConfig):
 
     if s.name == "fp8state_ddp":
         return strategies.Fp8StateDDPStrategy()
+    if s.name == "fp8state_fsdp":
+        from ..lightning import Fp8StateFSDPStrategy  # noqa: PLC0415
+
+        return Fp8StateFSDPStrategy(fp8_all_gather=s.fp8_all_gather, reshard_after_forward=s.reshard_after_forward)
     return strategies.Fp8StateDeepSpeedStrategy(
         stage=s.zero_stage,
         partition_activations=s.partition_activations,
@@ -347,7 +351,8 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
         save_last=True,
         enable_version_counter=False,  # a resume rewrites last.ckpt / step=N.ckpt (atomically), never last-v1.ckpt
     )
-    plugins = [] if cfg.strategy.name == "fp8state_deepspeed" else [AtomicCheckpointIO()]
+    # DeepSpeed and FSDP2 write their own (sharded) checkpoint directories
+    plugins = [] if cfg.strategy.name in ("fp8state_deepspeed", "fp8state_fsdp") else [AtomicCheckpointIO()]
     try:
         trainer = pl.Trainer(
             default_root_dir=str(run_dir),

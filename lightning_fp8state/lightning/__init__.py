@@ -1,25 +1,28 @@
 """Lightning integration: Fp8StateCallback, TelemetryCallback and the fp8state_ddp /
-fp8state_deepspeed strategies (the only layer, with the CLI, that imports Lightning).
+fp8state_deepspeed / fp8state_fsdp strategies (the only layer, with the CLI, that imports Lightning).
 
 Importing this module (``import lightning_fp8state.lightning``, or touching
 ``lightning_fp8state.lightning.Fp8StateCallback``) registers the strategies with Lightning's
-registry, so ``Trainer(strategy="fp8state_ddp" | "fp8state_deepspeed")`` finds them.
+registry, so ``Trainer(strategy="fp8state_ddp" | "fp8state_deepspeed" | "fp8state_fsdp")`` finds them.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .callback import Fp8StateCallback
 from .checkpoint_io import AtomicCheckpointIO
+from .fsdp import Fp8StateFSDPStrategy
 from .strategies import Fp8StateDDPStrategy, Fp8StateDeepSpeedStrategy, register_strategies
 from .telemetry_callback import LightningLoggerSink, TelemetryCallback, wandb_logger
 
 register_strategies(StrategyRegistry)
+Fp8StateFSDPStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "AtomicCheckpointIO",
     "Fp8StateCallback",
     "Fp8StateDDPStrategy",
     "Fp8StateDeepSpeedStrategy",
+    "Fp8StateFSDPStrategy",
     "LightningLoggerSink",
     "TelemetryCallback",
     "register_strategies",

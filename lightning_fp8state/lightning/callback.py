@@ -32,7 +32,7 @@ from ..errors import StateLoadError, StateTransitionError
 from ..fp8state import Fp8State
 from ..nn import ConversionReport
 
-__all__ = ["CHECKPOINT_FORMAT_VERSION", "CHECKPOINT_KEY", "Fp8StateCallback"]
+__all__ = ["CHECKPOINT_FORMAT_VERSION", "CHECKPOINT_KEY", "Fp8StateCallback", "check_resume_world_size"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,29 @@ log = logging.getLogger(__name__)
 # state dict}, "accumulated_grads": {rank: {param name: grad}} | None, "callback": {...}}
 CHECKPOINT_KEY = "fp8state"
 CHECKPOINT_FORMAT_VERSION = 1
+
+
+def check_resume_world_size(saved_world: int, world: int, fitting: bool, *, sharded: bool = False) -> None:
+    """Refuse to train on from a checkpoint of another world size (``StateLoadError``).
+
+    Each rank's delayed-scaling history belongs to its own data (and, under FSDP2, its own
+    weight shard), so the quantizer state cannot be resharded exactly; evaluation may.
+    """
+    if saved_world == world or not fitting:
+        return
+    weights = (
+        " The sharded weights could be resharded, the per-rank quantizer state cannot: the resume is refused, "
+        "not resharded."
+        if sharded
+        else ""
+    )
+    raise StateLoadError(
+        f"the checkpoint holds the quantizer state of {saved_world} rank(s), this run has {world}: "
+        "each rank's delayed-scaling history belongs to its own data, so training cannot resume "
+        f"exactly with another world size.{weights} Resume with devices x num_nodes = {saved_world}, or "
+        "load only the weights (e.g. LightningModule.load_from_checkpoint) and train on from fresh "
+        "quantizer state"
+    )
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -166,6 +189,12 @@ class Fp8StateCallback(Callback):
                 "under ZeRO stage 3 they must be converted before DeepSpeed wraps the model. Call "
                 "`callback.state.convert(self)` at the end of configure_model"
             )
+        if late.converted and getattr(trainer.strategy, "fp8state_sharded", False):
+            raise MisconfigurationException(
+                f"layers {late.converted} were created in configure_model, after Fp8StateCallback.setup: under "
+                "FSDP2 they must be converted before fully_shard. Call `callback.state.convert(self)` (then "
+                "lightning_fp8state.nn.fsdp.enable_fp8_all_gather(self)) before fully_shard in configure_model"
+            )
         self._close_after_backward = pl_module.automatic_optimization
         if self.state.protocol.amax_reducer is None and trainer.world_size > 1:
             group = getattr(trainer.strategy, "fp8state_process_group", None)
@@ -262,11 +291,13 @@ class Fp8StateCallback(Callback):
         # fp8state_deepspeed keeps its engine's window itself (and marks what it could not keep)
         mid_window = self._grads_pending and not getattr(trainer.strategy, "fp8state_saves_accumulation", False)
         if mid_window and self.save_accumulated_grads:
-            if trainer.strategy.handles_gradient_accumulation:
+            sharded = getattr(trainer.strategy, "fp8state_sharded", False)
+            if trainer.strategy.handles_gradient_accumulation or sharded:
+                where = "sharded across ranks" if sharded else "inside its engine"
                 rank_zero_warn(
                     f"lightning_fp8state: a checkpoint is saved inside a gradient-accumulation window, but "
-                    f"{type(trainer.strategy).__name__} keeps the accumulated gradients inside its engine, where "
-                    "they cannot be saved: resuming from it loses this window's earlier microbatches. Save at an "
+                    f"{type(trainer.strategy).__name__} keeps the accumulated gradients {where}, "
+                    "where they cannot be saved: resuming from it loses this window's earlier microbatches. Save at an "
                     "optimizer-step boundary (ModelCheckpoint(every_n_train_steps=...)) for an exact resume"
                 )
             else:
@@ -316,14 +347,8 @@ class Fp8StateCallback(Callback):
         saved_world, world, rank = entry["world_size"], trainer.world_size, trainer.global_rank
         ranks = entry["ranks"]
         if saved_world != world:
-            if trainer.state.fn == TrainerFn.FITTING:
-                raise StateLoadError(
-                    f"the checkpoint holds the quantizer state of {saved_world} rank(s), this run has {world}: "
-                    "each rank's delayed-scaling history belongs to its own data, so training cannot resume "
-                    f"exactly with another world size. Resume with devices x num_nodes = {saved_world}, or "
-                    "load only the weights (e.g. LightningModule.load_from_checkpoint) and train on from fresh "
-                    "quantizer state"
-                )
+            sharded = getattr(trainer.strategy, "fp8state_sharded", False)
+            check_resume_world_size(saved_world, world, trainer.state.fn == TrainerFn.FITTING, sharded=sharded)
             # Read-only stages (validate/test/predict) may run on another world size: each rank
             # reads the state of saved rank (rank mod saved world size).
             source = rank % saved_world

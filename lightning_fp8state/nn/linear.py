@@ -34,7 +34,11 @@ class _Fp8LinearFn(torch.autograd.Function):
     ):
         x2 = x.reshape(-1, x.shape[-1])
         xq, sx = protocol.quantize(record, "input", x2, phase, prologue)
-        wq, sw = protocol.quantize(record, "weight", weight, phase)
+        gathered = getattr(weight, "fp8", None)  # an FSDP2 FP8 all-gather's codes (nn/fsdp.py)
+        if gathered is not None:
+            wq, sw = protocol.adopt(record, "weight", gathered, weight.snapshot, phase)
+        else:
+            wq, sw = protocol.quantize(record, "weight", weight, phase)
         if phase is not Phase.INFERENCE:
             protocol.check_consumer(record, "input", sx)
             protocol.check_consumer(record, "weight", sw)

@@ -80,6 +80,7 @@ class StateBank:
         self.fresh: set[int] = set()
         self._alloc(torch.device("cpu"), 0)
 
+    @torch.inference_mode(False)  # an owner first seen in evaluation (inference_mode) stays trainable
     def _alloc(self, device: torch.device, n: int) -> None:
         f32 = {"dtype": torch.float32, "device": device}
         c = max(self.center_width, default=0)
@@ -119,6 +120,7 @@ class StateBank:
             "center_min": self.center_min,
         }
 
+    @torch.inference_mode(False)
     def to(self, device: torch.device) -> None:
         """Move every tensor to ``device`` (the bank follows the first tensor it serves)."""
         with self._lock:
@@ -207,9 +209,23 @@ class StateBank:
         """
         if x.numel() == 0:
             return
+        self.calibrate_from_amax(index, self.amax_of(x, center), scale, descale, margin)
+
+    @staticmethod
+    def amax_of(x: torch.Tensor, center: torch.Tensor | None = None) -> torch.Tensor:
+        """``max |x|`` (of ``x - center`` for a centered owner) as a float32 ``[1]`` tensor, on
+        ``x``'s device (no host sync)."""
         with torch.no_grad():  # x may require grad (an attention operand): the scale must not
             lo, hi = torch.aminmax(x if center is None else x.float() - center)
-            pending = torch.maximum(lo.abs(), hi.abs()).float().reshape(1)
+            return torch.maximum(lo.abs(), hi.abs()).float().reshape(1)
+
+    def calibrate_from_amax(
+        self, index: int, amax: torch.Tensor, scale: torch.Tensor, descale: torch.Tensor, margin: int
+    ) -> None:
+        """:meth:`calibrate` from an amax already computed (``[1]``, float32): e.g. the MAX of
+        the shards' amaxes of a weight sharded across ranks (FSDP), which is the full weight's."""
+        with torch.no_grad():
+            pending = amax.reshape(1)
             device = pending.device
             ops.update_scales(
                 torch.zeros(1, 1, dtype=torch.float32, device=device),  # an empty one-entry history
@@ -223,6 +239,7 @@ class StateBank:
                 margin,
             )
 
+    @torch.inference_mode(False)
     def mask(self, indices: tuple[int, ...]) -> torch.Tensor:
         """A device bool mask selecting ``indices`` (cached: the same set recurs every step)."""
         m = self._masks.get(indices)

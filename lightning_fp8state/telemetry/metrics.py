@@ -7,6 +7,7 @@ one step earlier): the caller decides when they reach the host (only on log step
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +34,8 @@ def gradient_norms(grads: Sequence[torch.Tensor], ord: float = 2.0) -> torch.Ten
     """
     if not grads:
         return torch.zeros(0, dtype=torch.float64)
+    if any(hasattr(g, "device_mesh") for g in grads):  # sharded (FSDP2 DTensor) gradients
+        return _sharded_norms(grads, ord)
     device = grads[0].device
     by_device: dict[torch.device, list[int]] = {}
     for i, g in enumerate(grads):
@@ -44,6 +47,29 @@ def gradient_norms(grads: Sequence[torch.Tensor], ord: float = 2.0) -> torch.Ten
         norms = torch.stack(torch._foreach_norm([grads[i] for i in idx], ord, dtype=torch.float64))
         out[torch.tensor(idx, device=device)] = norms.to(device, non_blocking=True)
     return out
+
+
+def _sharded_norms(grads: Sequence[torch.Tensor], ord: float) -> torch.Tensor:
+    """:func:`gradient_norms` of DTensor gradients (FSDP2: sharded on a mesh): each rank's
+    local norms, combined over the mesh in one all-reduce (SUM of squares, or MAX for the
+    inf-norm); a replicated gradient counts once."""
+    import torch.distributed as dist  # noqa: PLC0415  (only with sharded gradients)
+
+    locals_ = [g.to_local() if hasattr(g, "device_mesh") else g for g in grads]
+    norms = gradient_norms(locals_, ord)
+    sharded = [hasattr(g, "device_mesh") and any(p.is_shard() for p in g.placements) for g in grads]
+    mesh = next(g.device_mesh for g in grads if hasattr(g, "device_mesh"))
+    if mesh.ndim != 1:
+        raise ValueError(f"gradient norms of DTensors on a {mesh.ndim}-D mesh are not supported: expected a 1-D mesh")
+    mask = torch.tensor(sharded, device=norms.device)
+    group = mesh.get_group()
+    if math.isinf(ord):
+        part = torch.where(mask, norms, torch.zeros_like(norms))
+        dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
+        return torch.where(mask, part, norms)
+    part = torch.where(mask, norms.pow(ord), torch.zeros_like(norms))
+    dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
+    return torch.where(mask, part.pow(1.0 / ord), norms)
 
 
 def source_groups(names: Sequence[str], by: str = "layer") -> tuple[list[str], list[int]]:

@@ -101,7 +101,10 @@ class SaturationProbe:
             if prologue is not None:  # what was quantized: the fused prologue's output
                 x = prologue.apply(x)
             self._count(record, "input", x)
-            self._count(record, "weight", module.weight)
+            # an FSDP2 FP8 all-gathered weight arrives as codes (nn/fsdp.py): the high-precision
+            # values are spread over the ranks, so its saturation is not counted here
+            if getattr(module.weight, "fp8", None) is None:
+                self._count(record, "weight", module.weight)
         # The output that receives the gradient: the true forward's (no checkpoint,
         # non-reentrant) or the recompute's (reentrant engines run the first forward under
         # no_grad). One hook per call record.

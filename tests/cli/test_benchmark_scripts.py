@@ -59,3 +59,28 @@ def test_train_step_saturation_diagnostic_counts_clamped_elements_per_role(monke
     assert set(rows[1]) == {"input", "weight", "grad_output"}
     assert rows[1]["input"] > 0.9
     assert rows[1]["weight"] < 0.01 and rows[0]["input"] < 0.01
+
+
+def test_fsdp_step_smoke_runs_every_variant_on_two_cpu_processes(tmp_path):
+    """fsdp_step.py --smoke: a tiny GPT on two gloo processes, every variant in one run (torchao's
+    printed as not measured on the CPU). Ours with FP8 all-gather sends fewer all-gather bytes than
+    the same model gathered in fp32 (the weights travel as 1 byte an element), and both run the
+    one amax all-reduce a step; the baseline none."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.lightning.launch import launch_env
+
+    out = tmp_path / "fsdp.json"
+    env = launch_env() | {"OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(BENCH / "fsdp_step.py"), "--smoke", "--json", str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "torchao" in done.stdout and "not measured" in done.stdout
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"bf16", "torchao", "torchao_fp8ag", "ours_hpag", "ours"}
+    assert not rows["torchao"]["measured"] and not rows["torchao_fp8ag"]["measured"]
+    bf16, hp, ours = rows["bf16"], rows["ours_hpag"], rows["ours"]
+    assert bf16["all_gather_bytes_per_step"] == hp["all_gather_bytes_per_step"] > ours["all_gather_bytes_per_step"]
+    assert ours["all_reduces_per_step"] == hp["all_reduces_per_step"] == 1 and bf16["all_reduces_per_step"] == 0

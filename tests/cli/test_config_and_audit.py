@@ -22,6 +22,7 @@ def test_there_are_recipes_and_pieces():
         "tiny_gpt_cpu",
         "gpt_124m_h200",
         "gpt_350m_h200x2_deepspeed",
+        "gpt_1b_h200x2_fsdp",
         "multinode_template",
     }
     assert len(PIECES) >= 8

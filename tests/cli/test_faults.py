@@ -487,6 +487,7 @@ def test_bare_fp8state_prints_the_usage(capsys):
         (["trainer.gradient_clip_val=inf"], ["trainer.gradient_clip_val=inf", "finite"]),
         (["gpt_124m_h200"], ["gpt_124m_h200", "trainer.accelerator='gpu'", "needs a CUDA GPU", "tiny_gpt_cpu"]),
         (["gpt_350m_h200x2_deepspeed"], ["gpt_350m_h200x2_deepspeed", "needs a CUDA GPU"]),
+        (["gpt_1b_h200x2_fsdp"], ["gpt_1b_h200x2_fsdp", "needs a CUDA GPU"]),
         (["multinode_template"], ["multinode_template", "needs a CUDA GPU"]),
     ],
 )

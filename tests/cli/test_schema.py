@@ -38,7 +38,13 @@ def test_the_model_schema_is_the_model_config():
 
 def test_a_recipe_states_the_defaults_it_wants_and_a_bare_one_gets_the_librarys(tmp_path):
     """Today's CLI behaviour (head excluded, violations counted) comes from the recipes' YAML."""
-    for recipe in ("tiny_gpt_cpu", "gpt_124m_h200", "gpt_350m_h200x2_deepspeed", "multinode_template"):
+    for recipe in (
+        "tiny_gpt_cpu",
+        "gpt_124m_h200",
+        "gpt_350m_h200x2_deepspeed",
+        "gpt_1b_h200x2_fsdp",
+        "multinode_template",
+    ):
         q = quant_config(load_config(recipe))
         assert q.exclude == ("*head",) and q.strict is False, recipe
     bare = tmp_path / "bare.yaml"

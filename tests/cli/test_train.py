@@ -145,39 +145,59 @@ def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(run_root, wor
     assert read_jsonl(split / "telemetry.jsonl")[-1]["step"] == 30
 
 
-def test_two_rank_ddp_resume_through_the_cli_is_bit_identical(run_root):
-    """Two CPU ranks (fp8state_ddp over gloo), launched by ``fp8state train``: 10 steps resumed
-    to 20 log the same loss and gradient norm, bit for bit, on steps 11-20 as one run of 20."""
+def _two_rank_resume_tails(run_root, strategy: str, total: int, log_every: int) -> tuple[dict, dict]:
+    """Two CPU ranks launched by ``fp8state train`` with ``strategy``: one run of ``total`` steps,
+    and one stopped at ``total / 2`` and resumed to ``total``; each run's logged (loss, gradient
+    norm) per step after the split."""
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
+    from tests.lightning.launch import launch_env  # noqa: PLC0415
+
+    half = total // 2
     common = [
         *SMALL,
-        "strategy.name=fp8state_ddp",
+        f"strategy.name={strategy}",
         "trainer.devices=2",
         "trainer.deterministic=true",
-        "trainer.schedule_steps=20",
-        "trainer.checkpoint_every_n_steps=10",
+        f"trainer.schedule_steps={total}",
+        f"trainer.checkpoint_every_n_steps={half}",
         "telemetry.wandb=disabled",
-        "telemetry.log_every_n_steps=5",
+        f"telemetry.log_every_n_steps={log_every}",
         "quant.strict=true",
     ]
-
-    from tests.lightning.launch import launch_env  # noqa: PLC0415
 
     def train(*args):
         cmd = [sys.executable, "-m", "lightning_fp8state", "train", *args]
         done = subprocess.run(cmd, cwd=run_root, env=launch_env(), capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
-    train(*common, "trainer.max_steps=20", f"out_dir={run_root}", "name=whole")
-    train(*common, "trainer.max_steps=10", f"out_dir={run_root}", "name=split")
-    train("--resume", str(run_root / "split"), "trainer.max_steps=20")
+    train(*common, f"trainer.max_steps={total}", f"out_dir={run_root}", "name=whole")
+    train(*common, f"trainer.max_steps={half}", f"out_dir={run_root}", "name=split")
+    train("--resume", str(run_root / "split"), f"trainer.max_steps={total}")
 
     def tail(name):
         rows = read_jsonl(run_root / name / "telemetry.jsonl")
-        return {r["step"]: (r["train/loss"], r["train/grad_norm"]) for r in rows if r["step"] > 10}
+        return {r["step"]: (r["train/loss"], r["train/grad_norm"]) for r in rows if r["step"] > half}
 
-    whole, split = tail("whole"), tail("split")
+    return tail("whole"), tail("split")
+
+
+def test_two_rank_ddp_resume_through_the_cli_is_bit_identical(run_root):
+    """Two CPU ranks (fp8state_ddp over gloo), launched by ``fp8state train``: 10 steps resumed
+    to 20 log the same loss and gradient norm, bit for bit, on steps 11-20 as one run of 20."""
+    whole, split = _two_rank_resume_tails(run_root, "fp8state_ddp", 20, 5)
     assert sorted(whole) == list(range(11, 21))
+    assert split == whole
+
+
+def test_two_rank_fsdp_resume_through_the_cli_is_bit_identical(run_root):
+    """``strategy.name=fp8state_fsdp`` on two CPU ranks (FSDP2 over gloo, weights all-gathered in
+    FP8): the run writes sharded checkpoint directories (one shard file per rank), and 4 steps
+    resumed to 8 log the same loss and gradient norm (the norm of the sharded gradients), bit for
+    bit, on steps 5-8 as one run of 8."""
+    whole, split = _two_rank_resume_tails(run_root, "fp8state_fsdp", 8, 2)
+    last = run_root / "split" / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and len(list(last.glob("*.distcp"))) == 2
+    assert sorted(whole) == [5, 6, 7, 8]
     assert split == whole

@@ -8,16 +8,14 @@ compares the ranks.
 from __future__ import annotations
 
 import os
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import lightning_fp8state as f8s
 from tests.conftest import event_inputs, make_stack, run_events
+from tests.distributed.spawn import spawn
 
 N_EVENTS = 3
 
@@ -69,22 +67,10 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("reduction")
-    ctx = mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=2, start_method="spawn", join=False)
-    deadline = time.monotonic() + 300
-    while not ctx.join(timeout=5):  # raises if a worker failed
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the two gloo workers did not finish within 300 s")
+    spawn(_worker, (str(out),), what="gloo workers")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

@@ -20,6 +20,7 @@ from torch.utils.data import DistributedSampler
 
 import lightning_fp8state as f8s
 from lightning_fp8state.models import ResumableLoader
+from lightning_fp8state.nn.fsdp import gathered_layers
 from tests.lightning.models import CheckpointedBoring, ScaledDataset
 
 DEFAULTS = {
@@ -68,6 +69,16 @@ class Perturb(Callback):
             pl_module.perturb_frozen(trainer.global_rank)
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``t``; a sharded (FSDP2) DTensor is gathered whole first (a collective)."""
+    from lightning_fp8state.nn.fsdp import plain_shard
+
+    t = plain_shard(t)
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach().float().cpu().clone()
+
+
 def _key(owner) -> str:
     return f"{owner.layer}#{owner.site}.{owner.role}"
 
@@ -78,7 +89,7 @@ def momentum_buffers(trainer) -> list:
     if not isinstance(optimizer, torch.optim.SGD):
         return []
     return [
-        s["momentum_buffer"].detach().float().cpu().clone()
+        _full(s["momentum_buffer"])
         for s in optimizer.state_dict()["state"].values()
         if s.get("momentum_buffer") is not None
     ]
@@ -111,10 +122,11 @@ def observe(trainer, model, cb) -> dict:
         "audit_recomputed": None if report is None else report.recomputed,
         "audit_mismatches": None if report is None else len(report.mismatches),
         "audit_table": None if report is None else report.format_table(),
-        "params": {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()},
+        "params": {k: _full(v) for k, v in model.state_dict().items()},
         "momentum": momentum_buffers(trainer),
         "device": str(state.bank.device),  # where the quantizers ran (Lightning may move the model back)
         "strategy": type(trainer.strategy).__name__,
+        "fp8_gathered": gathered_layers(model),  # layers whose weight FSDP2 gathers in FP8
         "default_engine": f8s.recompute.default_engine(),
         # DeepSpeed's micro-step counter (its accumulation boundaries); None without DeepSpeed
         "engine_micro_steps": getattr(getattr(trainer.strategy, "deepspeed_engine", None), "micro_steps", None),
@@ -127,6 +139,7 @@ def _strategy(spec):
     classes = {
         "fp8state_ddp": f8s.lightning.Fp8StateDDPStrategy,
         "fp8state_deepspeed": f8s.lightning.Fp8StateDeepSpeedStrategy,
+        "fp8state_fsdp": f8s.lightning.Fp8StateFSDPStrategy,
     }
     return classes[spec["strategy"]](**spec["strategy_kwargs"])
 

@@ -368,3 +368,19 @@ def test_saving_inside_an_event_is_refused_with_lightning_advice():
     with pytest.raises(f8s.StateTransitionError, match="save from on_train_batch_end or later"):
         cb.on_save_checkpoint(SimpleNamespace(strategy=SimpleNamespace(handles_gradient_accumulation=False)), model, {})
     cb.state.abort_event()
+
+
+def test_a_save_inside_a_window_under_sharded_parameters_warns_and_is_marked():
+    """fp8state_fsdp (fp8state_sharded): the accumulated gradients are sharded DTensors; the save
+    inside a window warns that they cannot be kept and marks the entry."""
+    from types import SimpleNamespace
+
+    cb = Fp8StateCallback()
+    model = make_model()
+    cb.setup(SimpleNamespace(global_rank=0), model, "fit")
+    cb._grads_pending = True
+    trainer = SimpleNamespace(strategy=SimpleNamespace(handles_gradient_accumulation=False, fp8state_sharded=True))
+    checkpoint = {}
+    with pytest.warns(UserWarning, match="keeps the accumulated gradients sharded across ranks"):
+        cb.on_save_checkpoint(trainer, model, checkpoint)
+    assert checkpoint["fp8state"]["accumulation_lost"] is True

@@ -160,3 +160,64 @@ def test_the_callback_takes_the_strategys_engine_for_its_state_s_events(monkeypa
     assert len(calls) == 2 * 2  # two blocks, two steps: every unnamed call went through DeepSpeed
     assert cb.audit_report().ok and cb.audit_report().recomputed >= 1
     assert f8s.recompute.default_engine() == "torch"
+
+
+# -- fp8state_fsdp (the two-rank runs: tests/lightning/test_fsdp.py, tests/distributed/test_fsdp.py) --
+def test_fsdp_strategy_is_registered_and_takes_its_arguments():
+    from lightning_fp8state.lightning import Fp8StateFSDPStrategy
+
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="fp8state_fsdp", logger=False)
+    assert isinstance(trainer.strategy, Fp8StateFSDPStrategy)
+    assert trainer.strategy.fp8_all_gather is True and trainer.strategy.reshard_after_forward is True
+    s = Fp8StateFSDPStrategy(fp8_all_gather=False, shard_modules=["blocks.*"], reshard_after_forward=False)
+    assert (s.fp8_all_gather, s.shard_modules, s.reshard_after_forward) == (False, ("blocks.*",), False)
+    assert s.fp8state_sharded is True
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"fp8_all_gather": "yes"}, r"fp8_all_gather='yes' is not allowed: expected True or False"),
+        ({"reshard_after_forward": 1}, r"reshard_after_forward=1 is not allowed"),
+        ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 is not allowed: .*data parallel only"),
+        ({"save_distributed_checkpoint": False}, r"save_distributed_checkpoint=False is not allowed"),
+        ({"shard_modules": "blocks.*"}, r"shard_modules='blocks.\*' is not allowed: expected a list"),
+    ],
+)
+def test_fsdp_strategy_arguments_are_validated(kwargs, match):
+    from lightning_fp8state.lightning import Fp8StateFSDPStrategy
+
+    with pytest.raises(MisconfigurationException, match=match):
+        Fp8StateFSDPStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"amax_reduction": "none"}, r"fp8_all_gather=True cannot run .*amax_reduction gives the weight 'none'"),
+        ({"ownership": "per_layer_rank_stream"}, r"cannot run .*ownership='per_layer_rank_stream'"),
+        ({"mode": "naive", "strict": False}, r"cannot run .*mode='naive'"),
+    ],
+)
+def test_fsdp_strategy_refuses_quantizer_configurations_fp8_all_gather_cannot_serve(config, match):
+    from lightning_fp8state.lightning import Fp8StateFSDPStrategy
+
+    with pytest.raises(MisconfigurationException, match=match):
+        Fp8StateFSDPStrategy().check_config(f8s.QuantConfig(**config))
+    Fp8StateFSDPStrategy(fp8_all_gather=False).check_config(f8s.QuantConfig(**config))  # gathers hp: fine
+    Fp8StateFSDPStrategy().check_config(f8s.QuantConfig(recipe="bf16"))  # nothing quantized: nothing to gather
+
+
+def test_fsdp_default_units_are_the_blocks_and_the_wrapped_network():
+    from lightning_fp8state.lightning.fsdp import default_shard_units
+    from lightning_fp8state.models import GPT, GPTConfig
+
+    class Module(pl.LightningModule):  # training_step calls self.model, never self's forward
+        def __init__(self):
+            super().__init__()
+            self.model = GPT(GPTConfig(n_layers=2))
+
+    assert default_shard_units(Module()) == ["model.blocks.0", "model.blocks.1", "model"]
+    stack = torch.nn.Module()
+    stack.inp, stack.blocks = torch.nn.Linear(2, 2), torch.nn.ModuleList([Block(4), Block(4)])
+    assert default_shard_units(stack) == ["blocks.0", "blocks.1", "inp"]

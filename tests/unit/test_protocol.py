@@ -347,3 +347,17 @@ def test_errors_subclass_the_nearest_builtin():
         f8s.AmbiguousRecomputeError,
     ):
         assert issubclass(err, RuntimeError)
+
+
+def test_an_owner_first_seen_under_inference_mode_trains_afterwards():
+    """Lightning's sanity check runs validation under torch.inference_mode before any training
+    step: the owners registered there must not make the bank inference tensors, which the first
+    commit would then refuse to update in place."""
+    state = f8s.Fp8State(f8s.QuantConfig())
+    model = state.convert(make_stack(n=1))
+    with torch.inference_mode():
+        model(torch.randn(2, 16))
+    assert not state.bank.amax_history.is_inference()
+    with state.step(0):
+        model(torch.randn(2, 16)).float().pow(2).mean().backward()
+    assert all(state.ledger.commits(o) == 1 for o in state.bank.owners)

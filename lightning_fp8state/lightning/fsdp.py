@@ -1,0 +1,273 @@
+"""fp8state_fsdp: Lightning's FSDP2 path (``ModelParallelStrategy``) with FP8 all-gather of weights.
+
+The strategy shards the model itself with ``fully_shard`` (each block of every ``nn.ModuleList``,
+or the modules ``shard_modules`` names, then the root) over a one-dimensional data-parallel
+mesh, after :class:`Fp8StateCallback` converted it, so no ``configure_model`` is needed (a
+model that shards itself there is taken as it is, and checked). With ``fp8_all_gather`` (the
+default) every converted weight is all-gathered as FP8 codes at the event's frozen delayed
+scale (:mod:`lightning_fp8state.nn.fsdp`); the weight owners' amaxes are MAX-reduced over the
+shard group in the one all-reduce at ``commit_forward``, so every rank commits the same scale.
+
+Checkpoints are sharded (torch distributed checkpoint: a directory, one shard file per rank);
+the quantizer state of every rank travels in Lightning's metadata file of that directory, as
+under DDP. A resume on another world size is refused before anything is loaded (the weights
+could be resharded, the per-rank quantizer state cannot).
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_load, _is_sharded_checkpoint
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+from typing_extensions import override
+
+from ..errors import StateLoadError
+from ..nn import Fp8Linear
+from ..nn.fsdp import enable_fp8_all_gather, fp8_all_gather_problem, gathered_layers, plain_shard
+from .callback import CHECKPOINT_KEY, Fp8StateCallback, check_resume_world_size
+from .strategies import _require_callback
+
+__all__ = ["Fp8StateFSDPStrategy", "default_shard_units"]
+
+
+def default_shard_units(model: nn.Module) -> list[str]:
+    """The modules FSDP2 shards by default: every member of every ``nn.ModuleList`` (a
+    transformer's blocks), then every direct child of ``model`` holding parameters outside
+    those (the network a LightningModule wraps, e.g. ``self.model``, whose forward its
+    ``training_step`` calls: its remaining parameters are gathered when that forward runs,
+    not at the LightningModule's own forward, which ``training_step`` may never call). The
+    root is sharded too, holding what is left."""
+    names = [
+        f"{name}.{i}" if name else str(i)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList)
+        for i in range(len(module))
+    ]
+    modules = dict(model.named_modules())
+    covered = {id(p) for n in names for p in modules[n].parameters()}
+    for name, child in model.named_children():
+        if not isinstance(child, nn.ModuleList) and any(id(p) not in covered for p in child.parameters()):
+            names.append(name)
+    return names
+
+
+class Fp8StateFSDPStrategy(ModelParallelStrategy):
+    """FSDP2 (``fully_shard``) for stateful FP8 training; registered as ``fp8state_fsdp``.
+
+    Args:
+        fp8_all_gather: all-gather converted weights as FP8 codes at the event's frozen
+            delayed scale (1 byte an element); ``False`` gathers them in the parameters' dtype
+            and each layer quantizes its full weight, as under DDP.
+        shard_modules: ``fnmatch`` patterns over module names: each match is its own FSDP2
+            unit (one all-gather); default: :func:`default_shard_units` (every member of every
+            ``nn.ModuleList``, and each direct child with other parameters). The root is
+            always a unit.
+        reshard_after_forward: free each unit's gathered parameters after its forward and
+            gather them again in the backward (FSDP2's default; with FP8 all-gather the
+            backward gather quantizes with the forward's snapshot: the same bytes).
+        mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` for every unit (default:
+            none, parameters gathered in their own dtype; FP8-gathered weights are quantized
+            from their high-precision shard either way).
+        process_group_backend, timeout: as ``ModelParallelStrategy``.
+
+    Data parallel only: every rank holds a shard of every unit (a one-dimensional mesh of the
+    world size); tensor parallelism is not supported.
+    """
+
+    strategy_name = "fp8state_fsdp"
+
+    def __init__(
+        self,
+        *,
+        fp8_all_gather: bool = True,
+        shard_modules: tuple[str, ...] | list[str] | None = None,
+        reshard_after_forward: bool = True,
+        mp_policy: Any = None,
+        process_group_backend: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        for key, value in (("fp8_all_gather", fp8_all_gather), ("reshard_after_forward", reshard_after_forward)):
+            if not isinstance(value, bool):
+                raise MisconfigurationException(f"{key}={value!r} is not allowed: expected True or False")
+        for key, allowed in (("data_parallel_size", "auto"), ("tensor_parallel_size", 1)):
+            if key in kwargs and kwargs[key] not in (allowed, "auto"):
+                raise MisconfigurationException(
+                    f"{key}={kwargs[key]!r} is not allowed: fp8state_fsdp shards over every rank (data "
+                    "parallel only, a one-dimensional mesh): leave it 'auto'"
+                )
+            kwargs.pop(key, None)
+        if kwargs.get("save_distributed_checkpoint", True) is not True:
+            raise MisconfigurationException(
+                "save_distributed_checkpoint=False is not allowed: fp8state_fsdp writes sharded checkpoints "
+                "(torch distributed checkpoint, one shard per rank)"
+            )
+        kwargs.pop("save_distributed_checkpoint", None)
+        if shard_modules is not None and (
+            isinstance(shard_modules, str) or not all(isinstance(p, str) for p in shard_modules)
+        ):
+            raise MisconfigurationException(
+                f"shard_modules={shard_modules!r} is not allowed: expected a list of module-name patterns"
+            )
+        super().__init__(process_group_backend=process_group_backend, save_distributed_checkpoint=True, **kwargs)
+        self.fp8_all_gather = fp8_all_gather
+        self.shard_modules = None if shard_modules is None else tuple(shard_modules)
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
+
+    # -- read by Fp8StateCallback ------------------------------------------------------
+    @property
+    def fp8state_process_group(self) -> Any:
+        """The shard group: the weight owners' amaxes are MAX-reduced over it (each rank
+        records its shard's amax; the MAX is the full weight's)."""
+        return self.device_mesh["data_parallel"].get_group()
+
+    @property
+    def fp8state_sharded(self) -> bool:
+        """Parameters are sharded: layers must be converted before the strategy's setup, and a
+        mid-window checkpoint cannot hold the (sharded) accumulated gradients."""
+        return True
+
+    # -- setup ---------------------------------------------------------------------
+    @override
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def _callback(self, trainer: pl.Trainer) -> Fp8StateCallback:
+        return next(cb for cb in trainer.callbacks if isinstance(cb, Fp8StateCallback))
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415  (FSDP2, torch >= 2.6)
+
+        _require_callback(trainer, self.strategy_name)
+        config = self._callback(trainer).state.config
+        self.check_config(config)
+        assert self.model is not None
+        self.accelerator.setup(trainer)
+        if any(isinstance(m, FSDPModule) for m in self.model.modules()):
+            self._check_presharded(self.model, config)
+        else:
+            self._shard(self.model)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def check_config(self, config) -> None:
+        """Refuse a quantizer configuration this strategy cannot serve (before anything is
+        sharded): with ``fp8_all_gather``, see :func:`~lightning_fp8state.nn.fsdp.fp8_all_gather_problem`."""
+        if self.fp8_all_gather and config.quantized:
+            problem = fp8_all_gather_problem(config)
+            if problem is not None:
+                raise MisconfigurationException(
+                    f"strategy '{self.strategy_name}' with fp8_all_gather=True cannot run {problem}; or pass "
+                    "Fp8StateFSDPStrategy(fp8_all_gather=False)"
+                )
+
+    def _shard(self, model: nn.Module) -> None:
+        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+        model.to(self.root_device)  # the shards live where the rank computes
+        gathered = enable_fp8_all_gather(model) if self.fp8_all_gather else []
+        names = default_shard_units(model)
+        if self.shard_modules is not None:
+            names = [n for n, _ in model.named_modules() if n and any(fnmatch(n, p) for p in self.shard_modules)]
+            if not names:
+                raise MisconfigurationException(
+                    f"shard_modules={list(self.shard_modules)} matches no module of {type(model).__name__}"
+                )
+        modules = dict(model.named_modules())
+        kwargs = {"mesh": self.device_mesh["data_parallel"], "reshard_after_forward": self.reshard_after_forward}
+        if self.mp_policy is not None:
+            kwargs["mp_policy"] = self.mp_policy
+        for name in names:
+            fully_shard(modules[name], **kwargs)
+        fully_shard(model, **kwargs)
+        rank_zero_info(
+            f"lightning_fp8state: FSDP2 over {self.world_size} rank(s): {len(names)} unit(s) + the root; "
+            f"{len(gathered)} weight(s) all-gathered in FP8 at the delayed scale"
+        )
+
+    def _check_presharded(self, model: nn.Module, config) -> None:
+        """A model sharded in ``configure_model``: with FP8 all-gather on, every converted
+        weight must have been prepared before ``fully_shard``."""
+        if not (self.fp8_all_gather and config.quantized):
+            return
+        converted = {m.layer_name for m in model.modules() if isinstance(m, Fp8Linear)}
+        missing = sorted(converted - set(gathered_layers(model)))
+        if missing:
+            raise MisconfigurationException(
+                f"the model was sharded in configure_model, but layers {missing[:5]} do not gather their weight "
+                "in FP8: call lightning_fp8state.nn.fsdp.enable_fp8_all_gather(self) before fully_shard there, "
+                "or let fp8state_fsdp shard the model (leave configure_model out), or pass fp8_all_gather=False"
+            )
+
+    # -- checkpoints ---------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The sharded state dict, each FP8-gathered weight as its plain high-precision shard."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False))
+        return {k: plain_shard(v) for k, v in state.items()}  # DCP writes device tensors itself
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Refuse another world size (before anything is loaded), then load the shards in place."""
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not _is_sharded_checkpoint(path):
+            raise StateLoadError(
+                f"{str(path)!r} is not a sharded checkpoint (a directory written by torch distributed checkpoint): "
+                f"strategy '{self.strategy_name}' resumes from the checkpoints it writes"
+            )
+        metadata = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        entry = metadata.get(CHECKPOINT_KEY)
+        if isinstance(entry, dict) and "world_size" in entry:
+            check_resume_world_size(entry["world_size"], self.world_size, fitting, sharded=True)
+        # the plain shards alias the parameters' storage: the load fills them in place
+        model_state = {"state_dict": {k: plain_shard(v) for k, v in get_model_state_dict(self.model).items()}}
+        _distributed_checkpoint_load(model_state, path)
+        for idx, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{idx}"
+            optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            _distributed_checkpoint_load(optim_state, path)
+            set_optimizer_state_dict(
+                self.model, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True)
+            )
+        return metadata
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if "fp8state_fsdp" not in strategy_registry:
+            strategy_registry.register(
+                "fp8state_fsdp", cls, description="FSDP2 with lightning_fp8state: FP8 all-gather at the delayed scale"
+            )

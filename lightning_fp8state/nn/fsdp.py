@@ -1,0 +1,265 @@
+"""FP8 all-gather of FSDP2-sharded Fp8Linear weights at the event's frozen delayed scale.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) all-gathers a parameter's shards before each
+use. Its extension hooks let the local shard choose what travels: a sharded parameter whose
+local tensor defines ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` sends the tensors the
+first returns and rebuilds the unsharded parameter from what the second gets back.
+
+:class:`Fp8ShardedWeight` is that local tensor for an :class:`~lightning_fp8state.nn.Fp8Linear`
+weight: in every other respect it behaves as the high-precision shard it wraps (the optimizer,
+gradient clipping and checkpoints see that). Before the all-gather it asks the layer's protocol
+to quantize the shard at the event's frozen weight scale (:meth:`QuantProtocol.gather_weight`:
+the snapshot the layer's call pairs with the data; the shard's amax recorded; no collective for
+the scale, which delayed scaling knows before the step), so one byte an element travels. After
+it, the layer's weight is a :class:`Fp8GatheredWeight`: the gathered FP8 codes and their
+snapshot, with the parameter's dtype and shape for autograd; Fp8Linear consumes the codes
+(:meth:`QuantProtocol.adopt`) and returns the weight's gradient in the parameter's dtype, which
+FSDP2 reduce-scatters as usual. Quantization is elementwise, so the gathered codes are bitwise
+those of quantizing the full weight at that scale. A backward re-gather (FSDP2 reshards after
+the forward; a checkpointed region's recompute) quantizes with the same snapshot: same bytes.
+
+Call :func:`enable_fp8_all_gather` on a converted model before ``fully_shard``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from ..config import QuantConfig
+from ..errors import ConfigError
+from .linear import Fp8Linear
+
+__all__ = [
+    "Fp8GatheredWeight",
+    "Fp8ShardedWeight",
+    "enable_fp8_all_gather",
+    "fp8_all_gather_problem",
+    "gathered_layers",
+    "plain_shard",
+]
+
+aten = torch.ops.aten
+
+# Ops through which the shard stays an Fp8ShardedWeight: what fully_shard does to the
+# parameter while it shards and pads it (views, slices, splits, in-place copies). Every other
+# op runs on the high-precision shard and returns plain tensors (optimizer states, gradients,
+# checkpoint copies never carry the wrapper).
+_KEEP_WRAPPER = {
+    aten.detach.default,
+    aten.alias.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.as_strided.default,
+    aten.slice.Tensor,
+    aten.narrow.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.new_zeros.default,
+    aten._to_copy.default,
+    aten.copy_.default,
+}
+
+
+class Fp8ShardedWeight(torch.Tensor):
+    """The local shard of an FSDP2-sharded Fp8Linear weight (a wrapper of the high-precision
+    shard) whose all-gather sends FP8 codes at the event's frozen weight scale."""
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            device=tensor.device,
+            layout=tensor.layout,
+            requires_grad=tensor.requires_grad,
+        )
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def __repr__(self) -> str:
+        return f"Fp8ShardedWeight({self._tensor!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is aten.detach.default:
+            return cls(args[0]._tensor.detach())
+        target = args[0] if func is aten.copy_.default else None  # in place: the same wrapper back
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if isinstance(target, cls):
+            return target
+        if func not in _KEEP_WRAPPER:
+            return out
+        return pytree.tree_map_only(torch.Tensor, cls, out)
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Fp8ShardedWeight(inner["_tensor"])
+
+    # -- FSDP2's all-gather extension --------------------------------------------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """This rank's shard as FP8 codes (bytes) at the event's frozen weight scale."""
+        if not isinstance(module, Fp8Linear):
+            raise TypeError(
+                f"Fp8ShardedWeight belongs to an Fp8Linear weight, but FSDP2 gathers it for a "
+                f"{type(module).__name__}: call enable_fp8_all_gather on the converted model"
+            )
+        if self.size(0) * mesh.size() != outer_size[0]:
+            raise ConfigError(
+                f"layer {module.layer_name!r}: its weight {tuple(outer_size)} is sharded unevenly over "
+                f"{mesh.size()} ranks; FP8 all-gather needs out_features divisible by the shard group size. "
+                "Set fp8_all_gather=False, or exclude the layer from conversion"
+            )
+        protocol = module.protocol
+        q, snap = protocol.gather_weight(module.layer_name, self._tensor, mesh.get_group())
+        return (q.view(torch.uint8),), (snap, q.dtype)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The layer's unsharded weight: the gathered codes and the snapshot they were made with."""
+        (data,) = all_gather_outputs
+        snap, dtype = metadata
+        if out is not None:  # the same buffer was refilled: only the snapshot is new
+            out._snapshot = snap
+            return None
+        return Fp8GatheredWeight(data.view(dtype), snap, param_dtype), (data,)
+
+
+class Fp8GatheredWeight(torch.Tensor):
+    """An all-gathered Fp8Linear weight: FP8 codes (``fp8``) and their snapshot (``snapshot``),
+    presented to autograd with the parameter's dtype and shape. Only Fp8Linear consumes it;
+    any other op on it is refused (it holds no high-precision values)."""
+
+    @staticmethod
+    def __new__(cls, fp8: torch.Tensor, snapshot, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, fp8.size(), strides=fp8.stride(), dtype=dtype, device=fp8.device, requires_grad=False
+        )
+
+    def __init__(self, fp8: torch.Tensor, snapshot, dtype: torch.dtype) -> None:
+        self.fp8 = fp8
+        self._snapshot = snapshot
+
+    @property
+    def snapshot(self):
+        """The snapshot (frozen scale and descale, stamps) the codes were quantized with."""
+        return self._snapshot
+
+    def __repr__(self) -> str:
+        return f"Fp8GatheredWeight(shape={tuple(self.shape)}, {self.fp8.dtype}, {self._snapshot})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        t = args[0] if args else None
+        if func in (aten.detach.default, aten.alias.default) and isinstance(t, cls):
+            return cls(t.fp8, t._snapshot, t.dtype)
+        if func is aten.as_strided.default and isinstance(t, cls):
+            size, stride = list(args[1]), list(args[2])
+            offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0) if kwargs else 0
+            if size == list(t.shape) and stride == list(t.stride()) and not offset:
+                return cls(t.fp8, t._snapshot, t.dtype)
+        layer = getattr(getattr(t, "_snapshot", None), "owner", None)
+        raise RuntimeError(
+            f"{func} reached the FP8 all-gathered weight of {layer}: it holds FP8 codes only and is consumed "
+            "by Fp8Linear. Code that reads this weight outside the layer's forward needs fp8_all_gather=False "
+            "(or exclude the layer from conversion)"
+        )
+
+    def __tensor_flatten__(self):
+        return ["fp8"], (self._snapshot, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        snapshot, dtype = meta
+        return Fp8GatheredWeight(inner["fp8"], snapshot, dtype)
+
+
+def fp8_all_gather_problem(config: QuantConfig) -> str | None:
+    """Why ``config`` cannot gather weights in FP8 at the delayed scale (``None``: it can)."""
+    if config.mode != "safe":
+        return f"QuantConfig.mode={config.mode!r}: FP8 all-gather needs mode='safe' (the naive modes are defects)"
+    if config.ownership not in ("per_layer", "per_layer_rank"):
+        return (
+            f"QuantConfig.ownership={config.ownership!r}: FP8 all-gather needs 'per_layer' or 'per_layer_rank' "
+            "(FSDP2 quantizes the shard on its own copy-in stream, not the stream that runs the layer, so a "
+            "per-stream owner cannot be told there; per_model is the defect)"
+        )
+    if config.reduction_of("weight") != "data_parallel":
+        return (
+            f"QuantConfig.amax_reduction gives the weight {config.reduction_of('weight')!r}: with FP8 all-gather "
+            "each rank records only its shard's amax, so the weight's amax must be reduced over the shard "
+            "group (amax_reduction={'weight': 'data_parallel', ...}, the default)"
+        )
+    return None
+
+
+def enable_fp8_all_gather(model: nn.Module) -> list[str]:
+    """Make every converted Fp8Linear of ``model`` gather its weight in FP8 under FSDP2.
+
+    Call after conversion and before ``fully_shard``: each such layer's weight becomes an
+    :class:`Fp8ShardedWeight` (same values, same ``nn.Parameter``) and its protocol learns the
+    layer (its weight owner is then registered, and the event's scales frozen, at each event's
+    start). Under the ``bf16`` recipe nothing changes (nothing is quantized). Returns the names
+    of the layers.
+
+    Raises:
+        ConfigError: a protocol whose configuration cannot gather in FP8
+            (:func:`fp8_all_gather_problem`), or a layer already sharded.
+    """
+    names = []
+    for module in model.modules():
+        if not isinstance(module, Fp8Linear) or not module.protocol.config.quantized:
+            continue
+        problem = fp8_all_gather_problem(module.protocol.config)
+        if problem is not None:
+            raise ConfigError(f"fp8_all_gather=True is not allowed with {problem}")
+        weight = module.weight
+        if isinstance(weight, Fp8ShardedWeight):  # enabled before: only the registration below
+            module.protocol.gathered_layers[module.layer_name] = lambda m=module: m.weight.device
+            names.append(module.layer_name)
+            continue
+        if type(weight.data) is not torch.Tensor:
+            raise ConfigError(
+                f"layer {module.layer_name!r}: its weight is a {type(weight.data).__name__} (already sharded?): "
+                "call enable_fp8_all_gather before fully_shard"
+            )
+        module.weight = nn.Parameter(Fp8ShardedWeight(weight.data), requires_grad=weight.requires_grad)
+        # the device is read at each event's start: fully_shard may move the shard
+        module.protocol.gathered_layers[module.layer_name] = lambda m=module: m.weight.device
+        names.append(module.layer_name)
+    return names
+
+
+def gathered_layers(model: nn.Module) -> list[str]:
+    """Names of the Fp8Linear layers of ``model`` whose weight is gathered in FP8."""
+    out = []
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            local = getattr(module.weight, "_local_tensor", module.weight)  # a sharded DTensor's shard
+            if isinstance(local, (Fp8ShardedWeight, Fp8GatheredWeight)):
+                out.append(module.layer_name)
+    return out
+
+
+def plain_shard(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without the wrapper: a DTensor whose local shard is an :class:`Fp8ShardedWeight`
+    becomes the same DTensor over the plain high-precision shard (sharing its storage), for
+    checkpoints and comparisons; anything else is returned as it is."""
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, Fp8ShardedWeight):
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415  (only with FSDP2 in use)
+
+        return DTensor.from_local(
+            local._tensor, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+    if isinstance(t, Fp8ShardedWeight):
+        return t._tensor
+    return t

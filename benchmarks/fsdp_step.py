@@ -95,9 +95,9 @@ class CollectiveCounter:
         self.on = False
         self.gather_bytes = 0
         self.all_reduces = 0
-        self._orig = {
-            name: getattr(dist, name) for name in ("all_gather_single", "all_gather_into_tensor", "all_reduce")
-        }
+        # all_gather_single is newer than some torch releases (2.11 has only all_gather_into_tensor)
+        names = ("all_gather_single", "all_gather_into_tensor", "all_reduce")
+        self._orig = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
         def gather(name):
             def wrapped(output, input, *a, **k):
@@ -112,9 +112,8 @@ class CollectiveCounter:
                 self.all_reduces += 1
             return self._orig["all_reduce"](tensor, *a, **k)
 
-        dist.all_gather_single = gather("all_gather_single")
-        dist.all_gather_into_tensor = gather("all_gather_into_tensor")
-        dist.all_reduce = all_reduce
+        for name in self._orig:
+            setattr(dist, name, all_reduce if name == "all_reduce" else gather(name))
 
     def close(self) -> None:
         for name, fn in self._orig.items():

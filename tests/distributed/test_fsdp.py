@@ -73,6 +73,9 @@ class _Recorder:
         self.snapshots[key] = (snap.scale.clone(), snap.owner)
 
 
+_COLLECTIVES = ("all_reduce", "all_gather_single", "all_gather_into_tensor")
+
+
 class _CollectiveCounter:
     """Counts all-reduces and the bytes every all-gather sends from this rank, per event."""
 
@@ -80,32 +83,31 @@ class _CollectiveCounter:
         self.state = state
         self.all_reduces: dict = {}
         self.gather_bytes: dict = {}
-        self._orig = (dist.all_reduce, dist.all_gather_single, dist.all_gather_into_tensor)
+        # all_gather_single is newer than some torch releases FSDP2 runs on (2.11 has only
+        # all_gather_into_tensor): wrap the entry points this torch has
+        self._orig = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
 
         def all_reduce(tensor, *a, **k):
             self._add(self.all_reduces, 1)
-            return self._orig[0](tensor, *a, **k)
+            return self._orig["all_reduce"](tensor, *a, **k)
 
-        def all_gather_single(output, input, *a, **k):
-            self._add(self.gather_bytes, input.numel() * input.element_size())
-            return self._orig[1](output, input, *a, **k)
+        def gather(name):
+            def wrapped(output, input, *a, **k):
+                self._add(self.gather_bytes, input.numel() * input.element_size())
+                return self._orig[name](output, input, *a, **k)
 
-        def all_gather_into_tensor(output, input, *a, **k):
-            self._add(self.gather_bytes, input.numel() * input.element_size())
-            return self._orig[2](output, input, *a, **k)
+            return wrapped
 
-        dist.all_reduce, dist.all_gather_single, dist.all_gather_into_tensor = (
-            all_reduce,
-            all_gather_single,
-            all_gather_into_tensor,
-        )
+        for name in self._orig:
+            setattr(dist, name, all_reduce if name == "all_reduce" else gather(name))
 
     def _add(self, table, n) -> None:
         event = self.state.event
         table[event] = table.get(event, 0) + n
 
     def close(self) -> None:
-        dist.all_reduce, dist.all_gather_single, dist.all_gather_into_tensor = self._orig
+        for name, fn in self._orig.items():
+            setattr(dist, name, fn)
 
 
 def _model(state, device: torch.device, *, fsdp: bool, fp8_all_gather: bool = True):

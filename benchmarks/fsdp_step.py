@@ -243,10 +243,10 @@ def report(results: list[dict], args, world: int) -> None:
         )
         if base is not None:
             mem = f"{r['peak_gib'] / base['peak_gib']:>7.2f}" if base["peak_gib"] else f"{'-':>7}"  # CPU: none
-            line += (
-                f"{r['tokens_per_s'] / base['tokens_per_s']:>9.2f}"
-                f"{r['all_gather_bytes_per_step'] / base['all_gather_bytes_per_step']:>7.2f}{mem}"
-            )
+            # one rank: FSDP2 gathers nothing
+            ag_base = base["all_gather_bytes_per_step"]
+            ag = f"{r['all_gather_bytes_per_step'] / ag_base:>7.2f}" if ag_base else f"{'-':>7}"
+            line += f"{r['tokens_per_s'] / base['tokens_per_s']:>9.2f}{ag}{mem}"
         print(line)
 
 

@@ -120,6 +120,10 @@ class CollectiveCounter:
             setattr(dist, name, fn)
 
 
+def _inputs_to_float32(module, args):
+    return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+
 def build(variant: str, cfg: GPTConfig, args, device: torch.device, rank: int):
     """The sharded model, its Fp8State (ours) and optimizer; None when the variant cannot run."""
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
@@ -148,7 +152,15 @@ def build(variant: str, cfg: GPTConfig, args, device: torch.device, rank: int):
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     block_policy = policy
     if variant == "ours" and args.ours_block_dtype == "fp32":
-        block_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        # The blocks' inputs are cast to float32 by a hook of ours, not by FSDP2: torch 2.11's
+        # FSDP2 casts a unit's inputs in its forward but skips that in a checkpoint's recompute
+        # (torch 2.13 casts in both), and the recompute then fails torch's metadata check
+        # (seen on the H200). A module pre-hook runs in the forward and in the recompute alike.
+        block_policy = MixedPrecisionPolicy(
+            param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+        for block in model.blocks:
+            block.register_forward_pre_hook(_inputs_to_float32)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=block_policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -72,17 +72,22 @@ class _Fp8LinearFn(torch.autograd.Function):
         for snap, role in ((sx, "input"), (sw, "weight"), (sg, "grad_output")):
             protocol.check_consumer(record, role, snap)
         grad_x = grad_w = grad_b = grad_nw = grad_nb = None
+        # The weight gradient first: its operands (gq^T, and the transpose of xq made inside)
+        # are freed before the input gradient (float32 where x is) and the prologue's backward
+        # allocate theirs, so the two sets never coexist.
+        if needs[1]:
+            grad_w = scaled_matmul(gq_t, xq, sg.descale, sx.descale, ctx.w_dtype, ctx.backend)
+        del gq_t
+        if want_bias:
+            sums = g2.sum(0, dtype=torch.float32) if g_sums is None else g_sums  # no float32 copy of g2
+            grad_b = sums.to(ctx.bias_dtype)
         if needs[0] or needs[3] or needs[4]:
             grad_x = scaled_matmul(gq, wq, sg.descale, sw.descale, ctx.x_dtype, ctx.backend)
+            del gq
             if prologue is not None:
                 x2, *stats = prologue_saved
                 grad_x, grad_nw, grad_nb = prologue.backward(grad_x, x2, tuple(stats), (needs[0], needs[3], needs[4]))
             grad_x = None if grad_x is None else grad_x.reshape(ctx.x_shape)
-        if needs[1]:
-            grad_w = scaled_matmul(gq_t, xq, sg.descale, sx.descale, ctx.w_dtype, ctx.backend)
-        if want_bias:
-            sums = g2.sum(0, dtype=torch.float32) if g_sums is None else g_sums  # no float32 copy of g2
-            grad_b = sums.to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, grad_nw, grad_nb, None, None, None, None, None, None
 
 

@@ -84,3 +84,63 @@ def test_fsdp_step_smoke_runs_every_variant_on_two_cpu_processes(tmp_path):
     bf16, hp, ours = rows["bf16"], rows["ours_hpag"], rows["ours"]
     assert bf16["all_gather_bytes_per_step"] == hp["all_gather_bytes_per_step"] > ours["all_gather_bytes_per_step"]
     assert ours["all_reduces_per_step"] == hp["all_reduces_per_step"] == 1 and bf16["all_reduces_per_step"] == 0
+
+
+def _fsdp_step_under_torch_2_11_recompute(rank, port, steps):
+    """One gloo rank: fsdp_step.py's ``ours`` variant (bf16 root, float32 blocks, FP8 all-gather)
+    under CPU bf16 autocast, with FSDP2 patched to behave as torch 2.11's does in a checkpoint's
+    recompute: no cast of the unit's inputs (torch 2.13 casts them in the recompute too)."""
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.fsdp._fully_shard import _fsdp_state as fsdp_state
+
+    def pre_forward_2_11(self, module, args, kwargs):
+        if self._training_state == fsdp_state.TrainingState.PRE_BACKWARD:
+            for group in self._fsdp_param_groups:
+                if not group.is_unsharded:
+                    group.unshard()
+                    group.wait_for_unshard()
+            return args, kwargs  # torch 2.11: the inputs are not cast again
+        return original(self, module, args, kwargs)
+
+    original = fsdp_state.FSDPState._pre_forward
+    fsdp_state.FSDPState._pre_forward = pre_forward_2_11
+    sys.path.insert(0, str(BENCH))
+    import fsdp_step
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=1)
+    try:
+        args = fsdp_step.parse(["--smoke"])
+        args.param_dtype = "bf16"
+        cfg = fsdp_step.GPTConfig(
+            vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads
+        )
+        model, state, opt, _ = fsdp_step.build("ours", cfg, args, torch.device("cpu"), rank)
+        norm_forward = model.ln.forward  # the CPU LayerNorm takes no float32 input with bf16 weights
+        model.ln.forward = lambda x: norm_forward(x.to(model.ln.weight.dtype))
+        for i, (x, y) in enumerate(fsdp_step.batches(cfg, args.batch, steps, "cpu")):
+            with state.step(i):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    logits = model(x)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                state.commit_forward()
+                loss.backward()  # the recompute saw other dtypes than the forward: CheckpointError
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_step_float32_blocks_recompute_under_torch_2_11_fsdp():
+    """The H200 (torch 2.11) failed fsdp_step.py's ``ours`` variant with a CheckpointError: its
+    float32 blocks under a bf16 root relied on FSDP2 casting their inputs, which torch 2.11's
+    FSDP2 skips in a checkpoint's recompute. The benchmark casts them with a pre-hook of its own,
+    which runs in the forward and the recompute alike."""
+    from tests.distributed.spawn import spawn
+
+    spawn(_fsdp_step_under_torch_2_11_recompute, (2,), nprocs=1, timeout=240, what="FSDP2 processes")

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..encoders import ACTIVATIONS, CastTranspose, Fp8Encoder, Prologue
+from ..encoders import ACTIVATIONS, CastTranspose, Prologue
 from ..protocol import QuantProtocol
 from ..recompute import Phase
 from .gemm import scaled_matmul
@@ -14,6 +14,8 @@ from .gemm import scaled_matmul
 __all__ = ["Fp8Linear", "LINEAR_ROLES"]
 
 LINEAR_ROLES = ("input", "weight", "grad_output")
+# grad_output's stage (stateless: one of each, shared): with and without the bias gradient
+_CAST_TRANSPOSE = {True: CastTranspose(True), False: CastTranspose(False)}
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -65,10 +67,8 @@ class _Fp8LinearFn(torch.autograd.Function):
             g2 = g2.contiguous()
         needs = ctx.needs_input_grad
         want_bias = ctx.has_bias and needs[2]
-        # one read of grad_output: its codes, their transpose and the bias gradient
-        stage = CastTranspose(want_bias) if isinstance(protocol.encoder("grad_output"), Fp8Encoder) else None
-        gq, sg = protocol.quantize(record, "grad_output", g2, Phase.FORWARD, stage)
-        gq, gq_t, g_sums = gq if stage is not None else (gq, gq.t(), None)
+        # one read of grad_output (always an FP8 format): its codes, their transpose and the bias gradient
+        (gq, gq_t, g_sums), sg = protocol.quantize(record, "grad_output", g2, Phase.FORWARD, _CAST_TRANSPOSE[want_bias])
         for snap, role in ((sx, "input"), (sw, "weight"), (sg, "grad_output")):
             protocol.check_consumer(record, role, snap)
         grad_x = grad_w = grad_b = grad_nw = grad_nb = None
@@ -79,8 +79,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             grad_w = scaled_matmul(gq_t, xq, sg.descale, sx.descale, ctx.w_dtype, ctx.backend)
         del gq_t
         if want_bias:
-            sums = g2.sum(0, dtype=torch.float32) if g_sums is None else g_sums  # no float32 copy of g2
-            grad_b = sums.to(ctx.bias_dtype)
+            grad_b = g_sums.to(ctx.bias_dtype)
         if needs[0] or needs[3] or needs[4]:
             grad_x = scaled_matmul(gq, wq, sg.descale, sw.descale, ctx.x_dtype, ctx.backend)
             del gq

@@ -54,6 +54,9 @@ from .state import (
 
 __all__ = ["QuantProtocol"]
 
+# keep_for_backward: key -> a call's host-side state, across protocols (a backward names only the key)
+_KEPT: dict[int, object] = {}
+
 
 class _Scratch(NamedTuple):
     """Where recompute's quantize records to (read by no one): the bank's statistics' shape."""
@@ -74,6 +77,7 @@ class _OpenEvent:
     forward_committed: bool = False  # commit_forward() ran in this event
     calibrated: set = field(default_factory=set)  # bank indices whose frozen scale this event calibrated
     gathered: dict = field(default_factory=dict)  # layer -> the weight snapshot its FP8 all-gather used
+    kept: list = field(default_factory=list)  # (key, state) kept for a backward (compiled path), released at close
 
 
 class QuantProtocol:
@@ -216,6 +220,9 @@ class QuantProtocol:
 
     def _close(self, ev: _OpenEvent) -> None:
         with self._lock:
+            for key, state in ev.kept:  # what no backward took (checkpointed true forwards)
+                if _KEPT.get(key) is state:
+                    del _KEPT[key]
             self.stash.release()
             self.guard.clear()
             self.clock.end()
@@ -256,6 +263,7 @@ class QuantProtocol:
         device: torch.device,
         *,
         channels: Mapping[str, int] | None = None,
+        grad_enabled: bool | None = None,
     ) -> tuple[Phase, CallRecord]:
         """Identify one call of ``layer``: its phase and its call record.
 
@@ -270,6 +278,9 @@ class QuantProtocol:
             channels: per role, the size of the last dimension of the tensor it will
                 quantize; needed for centered FP4 roles (their running center has one value
                 per channel).
+            grad_enabled: whether the call builds a graph for a backward; default
+                ``torch.is_grad_enabled()`` (a compiled graph's op passes what held at trace
+                time: inside it autograd runs with gradients off).
 
         Raises:
             StateTransitionError: a training forward (grad enabled) outside any event.
@@ -279,7 +290,7 @@ class QuantProtocol:
         backward = in_backward()
         ev = self._open
         if ev is None:
-            if torch.is_grad_enabled() or backward:
+            if (torch.is_grad_enabled() if grad_enabled is None else grad_enabled) or backward:
                 raise StateTransitionError(
                     f"layer {layer!r} ran a training forward outside a logical event: its amax "
                     "would belong to no step. Wrap forward and backward in `with state.step(step, "
@@ -405,6 +416,16 @@ class QuantProtocol:
             StaleSnapshotError: the snapshot is another owner's or another event's.
         """
         return snap.expect(owner=record.owners[role], event=self.clock.event)
+
+    def keep_for_backward(self, key: int, state) -> None:
+        """Hold ``state`` (what a call's backward needs besides its saved tensors) under ``key``
+        for an opaque op's backward, which takes it with :func:`take_kept` (torch.compile's
+        Fp8Linear, nn/linear_call.py: the key is the address of the call's input codes, unique
+        among live tensors). Released when taken or at the event's end; a key reused by a
+        later call (the first holder's tensor freed) is that call's."""
+        ev = self._require_open("keeping a call's state for its backward")
+        _KEPT[key] = state
+        ev.kept.append((key, state))
 
     # -- FP8 all-gather of sharded weights (FSDP2: lightning_fp8state.nn.fsdp) ---------
     def _gather_owner(self, layer: str, device: torch.device) -> tuple[object, int]:
@@ -641,3 +662,20 @@ class QuantProtocol:
         snaps = dict(snaps)
         for auditor in self.auditors:  # the auditors' copies: unseen by SAC
             outside_selective_checkpoint(auditor.observe, record, phase, output, snaps)
+
+
+def take_kept(key: int):
+    """The state :meth:`QuantProtocol.keep_for_backward` kept under ``key``, handed out once.
+
+    Raises:
+        StateTransitionError: none kept (the backward runs after its event ended, or a second
+            time, or for a call that built no graph).
+    """
+    state = _KEPT.pop(key, None)
+    if state is None:
+        raise StateTransitionError(
+            "a compiled Fp8Linear's backward found no state for its call: its event ended before the "
+            "backward ran, or the backward ran twice. Run backward inside the event of its forward "
+            "(`with state.step(...)`), once per forward"
+        )
+    return state

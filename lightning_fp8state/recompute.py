@@ -205,6 +205,9 @@ class CallRecord:
     snapshots: dict[str, QuantSnapshot]
     recomputes: int = 0
     used: dict = field(default_factory=dict)  # role -> the snapshot the last run consumed
+    # what the call derives from its parameters once per event, for its recomputes to reuse
+    # (the parameters do not change inside an event): e.g. Fp8Linear's bias in the GEMM's dtype
+    derived: dict = field(default_factory=dict)
 
 
 class SnapshotStash:

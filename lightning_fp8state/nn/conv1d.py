@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..protocol import QuantProtocol
-from .linear import LINEAR_ROLES, _Fp8LinearFn
+from .linear import _Fp8LinearFn
+from .linear_call import LINEAR_ROLES, fp8_linear_op, op_key
 
 __all__ = ["Fp8Conv1D", "is_hf_conv1d"]
 
@@ -43,6 +44,7 @@ class Fp8Conv1D(nn.Module):
         self.bias = nn.Parameter(torch.empty(nf, device="meta"))
         self.protocol = protocol
         self.layer_name = layer_name
+        self._op_key = op_key(self)  # names it to torch.compile's op (nn/linear_call.py)
 
     @classmethod
     def from_conv1d(cls, conv: nn.Module, *, protocol: QuantProtocol, layer_name: str) -> Fp8Conv1D:
@@ -55,8 +57,15 @@ class Fp8Conv1D(nn.Module):
     def extra_repr(self) -> str:
         return f"nf={self.nf}, nx={self.nx}, layer={self.layer_name!r}, recipe={self.protocol.config.recipe}"
 
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # under torch.compile: Fp8Linear's op on the weight view (nn/linear_call.py), no graph break
+        if torch.compiler.is_compiling():
+            if self.protocol.config.quantized:
+                return fp8_linear_op(self, x, self.weight.t(), self.bias, None, None)
+            return self._forward_outside_graph(x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         protocol = self.protocol
         config = protocol.config
         roles = LINEAR_ROLES if config.quantized else ()
@@ -76,3 +85,5 @@ class Fp8Conv1D(nn.Module):
             out = _Fp8LinearFn.apply(*args, x.dtype, config.gemm, None)
         protocol.observe_output(record, phase, out, record.used)
         return out
+
+    _forward_outside_graph = torch.compiler.disable(_forward)

@@ -41,6 +41,21 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+_MM_DEVICES: dict[torch.device, bool] = {}  # device -> scaled_mm_available (one lookup per call)
+
+
+def _mm_device(device: torch.device) -> bool:
+    ok = _MM_DEVICES.get(device)
+    if ok is None:
+        ok = _MM_DEVICES[device] = scaled_mm_available(device)
+    return ok
+
+
+def _scalar(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 0 else t.reshape(())  # the frozen descales are 0-d views already
+
+
 def scaled_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -53,16 +68,19 @@ def scaled_matmul(
     """``(a @ b) * descale_a * descale_b (+ bias)`` for FP8 ``a [M, K]`` and ``b [K, N]``.
 
     ``bias`` (``[N]``) is added in float32 before the one rounding to ``out_dtype`` (in
-    cuBLASLt's epilogue for 16-bit outputs: no separate pass over the output).
+    cuBLASLt's epilogue for 16-bit outputs: no separate pass over the output; a bias of
+    another dtype is converted first, or pass it converted: the training step calls this
+    several times a step with the same bias).
 
     ``backend``: ``auto`` (``_scaled_mm`` when available and the shapes allow it),
     ``emulated`` or ``scaled_mm`` (raises where it cannot run).
     """
+    # (on the host path of every linear call, 3-4 times a step: each check is kept cheap)
     use_mm = backend == "scaled_mm" or (
         backend == "auto"
-        and scaled_mm_available(a.device)
         and a.shape[1] % 16 == 0
         and b.shape[1] % 16 == 0
+        and _mm_device(a.device)
         and not (a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2)
     )
     if not use_mm:
@@ -70,11 +88,16 @@ def scaled_matmul(
     # _scaled_mm wants a row-major and b column-major. The backward's operands arrive the
     # other way round (transposed views of contiguous tensors): re-lay them out with the
     # byte transpose kernel, not torch's generic strided copy.
-    a = a if a.is_contiguous() else _row_major(a)
-    b = b if b.t().is_contiguous() else _row_major(b.t()).t()
-    scales = {"scale_a": descale_a.reshape(()), "scale_b": descale_b.reshape(())}
+    if not a.is_contiguous():
+        a = _row_major(a)
+    b_t = b.t()
+    if not b_t.is_contiguous():
+        b = _row_major(b_t).t()
+    sa, sb = _scalar(descale_a), _scalar(descale_b)
     if bias is None:
-        return torch._scaled_mm(a, b, **scales, out_dtype=out_dtype)
-    if out_dtype in (torch.bfloat16, torch.float16):  # the epilogue takes a 16-bit bias only
-        return torch._scaled_mm(a, b, **scales, bias=bias.to(out_dtype), out_dtype=out_dtype)
-    return torch._scaled_mm(a, b, **scales, out_dtype=out_dtype) + bias.to(out_dtype)
+        return torch._scaled_mm(a, b, sa, sb, out_dtype=out_dtype)
+    if out_dtype in _SIXTEEN_BIT:  # the epilogue takes a bias of the output's 16-bit dtype only
+        return torch._scaled_mm(
+            a, b, sa, sb, bias if bias.dtype == out_dtype else bias.to(out_dtype), out_dtype=out_dtype
+        )
+    return torch._scaled_mm(a, b, sa, sb, out_dtype=out_dtype) + bias.to(out_dtype)

@@ -6,88 +6,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..encoders import ACTIVATIONS, CastTranspose, Prologue
+from ..encoders import ACTIVATIONS, Prologue
 from ..protocol import QuantProtocol
-from ..recompute import Phase
-from .gemm import scaled_matmul
+from .linear_call import LINEAR_ROLES, _linear_backward, _linear_forward, fp8_linear_op, op_key
 
 __all__ = ["Fp8Linear", "LINEAR_ROLES"]
 
-LINEAR_ROLES = ("input", "weight", "grad_output")
-# grad_output's stage (stateless: one of each, shared): with and without the bias gradient
-_CAST_TRANSPOSE = {True: CastTranspose(True), False: CastTranspose(False)}
-
 
 class _Fp8LinearFn(torch.autograd.Function):
+    """The eager path: the protocol's bookkeeping runs in the call itself."""
+
     @staticmethod
-    def forward(
-        ctx,
-        x,
-        weight,
-        bias,
-        norm_weight,
-        norm_bias,
-        protocol: QuantProtocol,
-        record,
-        phase: Phase,
-        out_dtype,
-        backend,
-        prologue: Prologue | None,
-    ):
-        x2 = x.reshape(-1, x.shape[-1])
-        xq, sx = protocol.quantize(record, "input", x2, phase, prologue)
-        gathered = getattr(weight, "fp8", None)  # an FSDP2 FP8 all-gather's codes (nn/fsdp.py)
-        if gathered is not None:
-            wq, sw = protocol.adopt(record, "weight", gathered, weight.snapshot, phase)
-        else:
-            wq, sw = protocol.quantize(record, "weight", weight, phase)
-        if phase is not Phase.INFERENCE:
-            protocol.check_consumer(record, "input", sx)
-            protocol.check_consumer(record, "weight", sw)
-        y = scaled_matmul(xq, wq.t(), sx.descale, sw.descale, out_dtype, backend, bias)
-        # with a prologue, its input is kept for its backward (as the unfused op would keep it)
-        saved = (xq, wq) if prologue is None else (xq, wq, x2, *(prologue.stats or ()))
+    def forward(ctx, x, weight, bias, norm_weight, norm_bias, protocol, record, phase, out_dtype, backend, prologue):
+        y, saved, ctx.call = _linear_forward(x, weight, bias, protocol, record, phase, out_dtype, backend, prologue)
         ctx.save_for_backward(*saved)
-        if prologue is not None:
-            prologue.stats = None  # saved above (through the saved-tensor hooks), not held twice
-        ctx.snaps = (sx, sw)
-        ctx.protocol, ctx.record, ctx.backend, ctx.prologue = protocol, record, backend, prologue
-        ctx.x_dtype, ctx.x_shape, ctx.w_dtype = x.dtype, x.shape, weight.dtype
-        ctx.has_bias = bias is not None
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        xq, wq, *prologue_saved = ctx.saved_tensors
-        sx, sw = ctx.snaps
-        protocol, record, prologue = ctx.protocol, ctx.record, ctx.prologue
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        if not g2.is_contiguous():
-            g2 = g2.contiguous()
-        needs = ctx.needs_input_grad
-        want_bias = ctx.has_bias and needs[2]
-        # one read of grad_output (always an FP8 format): its codes, their transpose and the bias gradient
-        (gq, gq_t, g_sums), sg = protocol.quantize(record, "grad_output", g2, Phase.FORWARD, _CAST_TRANSPOSE[want_bias])
-        for snap, role in ((sx, "input"), (sw, "weight"), (sg, "grad_output")):
-            protocol.check_consumer(record, role, snap)
-        grad_x = grad_w = grad_b = grad_nw = grad_nb = None
-        # The weight gradient first: its operands (gq^T, and the transpose of xq made inside)
-        # are freed before the input gradient (float32 where x is) and the prologue's backward
-        # allocate theirs, so the two sets never coexist.
-        if needs[1]:
-            grad_w = scaled_matmul(gq_t, xq, sg.descale, sx.descale, ctx.w_dtype, ctx.backend)
-        del gq_t
-        if want_bias:
-            grad_b = g_sums.to(ctx.bias_dtype)
-        if needs[0] or needs[3] or needs[4]:
-            grad_x = scaled_matmul(gq, wq, sg.descale, sw.descale, ctx.x_dtype, ctx.backend)
-            del gq
-            if prologue is not None:
-                x2, *stats = prologue_saved
-                grad_x, grad_nw, grad_nb = prologue.backward(grad_x, x2, tuple(stats), (needs[0], needs[3], needs[4]))
-            grad_x = None if grad_x is None else grad_x.reshape(ctx.x_shape)
-        return grad_x, grad_w, grad_b, grad_nw, grad_nb, None, None, None, None, None, None
+        grads = _linear_backward(grad_out, ctx.saved_tensors, ctx.call, ctx.needs_input_grad)
+        return (*grads, None, None, None, None, None, None)
 
 
 class Fp8Linear(nn.Linear):
@@ -112,6 +50,7 @@ class Fp8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.protocol = getattr(protocol, "protocol", protocol)  # an Fp8State's protocol
         self.layer_name = layer_name
+        self._op_key = op_key(self)  # names it to torch.compile's op (nn/linear_call.py)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, protocol: QuantProtocol, layer_name: str) -> Fp8Linear:
@@ -138,11 +77,10 @@ class Fp8Linear(nn.Linear):
         """``self(x)``; with ``prologue="layer_norm"`` (and ``norm``) or ``prologue="gelu"``,
         ``self(norm(x))`` or ``self(gelu(x))`` with that op fused into the input's quantize
         (:func:`~lightning_fp8state.nn.linear_after` is the caller's entry point)."""
-        # The protocol's bookkeeping is Python with side effects: under torch.compile the call
-        # is a graph break and runs eager (the code around it compiles). Eagerly the call goes
-        # straight in: the disable wrapper's frame handling costs host time on every call.
+        # Under torch.compile the whole call is one opaque op that runs the protocol at run time
+        # (nn/linear_call.py): the graph around it does not break. Eagerly the call goes straight in.
         if torch.compiler.is_compiling():
-            return self._forward_outside_graph(x, prologue, norm)
+            return self._forward_compiled(x, prologue, norm)
         return self._forward(x, prologue, norm)
 
     def _forward(self, x: torch.Tensor, prologue: str | None, norm: nn.LayerNorm | None) -> torch.Tensor:
@@ -170,10 +108,32 @@ class Fp8Linear(nn.Linear):
         protocol.observe_output(record, phase, out, record.used)
         return out
 
+    # what the compiled path does not express as its op (no quantization, FSDP2 FP8 all-gathers):
+    # a graph break, the call run eagerly
     _forward_outside_graph = torch.compiler.disable(_forward)
 
+    def _forward_compiled(self, x: torch.Tensor, prologue: str | None, norm: nn.LayerNorm | None) -> torch.Tensor:
+        protocol = self.protocol
+        config = protocol.config
+        kind = self._prologue_kind(prologue, norm)
+        # (reads no per-module value but the key tensor: the blocks of a model share one graph)
+        if not config.quantized or protocol.gathered_layers:
+            return self._forward_outside_graph(x, prologue, norm)
+        if kind is not None and not config.fuse_prologues:
+            x = norm(x) if kind == "layer_norm" else F.gelu(x)  # the same op, unfused
+            kind = None
+        return fp8_linear_op(self, x, self.weight, self.bias, norm if kind == "layer_norm" else None, kind)
+
+    @classmethod
+    def _prologue(cls, prologue: str | None, norm: nn.LayerNorm | None) -> Prologue | None:
+        kind = cls._prologue_kind(prologue, norm)
+        if kind is None:
+            return None
+        return Prologue.layer_norm(norm) if kind == "layer_norm" else Prologue(kind)
+
     @staticmethod
-    def _prologue(prologue: str | None, norm: nn.LayerNorm | None) -> Prologue | None:
+    def _prologue_kind(prologue: str | None, norm: nn.LayerNorm | None) -> str | None:
+        """``prologue`` checked against ``norm``."""
         if prologue is None:
             if norm is not None:
                 raise ValueError('Fp8Linear: norm is only taken with prologue="layer_norm"')
@@ -183,9 +143,9 @@ class Fp8Linear(nn.Linear):
                 raise ValueError(
                     f'Fp8Linear: prologue="layer_norm" needs norm=<nn.LayerNorm>, got {type(norm).__name__}'
                 )
-            return Prologue.layer_norm(norm)
+            return prologue
         if prologue in ACTIVATIONS:
-            return Prologue(prologue)
+            return prologue
         raise ValueError(
             f"Fp8Linear: prologue={prologue!r} is not allowed: expected None, 'layer_norm' or one of {ACTIVATIONS}"
         )

@@ -1,27 +1,36 @@
-"""Compiled blocks: the protocol's entry points are graph breaks, the audit still holds.
+"""Compiled models: Fp8Linear is one opaque op in the graph, and every rule still holds.
 
-``Fp8Linear.forward`` and the FP4 attention quantizer are ``torch.compiler.disable``d, so a
-compiled block runs them eager between compiled regions. Forward and recompute must stay
-bit-identical in safe mode, and the naive defect must still show.
+Under ``torch.compile`` an ``Fp8Linear`` call is ``fp8state::fp8_linear`` (its backward
+``fp8state::fp8_linear_backward``): the protocol runs inside the op at run time, so a block
+compiles as one graph (``fullgraph=True`` raises on any break). What the compiled model computes
+must be bitwise what the eager model computes, forward and recompute must stay bit-identical in
+safe mode, the naive defect must still show, and the rules that depend on grad mode or on the
+event must still refuse what they refuse eagerly. The FP4 attention quantizer is still a graph
+break (``torch.compiler.disable``); the first test runs it too.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import lightning_fp8state as f8s
+from lightning_fp8state.errors import StateTransitionError
 from lightning_fp8state.models import GPT, GPTConfig
+from lightning_fp8state.nn import linear_after
+from tests.conftest import bitwise_equal
 
 
-def audit_compiled(mode: str, steps: int = 2):
+def audit_compiled(mode: str, steps: int = 2, fp4_attention: bool = True):
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model = GPT(GPTConfig(d_model=32, n_heads=2, n_layers=2, seq_len=32, fp4_attention=True))
+    model = GPT(GPTConfig(d_model=32, n_heads=2, n_layers=2, seq_len=32, fp4_attention=fp4_attention))
     state = f8s.Fp8State(f8s.QuantConfig(mode=mode, strict=False))
     state.convert(model)
     for block in model.blocks:
-        block.compile(backend="aot_eager")
+        block.compile(backend="aot_eager", fullgraph=not fp4_attention)
     x = torch.randint(0, 64, (2, 32))
     with f8s.RecomputeAuditor(state) as auditor:
         for step in range(steps):
@@ -32,12 +41,167 @@ def audit_compiled(mode: str, steps: int = 2):
     return auditor.report(), state
 
 
+@pytest.mark.parametrize("fp4_attention", [True, False], ids=["fp4-attention", "fp8-linears-only"])
 @pytest.mark.parametrize("mode", ["safe", "naive"])
-def test_compiled_blocks_keep_the_recompute_contract(mode):
-    report, state = audit_compiled(mode)
+def test_compiled_blocks_keep_the_recompute_contract(mode, fp4_attention):
+    report, state = audit_compiled(mode, fp4_attention=fp4_attention)
     assert report.recomputed > 0  # the checkpointed calls were recomputed and compared
     if mode == "safe":
         assert report.ok and not report.mismatches
         assert not state.ledger.violations
     else:
         assert report.mismatches, "the naive defect must still show through compiled blocks"
+
+
+class Mixed(nn.Module):
+    """Each way an Fp8Linear is called: LayerNorm prologue (affine and not), GELU prologue, plain,
+    with and without bias."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.ln_plain = nn.LayerNorm(d, elementwise_affine=False)
+        self.a = nn.Linear(d, 2 * d)
+        self.b = nn.Linear(2 * d, d, bias=False)
+        self.c = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = linear_after(self.b, linear_after(self.a, x, norm=self.ln), activation="gelu")
+        return x + self.c(h) + linear_after(self.c, h, norm=self.ln_plain)
+
+
+def _train(model, state, data, compiled: str | None, reentrant: bool = False):
+    """Steps of ``model`` (each block checkpointed); returns losses, grads per step and the bank."""
+    blocks = model.blocks if hasattr(model, "blocks") else [model]
+    if compiled is not None:
+        torch._dynamo.reset()
+        for block in blocks:
+            block.compile(backend=compiled, fullgraph=True)
+    losses, grads = [], []
+    for step, (x, y) in enumerate(data):
+        with state.step(step):
+            if isinstance(model, GPT):
+                loss = model.loss(x, y)
+            else:
+                x = x.detach().requires_grad_(reentrant)  # a reentrant checkpoint needs an input with grad
+                loss = F.mse_loss(f8s.checkpoint(model, x, use_reentrant=reentrant), y)
+            state.commit_forward()
+            loss.backward()
+        losses.append(loss.detach())
+        grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= 0.05 * p.grad
+                    p.grad = None
+    return losses, grads, state.bank.scale.clone()
+
+
+def _gpt(reentrant: bool, fuse: bool, exclude: tuple[str, ...] = ()):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_layers=2, n_heads=4, use_reentrant=reentrant))
+    state = f8s.Fp8State(f8s.QuantConfig(mode="safe", strict=True, fuse_prologues=fuse, exclude=exclude))
+    state.convert(model)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 64, (4, 32), generator=g), torch.randint(0, 64, (4, 32), generator=g)) for _ in range(3)]
+    return model, state, data
+
+
+def _mixed():
+    torch.manual_seed(0)
+    model = Mixed()
+    state = f8s.Fp8State(f8s.QuantConfig(mode="safe", strict=True))
+    state.convert(model)
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(4, 8, 32, generator=g) * (1 + i), torch.randn(4, 8, 32, generator=g)) for i in range(3)]
+    return model, state, data
+
+
+def _assert_same_run(eager, compiled):
+    (le, ge, se), (lc, gc, sc) = eager, compiled
+    for step, (a, b) in enumerate(zip(le, lc, strict=True)):
+        assert bitwise_equal(a, b), f"loss of step {step}"
+    for step, (ga, gb) in enumerate(zip(ge, gc, strict=True)):
+        for i, (a, b) in enumerate(zip(ga, gb, strict=True)):
+            assert (a is None) == (b is None), f"step {step}, parameter {i}: a gradient in one run only"
+            assert a is None or bitwise_equal(a, b), f"step {step}, parameter {i}"
+    assert bitwise_equal(se, sc), "the scales the runs advanced to"
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused-prologues", "unfused"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_compiled_gpt_is_one_graph_per_block_and_bitwise_the_eager_run(reentrant, fuse):
+    eager = _train(*_gpt(reentrant, fuse), compiled=None)
+    model, state, data = _gpt(reentrant, fuse)
+    compiled = _train(model, state, data, compiled="aot_eager")  # fullgraph: a graph break raises
+    _assert_same_run(eager, compiled)
+    assert not state.ledger.violations
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_every_call_form_compiles_to_the_eager_result(reentrant):
+    """Prologues with and without affine, no bias, a layer called at two sites; checkpointed."""
+    eager = _train(*_mixed(), compiled=None, reentrant=reentrant)
+    model, state, data = _mixed()
+    compiled = _train(model, state, data, compiled="aot_eager", reentrant=reentrant)
+    _assert_same_run(eager, compiled)
+
+
+def test_inductor_compiles_the_block_to_the_eager_result():
+    eager = _train(*_gpt(False, True), compiled=None)
+    compiled = _train(*_gpt(False, True), compiled="inductor")
+    _assert_same_run(eager, compiled)
+
+
+def test_a_compiled_training_forward_outside_an_event_is_refused():
+    """Inside a compiled forward autograd runs with gradients off; the op is told what held at
+    trace time, so an eval-looking call cannot slip past the event rule."""
+    model, _, data = _gpt(False, True, exclude=("head",))  # the eager head would refuse first
+    model.cfg.checkpoint = False
+    for block in model.blocks:
+        block.compile(backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    with pytest.raises(StateTransitionError, match="outside a logical event"):
+        model(data[0][0])
+    with torch.no_grad():  # evaluation: allowed, and the same as eager evaluation
+        out = model(data[0][0])
+    model_e, _, _ = _gpt(False, True, exclude=("head",))
+    with torch.no_grad():
+        assert bitwise_equal(out, model_e(data[0][0]))
+
+
+def test_a_compiled_backward_after_its_event_ended_is_refused():
+    model, state, data = _gpt(False, True, exclude=("head",))  # the eager head would refuse first
+    model.cfg.checkpoint = False  # the backward reaches the linears' op, not a recompute first
+    torch._dynamo.reset()
+    for block in model.blocks:
+        block.compile(backend="aot_eager", fullgraph=True)
+    with state.step(0):
+        loss = model.loss(*data[0])
+        state.commit_forward()
+    with pytest.raises(StateTransitionError, match="found no state"):
+        loss.backward()
+
+
+def test_the_blocks_of_a_model_share_one_compiled_graph():
+    """The op names its module by a key tensor (a graph input), not by a per-module constant: a
+    model's blocks (the same code) share one graph instead of recompiling per block (and
+    falling back to eager past dynamo's recompile limit of 8)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_layers=10, n_heads=2))
+    state = f8s.Fp8State(f8s.QuantConfig(mode="safe", strict=True))
+    state.convert(model)
+    torch._dynamo.reset()
+    counters.clear()
+    for block in model.blocks:
+        block.compile(backend="aot_eager", fullgraph=True)
+    x = torch.randint(0, 64, (2, 32))
+    for step in range(2):
+        with state.step(step):
+            loss = model.loss(x, x)
+            state.commit_forward()
+            loss.backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not state.ledger.violations

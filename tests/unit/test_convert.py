@@ -124,6 +124,24 @@ def test_conv1d_checkpointed_gradients_equal_uncheckpointed_bitwise():
         assert all(bitwise_equal(a[k], b[k]) for k in a)
 
 
+def test_conv1d_compiled_is_one_graph_and_bitwise_the_eager_run():
+    """Under torch.compile the converted Conv1D is Fp8Linear's op on the weight view: no graph
+    break (fullgraph), gradients bitwise the eager ones, checkpointed."""
+
+    def go(compiled):
+        torch.manual_seed(2)
+        model = GPT2Mlp()
+        state = f8s.Fp8State(f8s.QuantConfig())
+        state.convert(model)
+        inner = torch.compile(model.forward, backend="aot_eager", fullgraph=True) if compiled else model.forward
+        model.forward = lambda x: f8s.checkpoint(inner, x)
+        return events(state, model, n=3)
+
+    torch._dynamo.reset()
+    for a, b in zip(go(False), go(True), strict=True):
+        assert a.keys() == b.keys() and all(bitwise_equal(a[k], b[k]) for k in a)
+
+
 def test_multihead_attention_out_proj_is_not_claimed():
     """nn.MultiheadAttention reads out_proj.weight in F.multi_head_attention_forward: out_proj is
     reported not quantizable with the reason, never converted; every converted layer really

@@ -1,0 +1,283 @@
+"""One quantized linear call: its forward and backward bodies, run by the eager autograd
+Function of :class:`~lightning_fp8state.nn.Fp8Linear` (nn/linear.py), and torch.compile's path,
+which runs the same bodies as two opaque ops.
+
+The protocol's bookkeeping (ownership, snapshot choice, the ledger, stamps) is host Python with
+side effects, which dynamo cannot trace. Instead of a graph break at every linear, the compiled
+graph calls two ops whose kernels run that Python at run time, the eager path's own bodies
+(``_linear_forward`` / ``_linear_backward`` below):
+
+- ``fp8state::fp8_linear``: enter the call (true forward or recompute, found at run time as
+  eagerly), quantize input and weight, the GEMM. Its outputs are ``y`` and what the backward
+  reads: the codes and the LayerNorm prologue's statistics. The call's host-side state (its
+  record and snapshots) the protocol keeps under the address of the input codes until the
+  backward takes it or the event ends (a freed address reused by a later call is that call's);
+- ``fp8state::fp8_linear_backward``: takes that state by its codes' address and runs the
+  backward. Both are wrapped in one autograd Function that dynamo traces.
+
+The module is named by a key (``_op_key``: its index in a registry, in a CPU tensor, an input
+of the graph, so the blocks of a model share one compiled graph). Grad mode is read at trace time and passed in (``training``): inside a compiled forward, autograd runs
+with gradients off, so the call could not tell a training forward outside an event from an
+evaluation one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ..encoders import CastTranspose, Prologue, role_format
+from ..formats import fp8_format
+from ..ops.library import LIB
+from ..protocol import QuantProtocol, take_kept
+from ..recompute import Phase
+from ..sac import outside_selective_checkpoint
+from .gemm import _mm_device, scaled_matmul
+
+__all__ = ["LINEAR_ROLES", "fp8_linear_op", "module_of", "op_key"]
+
+LINEAR_ROLES = ("input", "weight", "grad_output")
+# grad_output's stage (stateless: one of each, shared): with and without the bias gradient
+_CAST_TRANSPOSE = {True: CastTranspose(True), False: CastTranspose(False)}
+# index -> module: torch.compile's op names its module by index (op_key)
+_MODULES: list[weakref.ref] = []
+
+
+def _register_module(module: nn.Module) -> int:
+    _MODULES.append(weakref.ref(module))
+    return len(_MODULES) - 1
+
+
+def module_of(index: int) -> nn.Module:
+    """The module registered as ``index`` (raises if it was garbage-collected)."""
+    module = _MODULES[index]() if 0 <= index < len(_MODULES) else None
+    if module is None:
+        raise RuntimeError(f"fp8state::fp8_linear names module {index}, which no longer exists")
+    return module
+
+
+class _Call(NamedTuple):
+    """What a call's backward needs besides its saved tensors (host-side, per call)."""
+
+    protocol: QuantProtocol
+    record: object  # the CallRecord
+    snaps: tuple  # (input, weight) snapshots the forward's GEMM consumed
+    prologue: Prologue | None
+    backend: str
+    x_dtype: torch.dtype
+    x_shape: torch.Size
+    w_dtype: torch.dtype
+    bias_dtype: torch.dtype | None
+
+
+def _linear_forward(x, weight, bias, protocol: QuantProtocol, record, phase: Phase, out_dtype, backend, prologue):
+    """The quantized call: ``(y, saved tensors, _Call)``. ``saved`` is ``(xq, wq)``, and with a
+    prologue also its input and its statistics (as the unfused op would keep them)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, sx = protocol.quantize(record, "input", x2, phase, prologue)
+    gathered = getattr(weight, "fp8", None)  # an FSDP2 FP8 all-gather's codes (nn/fsdp.py)
+    if gathered is not None:
+        wq, sw = protocol.adopt(record, "weight", gathered, weight.snapshot, phase)
+    else:
+        wq, sw = protocol.quantize(record, "weight", weight, phase)
+    if phase is not Phase.INFERENCE:
+        protocol.check_consumer(record, "input", sx)
+        protocol.check_consumer(record, "weight", sw)
+    y = scaled_matmul(
+        xq, wq.t(), sx.descale, sw.descale, out_dtype, backend, _gemm_bias(bias, out_dtype, backend, record, phase)
+    )
+    saved = (xq, wq) if prologue is None else (xq, wq, x2, *(prologue.stats or ()))
+    if prologue is not None:
+        prologue.stats = None  # handed to the caller's save, not held twice
+    bias_dtype = None if bias is None else bias.dtype
+    call = _Call(protocol, record, (sx, sw), prologue, backend, x.dtype, x.shape, weight.dtype, bias_dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1]), saved, call
+
+
+def _gemm_bias(bias, out_dtype, backend: str, record, phase: Phase):
+    """The bias in the GEMM epilogue's dtype (the output's, when 16-bit), converted once per
+    event: the recompute reuses the true forward's copy (one launch and allocation less a call).
+    The conversion is unseen by SAC, which needs the recompute to issue the forward's ops."""
+    if bias is None or bias.dtype == out_dtype or out_dtype not in (torch.bfloat16, torch.float16):
+        return bias
+    if backend == "emulated" or not _mm_device(bias.device):  # the emulation adds it in float32
+        return bias
+    if phase is Phase.INFERENCE:
+        return bias.to(out_dtype)
+    held = record.derived.get("bias")
+    if held is None or held[0] is not bias or held[1].dtype != out_dtype:
+        held = record.derived["bias"] = (bias, outside_selective_checkpoint(bias.to, out_dtype))
+    return held[1]
+
+
+def _linear_backward(grad_out, saved, call: _Call, needs) -> tuple:
+    """Gradients of ``(x, weight, bias, norm weight, norm bias)``; ``None`` where not needed."""
+    xq, wq, *prologue_saved = saved
+    sx, sw = call.snaps
+    protocol, record, prologue = call.protocol, call.record, call.prologue
+    g2 = grad_out.reshape(-1, grad_out.shape[-1])
+    if not g2.is_contiguous():
+        g2 = g2.contiguous()
+    want_bias = call.bias_dtype is not None and needs[2]
+    # one read of grad_output (always an FP8 format): its codes, their transpose and the bias gradient
+    (gq, gq_t, g_sums), sg = protocol.quantize(record, "grad_output", g2, Phase.FORWARD, _CAST_TRANSPOSE[want_bias])
+    for snap, role in ((sx, "input"), (sw, "weight"), (sg, "grad_output")):
+        protocol.check_consumer(record, role, snap)
+    grad_x = grad_w = grad_b = grad_nw = grad_nb = None
+    # The weight gradient first: its operands (gq^T, and the transpose of xq made inside)
+    # are freed before the input gradient (float32 where x is) and the prologue's backward
+    # allocate theirs, so the two sets never coexist.
+    if needs[1]:
+        grad_w = scaled_matmul(gq_t, xq, sg.descale, sx.descale, call.w_dtype, call.backend)
+    del gq_t
+    if want_bias:
+        grad_b = g_sums.to(call.bias_dtype)
+    if needs[0] or needs[3] or needs[4]:
+        grad_x = scaled_matmul(gq, wq, sg.descale, sw.descale, call.x_dtype, call.backend)
+        del gq
+        if prologue is not None:
+            x2, *stats = prologue_saved
+            x2 = x2.reshape(-1, x2.shape[-1])
+            grad_x, grad_nw, grad_nb = prologue.backward(grad_x, x2, tuple(stats), (needs[0], needs[3], needs[4]))
+        grad_x = grad_x.reshape(call.x_shape) if grad_x is not None and needs[0] else None
+    return grad_x, grad_w, grad_b, grad_nw if needs[3] else None, grad_nb if needs[4] else None
+
+
+LIB.define(
+    "fp8_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, Tensor? norm_bias, Tensor module, "
+    "str prologue, float eps, ScalarType out_dtype, ScalarType input_dtype, ScalarType weight_dtype, bool training) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+LIB.define(
+    "fp8_linear_backward(Tensor grad, Tensor xq, Tensor wq, Tensor? x, Tensor? mean, Tensor? rstd, bool[] needs, "
+    "ScalarType x_dtype, ScalarType w_dtype, ScalarType? bias_dtype, ScalarType? norm_dtype) "
+    "-> (Tensor?, Tensor?, Tensor?, Tensor?, Tensor?)"
+)
+
+
+def op_key(module) -> torch.Tensor:
+    """The key that names ``module`` to the ops: its registry index in a CPU int64 tensor. A
+    tensor, not an int: dynamo would make an int attribute a constant of the graph, and every
+    block (the same code, another module) would compile a graph of its own."""
+    return torch.tensor([_register_module(module)], dtype=torch.int64)
+
+
+def fp8_linear_op(module, x, weight, bias, norm, prologue: str | None) -> torch.Tensor:
+    """``module(x)`` (an Fp8Linear, or Fp8Conv1D with its weight view) as the op, traced by dynamo."""
+    nw, nb, eps = (norm.weight, norm.bias, float(norm.eps)) if norm is not None else (None, None, 0.0)
+    device = x.device.type
+    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    config = module.protocol.config  # the codes' formats: pure functions of the config (no cache to guard on)
+    input_dtype, weight_dtype = (fp8_format(role_format(config, role)).dtype for role in ("input", "weight"))
+    return _CompiledFp8LinearFn.apply(
+        x.contiguous(), weight, bias, nw, nb, module._op_key, prologue or "", eps, out_dtype,
+        input_dtype, weight_dtype, torch.is_grad_enabled(),
+    )  # fmt: skip
+
+
+def _no_autocast(device_type: str):
+    """The op's kernels run as the eager Function does: outside autocast."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _stats_empty(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((0,), dtype=torch.float32)
+
+
+@torch.library.impl(LIB, "fp8_linear", "CompositeExplicitAutograd")
+def _fp8_linear(
+    x, weight, bias, norm_weight, norm_bias, module, prologue, eps, out_dtype, input_dtype, weight_dtype, training
+):
+    mod = module_of(module.item())  # a CPU tensor: no device sync
+    protocol = mod.protocol
+    stage = None
+    if prologue:
+        stage = Prologue(prologue, norm_weight, norm_bias, eps) if prologue == "layer_norm" else Prologue(prologue)
+    phase, record = protocol.enter_call(mod.layer_name, LINEAR_ROLES, x.device, grad_enabled=training)
+    with _no_autocast(x.device.type):
+        y, saved, call = _linear_forward(
+            x, weight, bias, protocol, record, phase, out_dtype, protocol.config.gemm, stage
+        )
+    protocol.observe_output(record, phase, y, record.used)
+    xq, wq, *rest = saved  # rest: the prologue's input, then the LayerNorm's (mean, rstd)
+    mean, rstd = rest[1:] if len(rest) == 3 else (_stats_empty(x), _stats_empty(x))
+    if training and phase is not Phase.INFERENCE:  # the backward finds it by its codes' address
+        protocol.keep_for_backward(xq.data_ptr(), call)
+    return y, xq, wq, mean, rstd
+
+
+@torch.library.register_fake("fp8state::fp8_linear")
+def _fp8_linear_fake(
+    x, weight, bias, norm_weight, norm_bias, module, prologue, eps, out_dtype, input_dtype, weight_dtype, training
+):
+    k, n = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, k)
+    xq = x2.new_empty(x2.shape, dtype=input_dtype)
+    wq = weight.new_empty((n, k), dtype=weight_dtype)
+    if prologue == "layer_norm":
+        if Prologue(prologue, norm_weight, norm_bias, eps).fusable(x2):  # the fused kernel's statistics
+            mean = x2.new_empty((x2.shape[0], 1), dtype=torch.float32)
+            rstd = torch.empty_like(mean)
+        else:  # torch's LayerNorm ran
+            _, mean, rstd = torch.ops.aten.native_layer_norm(x2, [k], norm_weight, norm_bias, eps)
+    else:
+        mean, rstd = _stats_empty(x), _stats_empty(x)
+    y = x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
+    return y, xq, wq, mean, rstd
+
+
+@torch.library.impl(LIB, "fp8_linear_backward", "CompositeExplicitAutograd")
+def _fp8_linear_backward(grad, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, bias_dtype, norm_dtype):
+    call = take_kept(xq.data_ptr())
+    saved = (xq, wq)
+    if call.prologue is not None:
+        saved = (xq, wq, x, mean, rstd) if call.prologue.kind == "layer_norm" else (xq, wq, x)
+    with _no_autocast(grad.device.type):
+        return _linear_backward(grad, saved, call, needs)
+
+
+@torch.library.register_fake("fp8state::fp8_linear_backward")
+def _fp8_linear_backward_fake(grad, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, bias_dtype, norm_dtype):
+    k, n = xq.shape[-1], wq.shape[0]
+    column = (k,)
+    return (
+        grad.new_empty((*grad.shape[:-1], k), dtype=x_dtype) if needs[0] else None,
+        grad.new_empty((n, k), dtype=w_dtype) if needs[1] else None,
+        grad.new_empty((n,), dtype=bias_dtype) if needs[2] and bias_dtype is not None else None,
+        grad.new_empty(column, dtype=norm_dtype) if needs[3] else None,
+        grad.new_empty(column, dtype=norm_dtype) if needs[4] else None,
+    )
+
+
+class _CompiledFp8LinearFn(torch.autograd.Function):
+    """The two ops as one differentiable call, traced by dynamo (its forward and backward are
+    graphs of their own): no autograd kernel on the op, so the compiled forward calls it
+    without torch's Python autograd wrapper in between."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, norm_weight, norm_bias, key, prologue, eps, out_dtype, in_dt, w_dt, training):
+        y, xq, wq, mean, rstd = torch.ops.fp8state.fp8_linear(
+            x, weight, bias, norm_weight, norm_bias, key, prologue, eps, out_dtype, in_dt, w_dt, training
+        )
+        # what the eager Function saves: the codes; with a prologue its input (and the LayerNorm's statistics)
+        ln = prologue == "layer_norm"
+        ctx.save_for_backward(xq, wq, x if prologue else None, mean if ln else None, rstd if ln else None)
+        norm = norm_weight if norm_weight is not None else norm_bias
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype, None if norm is None else norm.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        xq, wq, x, mean, rstd = ctx.saved_tensors
+        x_dtype, w_dtype, bias_dtype, norm_dtype = ctx.dtypes
+        needs = list(ctx.needs_input_grad[:5])
+        grads = torch.ops.fp8state.fp8_linear_backward(
+            grad_y, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, bias_dtype, norm_dtype
+        )
+        return (*grads, None, None, None, None, None, None, None)

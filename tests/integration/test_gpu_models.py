@@ -81,6 +81,9 @@ def test_litgpt_on_cuda():
 
 def test_torchtitan_on_cuda():
     _module("torchtitan")
-    titan = importlib.import_module("tests.integration.test_torchtitan")
+    try:
+        titan = importlib.import_module("tests.integration.test_torchtitan")
+    except ImportError as exc:  # e.g. torchtitan 0.3.0 under torch 2.11 (the device's): docs/MODELS.md
+        pytest.skip(f"the installed torchtitan does not import under torch {torch.__version__}: {exc}")
     wraps = {name: (lambda m, name=name: titan.AC[name]().apply(m)) for name in titan.AC}
     _check(titan.tiny_llama3, wraps, titan.loss_fn)

@@ -205,3 +205,26 @@ def test_the_blocks_of_a_model_share_one_compiled_graph():
             loss.backward()
     assert counters["stats"]["unique_graphs"] == 1
     assert not state.ledger.violations
+
+
+def test_a_whole_compiled_model_with_checkpointed_blocks_is_bitwise_the_eager_run():
+    """``torch.compile(model)``: the checkpoint wrapper (a region frame, torch's checkpoint) runs
+    inside the compiled model; every step's loss and gradients equal the eager run's."""
+
+    def go(compiled: bool):
+        model, state, data = _gpt(False, True)
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend="aot_eager") if compiled else model
+        out = []
+        for step, (x, y) in enumerate(data):
+            with state.step(step):
+                loss = F.cross_entropy(fn(x).float().flatten(0, 1), y.flatten())
+                state.commit_forward()
+                loss.backward()
+            out += [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+            model.zero_grad(set_to_none=True)
+        assert not state.ledger.violations
+        return out
+
+    for i, (a, b) in enumerate(zip(go(False), go(True), strict=True)):
+        assert bitwise_equal(a, b), i

@@ -5,30 +5,16 @@ fastest mode) with the replay bitwise the compiled eager run."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.nn.functional as F
 
 import lightning_fp8state as f8s
-from lightning_fp8state.models import GPT, GPTConfig
+from lightning_fp8state.models import GPT
 from tests.conftest import bitwise_equal
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+# the same model, data and step body as the eager GraphedStep tests
+from tests.gpu.test_graphs import CFG, batches, make_body, pytestmark  # noqa: F401  (pytestmark: the GPU marks)
 
-CFG = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_layers=3, n_heads=4, checkpoint=True)
 STEPS = 5
-
-
-def batches(n, seed=3):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len), device="cuda", generator=g)
-        out.append((x, torch.roll(x, -1, dims=1)))
-    return out
 
 
 def build(compiled: bool, graphs: bool = False):
@@ -42,17 +28,6 @@ def build(compiled: bool, graphs: bool = False):
             block.compile(fullgraph=True)  # Inductor; a graph break raises
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=graphs)
     return model, state, opt
-
-
-def make_body(model, state):
-    def body(x, y):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
-            state.commit_forward()
-            loss.backward()
-        return loss.detach()
-
-    return body
 
 
 def run(data, compiled: bool, sync_check_from: int | None = None):

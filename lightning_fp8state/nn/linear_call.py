@@ -186,6 +186,11 @@ def _no_autocast(device_type: str):
     return contextlib.nullcontext()
 
 
+def _codes_key(xq: torch.Tensor) -> int:
+    """The address a call's state is kept under: its input codes' (unique among live tensors)."""
+    return xq.data_ptr() if xq.numel() else xq.untyped_storage().data_ptr()
+
+
 def _stats_empty(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((0,), dtype=torch.float32)
 
@@ -208,7 +213,9 @@ def _fp8_linear(
     xq, wq, *rest = saved  # rest: the prologue's input, then the LayerNorm's (mean, rstd)
     mean, rstd = rest[1:] if len(rest) == 3 else (_stats_empty(x), _stats_empty(x))
     if training and phase is not Phase.INFERENCE:  # the backward finds it by its codes' address
-        protocol.keep_for_backward(xq.data_ptr(), call)
+        if xq.numel() == 0:  # empty codes have no address: give them a storage of their own
+            xq = xq.new_empty(1).as_strided(xq.shape, xq.stride())
+        protocol.keep_for_backward(_codes_key(xq), call)
     return y, xq, wq, mean, rstd
 
 
@@ -234,7 +241,7 @@ def _fp8_linear_fake(
 
 @torch.library.impl(LIB, "fp8_linear_backward", "CompositeExplicitAutograd")
 def _fp8_linear_backward(grad, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, bias_dtype, norm_dtype):
-    call = take_kept(xq.data_ptr())
+    call = take_kept(_codes_key(xq))
     saved = (xq, wq)
     if call.prologue is not None:
         saved = (xq, wq, x, mean, rstd) if call.prologue.kind == "layer_norm" else (xq, wq, x)

@@ -228,3 +228,34 @@ def test_a_whole_compiled_model_with_checkpointed_blocks_is_bitwise_the_eager_ru
 
     for i, (a, b) in enumerate(zip(go(False), go(True), strict=True)):
         assert bitwise_equal(a, b), i
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_calls_on_empty_inputs_each_find_their_own_backward_state(backend):
+    """A layer called twice on empty batches in one event: its calls' states are kept under
+    their codes' addresses, which empty tensors would share; each backward still finds its own."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.lin(x) + self.lin(x * 2)
+
+    def go(compiled: bool):
+        torch.manual_seed(0)
+        model = Twice()
+        state = f8s.Fp8State(f8s.QuantConfig(mode="safe", strict=True))
+        state.convert(model)
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
+        x = torch.randn(0, 16, requires_grad=True)
+        with state.step(0):
+            out = fn(x)
+            state.commit_forward()
+            out.sum().backward()
+        return [x.grad, *(p.grad for p in model.parameters())]
+
+    for a, b in zip(go(False), go(True), strict=True):
+        assert a is not None and b is not None and bitwise_equal(a, b)

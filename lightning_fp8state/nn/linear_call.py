@@ -147,10 +147,15 @@ def _linear_backward(grad_out, saved, call: _Call, needs) -> tuple:
     return grad_x, grad_w, grad_b, grad_nw if needs[3] else None, grad_nb if needs[4] else None
 
 
+# ``instance``: an empty tensor made for each call in the graph. A call has effects beyond its
+# outputs (an owner observed, an amax recorded, state kept for its backward), so two calls of a
+# layer on the same input are two calls; AOTAutograd's common-subexpression elimination would
+# merge them (it spares only random ops and ``aten.empty``, whatever the op's tags), and the
+# distinct ``instance`` of each keeps them apart.
 LIB.define(
     "fp8_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, Tensor? norm_bias, Tensor module, "
-    "str prologue, float eps, ScalarType out_dtype, ScalarType input_dtype, ScalarType weight_dtype, bool training) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "str prologue, float eps, ScalarType out_dtype, ScalarType input_dtype, ScalarType weight_dtype, bool training, "
+    "Tensor instance) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 LIB.define(
     "fp8_linear_backward(Tensor grad, Tensor xq, Tensor wq, Tensor? x, Tensor? mean, Tensor? rstd, bool[] needs, "
@@ -197,7 +202,19 @@ def _stats_empty(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.impl(LIB, "fp8_linear", "CompositeExplicitAutograd")
 def _fp8_linear(
-    x, weight, bias, norm_weight, norm_bias, module, prologue, eps, out_dtype, input_dtype, weight_dtype, training
+    x,
+    weight,
+    bias,
+    norm_weight,
+    norm_bias,
+    module,
+    prologue,
+    eps,
+    out_dtype,
+    input_dtype,
+    weight_dtype,
+    training,
+    instance,
 ):
     mod = module_of(module.item())  # a CPU tensor: no device sync
     protocol = mod.protocol
@@ -221,7 +238,19 @@ def _fp8_linear(
 
 @torch.library.register_fake("fp8state::fp8_linear")
 def _fp8_linear_fake(
-    x, weight, bias, norm_weight, norm_bias, module, prologue, eps, out_dtype, input_dtype, weight_dtype, training
+    x,
+    weight,
+    bias,
+    norm_weight,
+    norm_bias,
+    module,
+    prologue,
+    eps,
+    out_dtype,
+    input_dtype,
+    weight_dtype,
+    training,
+    instance,
 ):
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
@@ -269,8 +298,9 @@ class _CompiledFp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, norm_weight, norm_bias, key, prologue, eps, out_dtype, in_dt, w_dt, training):
+        instance = torch.empty(0, device=x.device)  # distinct per call: see the op's definition
         y, xq, wq, mean, rstd = torch.ops.fp8state.fp8_linear(
-            x, weight, bias, norm_weight, norm_bias, key, prologue, eps, out_dtype, in_dt, w_dt, training
+            x, weight, bias, norm_weight, norm_bias, key, prologue, eps, out_dtype, in_dt, w_dt, training, instance
         )
         # what the eager Function saves: the codes; with a prologue its input (and the LayerNorm's statistics)
         ln = prologue == "layer_norm"

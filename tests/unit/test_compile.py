@@ -259,3 +259,42 @@ def test_compiled_calls_on_empty_inputs_each_find_their_own_backward_state(backe
 
     for a, b in zip(go(False), go(True), strict=True):
         assert a is not None and b is not None and bitwise_equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_two_calls_of_a_layer_on_the_same_input_stay_two_calls(backend):
+    """``lin(x) * 3 + lin(x)``: two call sites, two owners each, as eagerly. AOTAutograd's
+    common-subexpression elimination merged the two (identical) op calls into one, whose one
+    kept state the second backward then lacked; each call now carries its own ``instance``."""
+
+    class Same(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.lin(x) * 3 + self.lin(x)
+
+    def go(compiled: bool):
+        torch.manual_seed(0)
+        model = Same()
+        state = f8s.Fp8State(f8s.QuantConfig(mode="safe", strict=True))
+        state.convert(model)
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
+        out = []
+        for step in range(3):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)) * (step + 1)
+            with state.step(step):
+                y = fn(x)
+                state.commit_forward()
+                y.sum().backward()
+            out += [y.detach(), *(p.grad.clone() for p in model.parameters())]
+            model.zero_grad(set_to_none=True)
+        assert not state.ledger.violations
+        return out, len(state.protocol.bank.index)
+
+    (eager, owners_e), (compiled, owners_c) = go(False), go(True)
+    assert owners_e == owners_c == 6  # two sites x (input, weight, grad_output)
+    for i, (a, b) in enumerate(zip(eager, compiled, strict=True)):
+        assert bitwise_equal(a, b), i

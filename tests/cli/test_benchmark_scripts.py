@@ -144,3 +144,21 @@ def test_fsdp_step_float32_blocks_recompute_under_torch_2_11_fsdp():
     from tests.distributed.spawn import spawn
 
     spawn(_fsdp_step_under_torch_2_11_recompute, (2,), nprocs=1, timeout=240, what="FSDP2 processes")
+
+
+def test_host_overhead_runs_on_the_cpu_with_the_kernels_stubbed():
+    """host_overhead.py runs without a GPU (its purpose): both variants, eager and compiled,
+    and the per-linear difference. In a subprocess: it replaces the kernels' entry points."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "host_overhead.py"), "--layers", "2", "--steps", "2", "--warmup", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    for mode in ("eager", "compile"):
+        assert f"{mode:>8}  plain:" in out and f"{mode:>8}   safe:" in out
+        assert f"{mode:>8}: ours adds" in out

@@ -1,0 +1,142 @@
+"""Benchmark: what our per-call Python costs the host, with the device work stubbed out.
+
+At the 124M and 350M shapes an eager FP8 step is host-bound: Python issues it slower than the
+GPU runs it. This isolates that Python. Every kernel the FP8 path launches (the quantizes, the
+fused LayerNorm / GELU prologues, grad_output's cast-transpose, the LayerNorm backward, the FP8
+GEMM) is replaced by an allocation of its output, so what is timed is the protocol, Fp8Linear,
+autograd, the checkpoint wrapper and dispatch. It runs anywhere, a laptop CPU included, and says
+where the host time goes without device time.
+
+The peer is the same GPT with plain ``nn.Linear`` (``--variants plain``), run at a shape small
+enough that its real kernels cost little next to the Python around them. Both run in eager
+mode and compiled (``torch.compile`` of every block). Prints ms per step, and what ours adds
+over the peer per linear call (forward, recompute and backward together).
+
+    python benchmarks/host_overhead.py [--layers 12] [--steps 30] [--modes eager compile] [--profile 25]
+
+Numbers from this script are host-only and machine-dependent. Only device measurements go
+into docs/PERFORMANCE.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import pstats
+import time
+
+import torch
+
+import lightning_fp8state as f8s
+import lightning_fp8state.nn.linear_call as linear_call
+from lightning_fp8state import ops
+from lightning_fp8state.models import GPT, GPTConfig
+
+
+def stub_kernels() -> None:
+    """Replace every kernel entry point of the FP8 linear path by an allocation of its outputs."""
+
+    def codes(x, dtype):
+        return torch.empty(x.shape, dtype=dtype, device=x.device)
+
+    def stats(x):
+        return torch.empty(x.shape[0], 1, device=x.device)
+
+    ops.quantize_fp8 = lambda x, scale, dtype: codes(x, dtype)
+    ops.quantize_fp8_record_amax = lambda x, scale, pending, slot, dtype: codes(x, dtype)
+    ops.gelu_quantize_fp8 = lambda x, scale, dtype, pending=None, slot=0: codes(x, dtype)
+    ops.layer_norm_quantize_fp8 = lambda x, w, b, eps, scale, dtype, pending=None, slot=0: (
+        codes(x, dtype),
+        stats(x),
+        stats(x),
+    )
+    ops.quantize_fp8_t_record_amax = lambda x, scale, pending, slot, dtype, column_sum: (
+        codes(x, dtype),
+        torch.empty(x.shape[1], x.shape[0], dtype=dtype, device=x.device),
+        torch.empty(x.shape[1], device=x.device),
+    )
+    ops.layer_norm_backward = lambda g, x, mean, rstd, w, needs: (
+        torch.empty_like(x),
+        torch.empty(x.shape[1], device=x.device) if needs[1] else None,
+        torch.empty(x.shape[1], device=x.device) if needs[2] else None,
+    )
+    linear_call.scaled_matmul = lambda a, b, da, db, out_dtype, backend="auto", bias=None: torch.empty(
+        a.shape[0], b.shape[1], dtype=out_dtype, device=a.device
+    )
+
+
+def build(variant: str, cfg: GPTConfig, mode: str):
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    state = None
+    if variant == "safe":
+        state = f8s.Fp8State(f8s.QuantConfig(mode="safe", strict=True, exclude=("head",)))
+        state.convert(model)
+    if mode == "compile":
+        torch._dynamo.reset()
+        for block in model.blocks:
+            block.compile(backend="inductor" if torch.cuda.is_available() else "aot_eager")
+    return model, state
+
+
+def make_step(model, state, x):
+    def step(n: int) -> None:
+        with state.step(n) if state is not None else contextlib.nullcontext():
+            loss = model.loss(x, x)
+            if state is not None:
+                state.commit_forward()
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--modes", nargs="+", default=["eager", "compile"], choices=["eager", "compile"])
+    p.add_argument("--variants", nargs="+", default=["plain", "safe"], choices=["plain", "safe"])
+    p.add_argument("--profile", type=int, default=0, help="print this many rows of a cProfile of ours, by own time")
+    args = p.parse_args(argv)
+    stub_kernels()
+    torch.set_num_threads(1)
+    cfg = GPTConfig(vocab_size=64, seq_len=args.tokens, d_model=args.d_model, n_layers=args.layers, n_heads=4)
+    x = torch.randint(0, cfg.vocab_size, (1, args.tokens))
+    linears = 4 * args.layers  # qkv, proj, fc, out per block (the head stays plain)
+    rows = []
+    print(f"torch {torch.__version__}; GPT layers={args.layers} d={args.d_model} tokens={args.tokens}, kernels stubbed")
+    for mode in args.modes:
+        times = {}
+        for variant in args.variants:
+            model, state = build(variant, cfg, mode)
+            step = make_step(model, state, x)
+            for n in range(args.warmup):
+                step(n)
+            t0 = time.perf_counter()
+            for n in range(args.warmup, args.warmup + args.steps):
+                step(n)
+            times[variant] = (time.perf_counter() - t0) / args.steps * 1e3
+            rows.append({"mode": mode, "variant": variant, "ms_per_step": times[variant]})
+            print(f"  {mode:>8} {variant:>6}: {times[variant]:8.2f} ms/step")
+            if args.profile and variant == "safe":
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for n in range(1000, 1010):
+                    step(n)
+                profiler.disable()
+                print(f"--- cProfile of 10 {mode} steps of ours, by own time")
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+        if "plain" in times and "safe" in times:
+            per_call = (times["safe"] - times["plain"]) * 1e3 / linears
+            print(f"  {mode:>8}: ours adds {per_call:.1f} µs per linear (forward + recompute + backward)")
+            rows.append({"mode": mode, "us_per_linear_added": per_call})
+    return rows
+
+
+if __name__ == "__main__":
+    main()

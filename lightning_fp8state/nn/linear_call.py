@@ -152,15 +152,21 @@ def _linear_backward(grad_out, saved, call: _Call, needs) -> tuple:
 # layer on the same input are two calls; AOTAutograd's common-subexpression elimination would
 # merge them (it spares only random ops and ``aten.empty``, whatever the op's tags), and the
 # distinct ``instance`` of each keeps them apart.
+# Both ops run host Python (the protocol) on every call, which a replay of Inductor's own CUDA
+# graphs (mode="reduce-overhead") would skip: the tag keeps them out of those graphs. (Our
+# GraphedStep captures them on purpose: it replays the protocol's bookkeeping on the host.)
+_HOST_CALL = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 LIB.define(
     "fp8_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, Tensor? norm_bias, Tensor module, "
     "str prologue, float eps, ScalarType out_dtype, ScalarType input_dtype, ScalarType weight_dtype, bool training, "
-    "Tensor instance) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "Tensor instance) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    tags=_HOST_CALL,
 )
 LIB.define(
     "fp8_linear_backward(Tensor grad, Tensor xq, Tensor wq, Tensor? x, Tensor? mean, Tensor? rstd, bool[] needs, "
     "ScalarType x_dtype, ScalarType w_dtype, ScalarType? bias_dtype, ScalarType? norm_dtype) "
-    "-> (Tensor?, Tensor?, Tensor?, Tensor?, Tensor?)"
+    "-> (Tensor?, Tensor?, Tensor?, Tensor?, Tensor?)",
+    tags=_HOST_CALL,
 )
 
 

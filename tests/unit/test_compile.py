@@ -298,3 +298,13 @@ def test_two_calls_of_a_layer_on_the_same_input_stay_two_calls(backend):
     assert owners_e == owners_c == 6  # two sites x (input, weight, grad_output)
     for i, (a, b) in enumerate(zip(eager, compiled, strict=True)):
         assert bitwise_equal(a, b), i
+
+
+def test_the_ops_are_kept_out_of_inductors_cuda_graphs():
+    """Both ops run the protocol's Python on every call; a replay of Inductor's own CUDA graphs
+    (mode="reduce-overhead") would skip it. Their tag keeps them out (GraphedStep, which replays
+    the bookkeeping, is the way to graph a step of ours)."""
+    if not hasattr(torch.Tag, "cudagraph_unsafe"):
+        pytest.skip(f"torch {torch.__version__} has no cudagraph_unsafe tag")
+    for op in (torch.ops.fp8state.fp8_linear.default, torch.ops.fp8state.fp8_linear_backward.default):
+        assert torch.Tag.cudagraph_unsafe in op.tags, op

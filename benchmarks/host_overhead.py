@@ -12,7 +12,8 @@ enough that its real kernels cost little next to the Python around them. Both ru
 mode and compiled (``torch.compile`` of every block). Prints ms per step, and what ours adds
 over the peer per linear call (forward, recompute and backward together).
 
-    python benchmarks/host_overhead.py [--layers 12] [--steps 30] [--modes eager compile] [--profile 25]
+    python benchmarks/host_overhead.py [--layers 12] [--steps 30] [--modes eager compile] [--backend inductor]
+                                       [--profile 25]
 
 Numbers from this script are host-only and machine-dependent. Only device measurements go
 into docs/PERFORMANCE.md.
@@ -66,7 +67,7 @@ def stub_kernels() -> None:
     )
 
 
-def build(variant: str, cfg: GPTConfig, mode: str):
+def build(variant: str, cfg: GPTConfig, mode: str, backend: str):
     torch.manual_seed(0)
     model = GPT(cfg)
     state = None
@@ -76,7 +77,7 @@ def build(variant: str, cfg: GPTConfig, mode: str):
     if mode == "compile":
         torch._dynamo.reset()
         for block in model.blocks:
-            block.compile(backend="inductor" if torch.cuda.is_available() else "aot_eager")
+            block.compile(backend=backend)
     return model, state
 
 
@@ -101,6 +102,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--modes", nargs="+", default=["eager", "compile"], choices=["eager", "compile"])
     p.add_argument("--variants", nargs="+", default=["plain", "safe"], choices=["plain", "safe"])
+    p.add_argument("--backend", default="inductor", help="torch.compile's backend in the compile mode")
     p.add_argument("--profile", type=int, default=0, help="print this many rows of a cProfile of ours, by own time")
     args = p.parse_args(argv)
     stub_kernels()
@@ -113,7 +115,7 @@ def main(argv=None) -> list[dict]:
     for mode in args.modes:
         times = {}
         for variant in args.variants:
-            model, state = build(variant, cfg, mode)
+            model, state = build(variant, cfg, mode, args.backend)
             step = make_step(model, state, x)
             for n in range(args.warmup):
                 step(n)

@@ -174,9 +174,9 @@ def checkpoint(fn: Callable, *args: Any, engine: str | None = None, use_reentran
                     "them: a branch on state that changed after the forward (a counter or module attribute "
                     "written in forward, randomness outside torch's RNG). Make the region's forward a "
                     "function of its inputs, or checkpoint it without context_fn. A region that "
-                    "torch.compile compiled during its true forward shows the compiler's ops in the forward "
-                    "only: run the compiled region once before checkpointing it selectively (under "
-                    "torch.no_grad, or a step without context_fn)"
+                    "torch.compile compiled during its true forward (the process's first compile) shows the "
+                    "compiler's ops in the forward only: run the compiled region once before checkpointing "
+                    "it selectively (under torch.no_grad, or a step without context_fn)"
                 ) from exc
             raise
         finally:

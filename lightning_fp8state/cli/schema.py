@@ -137,6 +137,9 @@ class TrainerCfg:
     seed: int = 0
     checkpoint_every_n_steps: int = 100
     deterministic: bool = False
+    # torch.compile every block of the model (each FP8 linear is one op in the block's graph);
+    # with the auto and fp8state_ddp strategies
+    compile: bool = False
 
     def __post_init__(self) -> None:
         require_choice("accelerator", self.accelerator, ACCELERATORS)
@@ -148,6 +151,7 @@ class TrainerCfg:
         for key in ("gradient_clip_val", "lr", "weight_decay"):
             require_number(key, getattr(self, key), 0)
         require_bool("deterministic", self.deterministic)
+        require_bool("compile", self.compile)
 
 
 @dataclass

@@ -82,6 +82,9 @@ def _module_and_data(cfg: DictConfig):
         def __init__(self) -> None:
             super().__init__()
             self.model = GPT(model_config(cfg))
+            if cfg.trainer.compile:  # compiled on first use, after the callback converted the linears
+                for block in self.model.blocks:
+                    block.compile()
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -164,6 +167,19 @@ def require_finite(cfg: DictConfig) -> None:
                 raise ConfigError(f"{name}={value!r} is not allowed: expected a finite number")
 
     walk(OmegaConf.to_container(cfg, resolve=True), "")
+
+
+COMPILE_STRATEGIES = ("auto", "fp8state_ddp")
+
+
+def require_compile_strategy(cfg: DictConfig) -> None:
+    """trainer.compile with the strategies it has run with only (DeepSpeed's and FSDP2's hooks
+    around compiled blocks are not tested)."""
+    if cfg.trainer.compile and cfg.strategy.name not in COMPILE_STRATEGIES:
+        raise ConfigError(
+            f"trainer.compile=true with strategy.name={cfg.strategy.name!r} is not allowed: expected a strategy "
+            f"in {list(COMPILE_STRATEGIES)}, or trainer.compile=false"
+        )
 
 
 def require_accelerator(cfg: DictConfig, recipe: str | None) -> None:
@@ -274,6 +290,7 @@ def run_training(recipe: str | None, overrides: list[str], *, resume: str | None
     else:
         cfg = load_config(recipe, overrides)
     require_finite(cfg)
+    require_compile_strategy(cfg)
     require_accelerator(cfg, recipe)
     if plan is not None:
         run_dir = Path(resume)

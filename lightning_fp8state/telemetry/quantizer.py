@@ -88,6 +88,14 @@ class SaturationProbe:
             self._tls.last = (record, phase)
 
     def _after_forward(self, module, args, kwargs, output) -> None:
+        # Under torch.compile this hook is traced into the block's graph: disarmed it is a no-op
+        # there (a guard on ``armed``); armed it runs eagerly after the layer's op, when the
+        # protocol has handed its record over (a graph break on the probe's steps only).
+        if self.armed:
+            self._count_call(module, args, kwargs, output)
+
+    @torch.compiler.disable
+    def _count_call(self, module, args, kwargs, output) -> None:
         last = getattr(self._tls, "last", None)
         self._tls.last = None
         if not self.armed or last is None:

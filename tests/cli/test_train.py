@@ -201,3 +201,55 @@ def test_two_rank_fsdp_resume_through_the_cli_is_bit_identical(run_root):
     assert last.is_dir() and len(list(last.glob("*.distcp"))) == 2
     assert sorted(whole) == [5, 6, 7, 8]
     assert split == whole
+
+
+def test_trainer_compile_trains_bitwise_the_eager_run(run_root):
+    """``trainer.compile=true``: every block compiled (each FP8 linear one op in its graph); the
+    Lightning loop, the callback's events, the checkpointed state and the logged telemetry
+    (the saturation probe armed on log steps included) are those of the eager run, bit for bit."""
+    from torch._dynamo.utils import counters
+
+    common = [
+        *SMALL,
+        "telemetry.wandb=disabled",
+        "telemetry.log_every_n_steps=3",
+        "trainer.max_steps=6",
+        "trainer.checkpoint_every_n_steps=6",
+    ]
+    assert main(["train", *common, f"out_dir={run_root / 'eager'}"]) == 0
+    torch._dynamo.reset()
+    counters.clear()
+    assert main(["train", *common, "trainer.compile=true", f"out_dir={run_root / 'compiled'}"]) == 0
+    assert counters["stats"]["unique_graphs"] >= 1  # the blocks did compile
+
+    def final(name):
+        run = run_root / name / "tiny_gpt_cpu"
+        return torch.load(run / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu"), run
+
+    (a, run_a), (b, run_b) = final("eager"), final("compiled")
+    assert a["state_dict"].keys() == b["state_dict"].keys()  # compiled in place: the same keys
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
+    for k in ("scale", "amax_history"):
+        assert torch.equal(a["fp8state"]["ranks"][0]["bank"][k], b["fp8state"]["ranks"][0]["bank"][k]), k
+    rows_a, rows_b = read_jsonl(run_a / "telemetry.jsonl"), read_jsonl(run_b / "telemetry.jsonl")
+    assert len(rows_a) == len(rows_b) == 6
+    timed = {  # clock readings differ run to run
+        "time",
+        "train/effective_steps_per_s",
+        "train/effective_tokens_per_s",
+        "train/steps_per_s",
+        "train/tokens_per_s",
+        "train/window_seconds",
+    }
+    for ra, rb in zip(rows_a, rows_b, strict=True):
+        keys = ra.keys() - timed
+        assert keys == rb.keys() - timed
+        assert any(k.startswith("fp8state/") for k in keys) or ra["step"] % 3, ra  # health on log steps
+        assert {k: ra[k] for k in keys} == {k: rb[k] for k in keys}, ra["step"]
+
+
+def test_trainer_compile_with_an_untested_strategy_is_refused(run_root, capsys):
+    code = main(["train", *SMALL, "trainer.compile=true", "strategy.name=fp8state_deepspeed"])
+    assert code == 2
+    assert "trainer.compile=true with strategy.name='fp8state_deepspeed' is not allowed" in capsys.readouterr().err

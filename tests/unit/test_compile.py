@@ -308,3 +308,31 @@ def test_the_ops_are_kept_out_of_inductors_cuda_graphs():
         pytest.skip(f"torch {torch.__version__} has no cudagraph_unsafe tag")
     for op in (torch.ops.fp8state.fp8_linear.default, torch.ops.fp8state.fp8_linear_backward.default):
         assert torch.Tag.cudagraph_unsafe in op.tags, op
+
+
+def test_the_saturation_probe_counts_the_same_under_compile():
+    """The probe's forward hook is traced into a compiled block: disarmed a no-op (no graph
+    break), armed it runs eagerly after each layer's op. Its counts equal the eager run's; when
+    traced with the rest, its read of the protocol's per-call record happened at trace time."""
+    from lightning_fp8state.telemetry import SaturationProbe
+
+    def go(compiled: bool):
+        model, state, data = _gpt(False, True)
+        probe = SaturationProbe(state, model)
+        if compiled:
+            torch._dynamo.reset()
+            for block in model.blocks:
+                block.compile(backend="aot_eager")
+        for step, (x, y) in enumerate(data):
+            probe.armed = step == 2  # the first steps compile the disarmed graph
+            with state.step(step):
+                loss = model.loss(x, y)
+                state.commit_forward()
+                loss.backward()
+        saturated, elements = probe.take()
+        probe.close()
+        return {i: int(v) for i, v in saturated.items()}, dict(elements)
+
+    eager, compiled = go(False), go(True)
+    assert eager == compiled
+    assert len(eager[1]) == (2 * 4 + 1) * 3  # the armed step counted every owner: 2 blocks x 4 linears + head, 3 roles

@@ -342,11 +342,15 @@ class RecomputeAuditor:
         self._handles = []
 
     # -- module state changed by recompute --------------------------------------------
+    # (the hooks run eagerly around a compiled module's call too: traced into its graph they would
+    # decide "is this a recompute" once, at trace time)
+    @torch.compiler.disable
     def _before_call(self, module: nn.Module, args) -> None:
         if in_backward():  # a module called inside backward: a recompute (any engine)
             # the copies run outside torch SAC's modes: its true forward made none
             self._pending.setdefault(id(module), []).append(outside_selective_checkpoint(_module_state, module))
 
+    @torch.compiler.disable
     def _after_call(self, name: str, module: nn.Module, args, output) -> None:
         stack = self._pending.get(id(module))
         if not stack or not in_backward():

@@ -102,12 +102,16 @@ class NormBlock(nn.Module):
         return x + self.out(F.gelu(self.bn(self.fc(x))))
 
 
-@pytest.mark.parametrize("engine", ["wrapper", "plain", "reentrant", "sac"])
+@pytest.mark.parametrize("engine", ["wrapper", "plain", "reentrant", "sac", "compiled"])
 def test_recompute_changing_module_state_is_reported(engine):
     torch.manual_seed(0)
     blocks = nn.ModuleList([NormBlock(), DriftingBlock()])
     state = f8s.Fp8State(f8s.QuantConfig())
     state.convert(blocks)
+    if engine == "compiled":  # the auditor's hooks run eagerly around the compiled blocks' ops
+        torch._dynamo.reset()
+        for block in blocks:
+            block.compile(backend="aot_eager")
 
     class Model(nn.Module):
         def __init__(self):
@@ -116,7 +120,7 @@ def test_recompute_changing_module_state_is_reported(engine):
 
         def forward(self, x):
             for block in self.blocks:
-                if engine == "wrapper":
+                if engine in ("wrapper", "compiled"):
                     x = f8s.checkpoint(block, x)
                 elif engine == "sac":  # the auditor's copies stay out of SAC's op sequence
                     x = f8s.checkpoint(block, x, context_fn=f8s.selective_checkpoint_context())

@@ -72,3 +72,35 @@ def test_compiled_blocks_captured_by_graphed_step_replay_the_compiled_run():
     losses = torch.stack([graphed(n, x, y).clone() for n, (x, y) in enumerate(data)])
     assert graphed.replays == STEPS - 2
     assert_same(reference, (model, state, losses))
+
+
+def test_cli_trainer_compile_on_the_gpu_is_bitwise_the_eager_run(tmp_path, monkeypatch):
+    """``fp8state train trainer.compile=true`` on one GPU, bf16 autocast, Inductor: the final
+    weights, the quantizer state and the logged losses equal the eager run's."""
+    from lightning_fp8state.cli.main import main
+    from lightning_fp8state.telemetry.sinks import read_jsonl
+
+    monkeypatch.chdir(tmp_path)
+    common = [
+        "model.d_model=128",
+        "model.n_layers=2",
+        "model.seq_len=64",
+        "data.batch_size=8",
+        "data.num_samples=800",
+        "telemetry.wandb=disabled",
+        "telemetry.log_every_n_steps=4",
+        "trainer.accelerator=gpu",
+        "trainer.precision=bf16-mixed",
+        "trainer.max_steps=8",
+        "trainer.checkpoint_every_n_steps=8",
+    ]
+    assert main(["train", *common, f"out_dir={tmp_path / 'eager'}"]) == 0
+    torch._dynamo.reset()
+    assert main(["train", *common, "trainer.compile=true", f"out_dir={tmp_path / 'compiled'}"]) == 0
+    runs = [tmp_path / name / "tiny_gpt_cpu" for name in ("eager", "compiled")]
+    a, b = (torch.load(r / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu") for r in runs)
+    for k in a["state_dict"]:
+        assert bitwise_equal(a["state_dict"][k], b["state_dict"][k]), k
+    assert bitwise_equal(a["fp8state"]["ranks"][0]["bank"]["scale"], b["fp8state"]["ranks"][0]["bank"]["scale"])
+    losses = [[r["train/loss"] for r in read_jsonl(r / "telemetry.jsonl")] for r in runs]
+    assert losses[0] == losses[1]

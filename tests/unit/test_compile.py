@@ -230,74 +230,60 @@ def test_a_whole_compiled_model_with_checkpointed_blocks_is_bitwise_the_eager_ru
         assert bitwise_equal(a, b), i
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_calls_on_empty_inputs_each_find_their_own_backward_state(backend):
-    """A layer called twice on empty batches in one event: its calls' states are kept under
-    their codes' addresses, which empty tensors would share; each backward still finds its own."""
+class TwoSites(nn.Module):
+    """One linear called at two sites: ``lin(x) * 3 + lin(x * scale_second)``."""
 
-    class Twice(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(16, 16)
+    def __init__(self, scale_second: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.scale_second = scale_second
 
-        def forward(self, x):
-            return self.lin(x) + self.lin(x * 2)
+    def forward(self, x):
+        return self.lin(x) * 3 + self.lin(x * self.scale_second if self.scale_second != 1 else x)
 
-    def go(compiled: bool):
-        torch.manual_seed(0)
-        model = Twice()
-        state = f8s.Fp8State(f8s.QuantConfig(mode="safe", strict=True))
-        state.convert(model)
-        torch._dynamo.reset()
-        fn = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
-        x = torch.randn(0, 16, requires_grad=True)
-        with state.step(0):
-            out = fn(x)
+
+def _two_sites(scale_second: float, rows: int, backend: str | None):
+    """Three events of :class:`TwoSites` (compiled with ``backend``, or eager): each event's
+    output and gradients (input's included), and the owners registered."""
+    torch.manual_seed(0)
+    model = TwoSites(scale_second)
+    state = f8s.Fp8State(f8s.QuantConfig(mode="safe", strict=True))
+    state.convert(model)
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend=backend, fullgraph=True) if backend else model
+    out = []
+    for step in range(3):
+        x = (torch.randn(rows, 16, generator=torch.Generator().manual_seed(step)) * (step + 1)).requires_grad_()
+        with state.step(step):
+            y = fn(x)
             state.commit_forward()
-            out.sum().backward()
-        return [x.grad, *(p.grad for p in model.parameters())]
-
-    for a, b in zip(go(False), go(True), strict=True):
-        assert a is not None and b is not None and bitwise_equal(a, b)
+            y.sum().backward()
+        out += [y.detach(), x.grad, *(p.grad.clone() for p in model.parameters())]
+        model.zero_grad(set_to_none=True)
+    assert not state.ledger.violations
+    return out, len(state.protocol.bank.index)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_two_calls_of_a_layer_on_the_same_input_stay_two_calls(backend):
-    """``lin(x) * 3 + lin(x)``: two call sites, two owners each, as eagerly. AOTAutograd's
-    common-subexpression elimination merged the two (identical) op calls into one, whose one
-    kept state the second backward then lacked; each call now carries its own ``instance``."""
-
-    class Same(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(16, 16)
-
-        def forward(self, x):
-            return self.lin(x) * 3 + self.lin(x)
-
-    def go(compiled: bool):
-        torch.manual_seed(0)
-        model = Same()
-        state = f8s.Fp8State(f8s.QuantConfig(mode="safe", strict=True))
-        state.convert(model)
-        torch._dynamo.reset()
-        fn = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
-        out = []
-        for step in range(3):
-            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)) * (step + 1)
-            with state.step(step):
-                y = fn(x)
-                state.commit_forward()
-                y.sum().backward()
-            out += [y.detach(), *(p.grad.clone() for p in model.parameters())]
-            model.zero_grad(set_to_none=True)
-        assert not state.ledger.violations
-        return out, len(state.protocol.bank.index)
-
-    (eager, owners_e), (compiled, owners_c) = go(False), go(True)
+@pytest.mark.parametrize(
+    ("scale_second", "rows"),
+    [(1.0, 8), (2.0, 0)],
+    ids=["same-input", "empty-batches"],
+)
+def test_two_calls_of_a_layer_stay_two_calls(backend, scale_second, rows):
+    """Two call sites, two owners each, as eagerly, outputs and gradients bitwise the eager run's.
+    - The same input at both sites: AOTAutograd's common-subexpression elimination merged the two
+      identical op calls into one, whose one kept state the second backward then lacked; each
+      call now carries its own ``instance``.
+    - Empty batches: the calls' states are kept under their codes' addresses, which empty
+      tensors share (0); empty codes now get a storage of their own."""
+    (eager, owners_e), (compiled, owners_c) = (
+        _two_sites(scale_second, rows, None),
+        _two_sites(scale_second, rows, backend),
+    )
     assert owners_e == owners_c == 6  # two sites x (input, weight, grad_output)
     for i, (a, b) in enumerate(zip(eager, compiled, strict=True)):
-        assert bitwise_equal(a, b), i
+        assert a is not None and b is not None and bitwise_equal(a, b), i
 
 
 def test_the_ops_are_kept_out_of_inductors_cuda_graphs():

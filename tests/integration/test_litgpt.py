@@ -99,3 +99,25 @@ def test_litgpt_naive_mode_differs(plain):
     _, got, report = run("naive", "checkpoint_wrapper")
     assert differing([dict(enumerate(g.values())) for g in ref], [dict(enumerate(g.values())) for g in got])
     assert not report.ok
+
+
+def test_litgpt_compiled_blocks_under_the_checkpoint_wrapper_bitwise(plain):
+    """litgpt's Blocks compiled (each converted linear one op in the block's graph) inside
+    Fabric's checkpoint wrapper: gradients bitwise those of the plain eager run."""
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    state = f8s.Fp8State(f8s.QuantConfig(mode="safe", strict=False))
+    state.convert(model)
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=WRAPPERS["checkpoint_wrapper"],
+        check_fn=lambda m: isinstance(m, litgpt_model.Block),
+    )
+    torch._dynamo.reset()
+    for module in model.modules():
+        if isinstance(module, litgpt_model.Block):
+            module.compile(backend="aot_eager")
+    got, _ = train(state, model, loss_fn, batches(), audit=False)
+    _, ref, _ = plain["safe"]
+    assert_bitwise([dict(enumerate(g.values())) for g in ref], [dict(enumerate(g.values())) for g in got])
+    assert not state.ledger.violations

@@ -109,3 +109,25 @@ def test_torchtitan_naive_mode_differs(plain, policy):
     _, got, report = run("naive", policy)
     assert differing(positional(ref), positional(got))
     assert not report.ok
+
+
+@pytest.mark.parametrize("policy", sorted(AC))
+def test_torchtitan_compiled_blocks_under_its_activation_checkpointing_bitwise(plain, policy):
+    """torchtitan's TransformerBlocks compiled (as its own per-block compile does; each converted
+    linear one op in the block's graph) under its full and selective AC: gradients bitwise those
+    of the plain eager run. The blocks run once under no_grad first: SAC must not see a
+    process's first compile (docs/MODELS.md)."""
+    torch.manual_seed(0)
+    model = tiny_llama3()
+    state = f8s.Fp8State(f8s.QuantConfig(mode="safe", strict=False))
+    state.convert(model)
+    AC[policy]().apply(model)
+    torch._dynamo.reset()
+    for block in model.layers.children():
+        block.compile(backend="aot_eager")
+    with torch.no_grad():
+        model(batches()[0][:, :-1])
+    got, _ = train(state, model, loss_fn, batches(), audit=False)
+    _, ref, _ = plain["safe"]
+    assert_bitwise(positional(ref), positional(got))
+    assert not state.ledger.violations

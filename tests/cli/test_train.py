@@ -253,3 +253,34 @@ def test_trainer_compile_with_an_untested_strategy_is_refused(run_root, capsys):
     code = main(["train", *SMALL, "trainer.compile=true", "strategy.name=fp8state_deepspeed"])
     assert code == 2
     assert "trainer.compile=true with strategy.name='fp8state_deepspeed' is not allowed" in capsys.readouterr().err
+
+
+def test_two_rank_ddp_with_trainer_compile_is_bitwise_the_eager_run(run_root):
+    """``trainer.compile=true`` under ``fp8state_ddp`` on two CPU ranks (gloo): each rank's blocks
+    compiled inside DDP; the logged loss and gradient norm of every step equal the eager run's."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from tests.lightning.launch import launch_env  # noqa: PLC0415
+
+    common = [
+        *SMALL,
+        "strategy.name=fp8state_ddp",
+        "trainer.devices=2",
+        "trainer.deterministic=true",
+        "trainer.max_steps=6",
+        "trainer.checkpoint_every_n_steps=6",
+        "telemetry.wandb=disabled",
+        "telemetry.log_every_n_steps=3",
+        "quant.strict=true",
+        f"out_dir={run_root}",
+    ]
+    for name, extra in (("eager", []), ("compiled", ["trainer.compile=true"])):
+        cmd = [sys.executable, "-m", "lightning_fp8state", "train", *common, *extra, f"name={name}"]
+        done = subprocess.run(cmd, cwd=run_root, env=launch_env(), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    logged = [
+        [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in read_jsonl(run_root / name / "telemetry.jsonl")]
+        for name in ("eager", "compiled")
+    ]
+    assert len(logged[0]) == 6 and logged[0] == logged[1]

@@ -110,7 +110,7 @@ class _CollectiveCounter:
             setattr(dist, name, fn)
 
 
-def _model(state, device: torch.device, *, fsdp: bool, fp8_all_gather: bool = True):
+def _model(state, device: torch.device, *, fsdp: bool, fp8_all_gather: bool = True, compiled: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -123,6 +123,10 @@ def _model(state, device: torch.device, *, fsdp: bool, fp8_all_gather: bool = Tr
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         state.enable_amax_reduction(group=mesh.get_group())
+    if compiled:  # each block through torch.compile, after fully_shard (as torchtitan orders them)
+        torch._dynamo.reset()
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
     return model
 
 
@@ -143,13 +147,14 @@ def _train(
     loud: float = 1.0,
     fp8_all_gather: bool = True,
     sync_check_from: int | None = None,
+    compiled: bool = False,
 ):
     """N_EVENTS steps of SGD; rank 1's inputs times ``loud``. Returns what the tests compare.
 
     ``sync_check_from``: from that event on (CUDA), each step (forward, backward, optimizer)
     runs under ``torch.cuda.set_sync_debug_mode("error")``: a host sync raises."""
     state = f8s.Fp8State(f8s.QuantConfig(), rank=rank)
-    model = _model(state, device, fsdp=fsdp, fp8_all_gather=fp8_all_gather)
+    model = _model(state, device, fsdp=fsdp, fp8_all_gather=fp8_all_gather, compiled=compiled)
     recorder = _Recorder(state)
     counter = _CollectiveCounter(state) if fsdp else None
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -253,6 +258,8 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
         "same": _train(rank, device, fsdp=True, sync_check_from=sync_check_from),
         "loud": _train(rank, device, fsdp=True, loud=8.0, sync_check_from=sync_check_from),
         "loud_off": _train(rank, device, fsdp=True, loud=8.0, fp8_all_gather=False),
+        "loud_compiled": _train(rank, device, fsdp=True, loud=8.0, compiled=True),
+        "loud_off_compiled": _train(rank, device, fsdp=True, loud=8.0, fp8_all_gather=False, compiled=True),
         "refusals": _refusals(rank, device),
         "cuda_kernels": device_type == "cuda" and f8s.ops.cuda.is_loaded(),
     }
@@ -372,6 +379,21 @@ def test_ownership_per_rank_and_one_commit_per_owner_per_event(ranks):
         assert len(run["commits"]) == N_EVENTS
         for event, rows in run["commits"].items():
             assert len(rows) == N_LAYERS * 3 and all(c == 1 for _, _, c in rows), event
+
+
+def test_compiled_blocks_train_as_the_eager_ones(ranks):
+    """Each FSDP2-sharded block through torch.compile: with FP8 all-gather (the call runs
+    eagerly, a graph break) and without (the call is one op in the block's graph), every loss
+    and every owner's scale and history equal those of the same run eager, on both ranks."""
+    for r in ranks:
+        for compiled, eager in (("loud_compiled", "loud"), ("loud_off_compiled", "loud_off")):
+            a, b = r[eager], r[compiled]
+            assert all(torch.equal(x, y) for x, y in zip(a["losses"], b["losses"], strict=True)), compiled
+            assert a["by_owner"].keys() == b["by_owner"].keys()
+            for owner, (scale, history) in a["by_owner"].items():
+                assert torch.equal(scale, b["by_owner"][owner][0]), (compiled, owner)
+                assert torch.equal(history, b["by_owner"][owner][1]), (compiled, owner)
+            assert b["violations"] == 0
 
 
 def test_unsupported_uses_fail_closed(ranks):

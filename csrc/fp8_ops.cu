@@ -184,21 +184,14 @@ void update_scales_cuda(const at::Tensor& amax_history, const at::Tensor& scale,
 // ---------------------------------------------------------------------------------------
 constexpr int kTile = 128;
 
-__global__ void __launch_bounds__(256) transpose_tile128_kernel(const uint8_t* __restrict__ in,
-                                                                 uint8_t* __restrict__ out, int64_t R, int64_t C) {
-  __shared__ uint32_t tile[kTile * kTile / 4];  // 128 rows x 32 words, swizzled
+// Writes a 128 x 128 tile of codes (in shared memory, swizzled as the kernels below store it: word
+// w ^ ((row / 16) % 8) * 4 of each 32-word row) transposed to out[c0.., r0..] (row pitch R):
+// thread t owns input rows 16 rg .. 16 rg + 15 and input columns 4 cw .. 4 cw + 3, reads them as
+// 16 words, transposes 4 x 4 byte blocks with byte permutes and writes four 16-byte runs.
+// Called by all 256 threads of the CTA, after the barrier that completes the tile.
+__device__ __forceinline__ void store_tile_transposed(const uint32_t* tile, uint8_t* __restrict__ out, int64_t R,
+                                                      int64_t r0, int64_t c0) {
   const int t = threadIdx.x;
-  const int64_t r0 = int64_t(blockIdx.x) * kTile, c0 = int64_t(blockIdx.y) * kTile;
-  // load: thread t moves 16 bytes of rows (t / 8) + 32 j, bytes 16 (t % 8) ..
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int row = (t >> 3) + 32 * j, col16 = t & 7;
-    const uint4 v = *reinterpret_cast<const uint4*>(in + (r0 + row) * C + c0 + col16 * 16);
-    const int word = (col16 * 4) ^ (((row >> 4) & 7) << 2);
-    *reinterpret_cast<uint4*>(&tile[row * 32 + word]) = v;
-  }
-  __syncthreads();
-  // transpose: thread t owns input rows 16 rg .. 16 rg + 15 and input columns 4 cw .. 4 cw + 3
   const int rg = t & 7, cw = t >> 3;
   uint32_t w[16];
 #pragma unroll
@@ -219,6 +212,23 @@ __global__ void __launch_bounds__(256) transpose_tile128_kernel(const uint8_t* _
     *reinterpret_cast<uint4*>(out + (c0 + cw * 4 + k) * R + r0 + rg * 16) =
         make_uint4(o[k][0], o[k][1], o[k][2], o[k][3]);
   }
+}
+
+__global__ void __launch_bounds__(256) transpose_tile128_kernel(const uint8_t* __restrict__ in,
+                                                                 uint8_t* __restrict__ out, int64_t R, int64_t C) {
+  __shared__ uint32_t tile[kTile * kTile / 4];  // 128 rows x 32 words, swizzled
+  const int t = threadIdx.x;
+  const int64_t r0 = int64_t(blockIdx.x) * kTile, c0 = int64_t(blockIdx.y) * kTile;
+  // load: thread t moves 16 bytes of rows (t / 8) + 32 j, bytes 16 (t % 8) ..
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int row = (t >> 3) + 32 * j, col16 = t & 7;
+    const uint4 v = *reinterpret_cast<const uint4*>(in + (r0 + row) * C + c0 + col16 * 16);
+    const int word = (col16 * 4) ^ (((row >> 4) & 7) << 2);
+    *reinterpret_cast<uint4*>(&tile[row * 32 + word]) = v;
+  }
+  __syncthreads();
+  store_tile_transposed(tile, out, R, r0, c0);
 }
 
 // Any shape, any region [row_begin, row_end) x [col_begin, col_end) of q[R, C]: 32 x 32 tiles
@@ -364,27 +374,8 @@ __global__ void __launch_bounds__(256) quantize_t_kernel(const T* __restrict__ x
     for (int e = 0; e < EPL; ++e) s_part[i][g * EPL + e] = acc[e];
   }
   __syncthreads();
-  if (full) {  // the byte-permute transpose of transpose_tile128_kernel
-    const int rg = t & 7, cw = t >> 3;
-    uint32_t w[16];
-#pragma unroll
-    for (int k = 0; k < 16; ++k) w[k] = tile[(rg * 16 + k) * 32 + (cw ^ (rg << 2))];
-    uint32_t o[4][4];
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const uint32_t a = w[4 * m], b = w[4 * m + 1], c = w[4 * m + 2], d = w[4 * m + 3];
-      const uint32_t t0 = __byte_perm(a, b, 0x5140), t1 = __byte_perm(c, d, 0x5140);
-      const uint32_t t2 = __byte_perm(a, b, 0x7362), t3 = __byte_perm(c, d, 0x7362);
-      o[0][m] = __byte_perm(t0, t1, 0x5410);
-      o[1][m] = __byte_perm(t0, t1, 0x7632);
-      o[2][m] = __byte_perm(t2, t3, 0x5410);
-      o[3][m] = __byte_perm(t2, t3, 0x7632);
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      *reinterpret_cast<uint4*>(qt + (c0 + cw * 4 + k) * R + r0 + rg * 16) =
-          make_uint4(o[k][0], o[k][1], o[k][2], o[k][3]);
-    }
+  if (full) {
+    store_tile_transposed(tile, qt, R, r0, c0);
   } else {
     const uint8_t* tile_bytes = reinterpret_cast<const uint8_t*>(tile);
     for (int k = 0; k < kTile * kTile / 256; ++k) {

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
@@ -86,9 +87,11 @@ class TelemetryCallback(Callback):
         run_dir: where ``telemetry.jsonl`` goes (default: ``trainer.log_dir``, which is the
             first logger's directory or ``default_root_dir`` without loggers).
         log_every_n_steps: optimizer steps per window (default: the trainer's).
-        guard: skip optimizer steps whose gradients are not all finite: their gradients are
-            set to ``None`` before Lightning clips and steps, so parameters and optimizer
-            state stay exactly as they were. Costs one host sync per optimizer step.
+        guard: skip optimizer steps whose gradients are not all finite, so parameters and
+            optimizer state stay exactly as they were. With a fused optimizer
+            (``torch.optim.AdamW(..., fused=True)``) the optimizer skips the step on the
+            device: no host sync. With any other, the flag is read on the host (one sync per
+            optimizer step) and the gradients are set to ``None`` before Lightning clips and steps.
         tokens_per_batch: tokens in a batch: an int, a function of the batch, or ``None``
             (integer tensors count elements, floating ones rows; see ``count_tokens``).
             Throughput is global: this rank's tokens times the world size.
@@ -97,7 +100,8 @@ class TelemetryCallback(Callback):
         dominant_by: ``"layer"`` or ``"parameter"``.
         saturation: count saturated elements per owner on log steps.
         per_owner: per-owner quantizer keys (scales, amaxes, saturation).
-        progress_bar: show loss, effective tokens/s and skipped steps (refreshed on log steps).
+        progress_bar: show loss, effective tokens/s and skipped steps (refreshed on log steps,
+            as host numbers: the bar reads nothing from the device between them).
         clip_threshold: count clip events against this (default: ``trainer.gradient_clip_val``).
     """
 
@@ -241,8 +245,10 @@ class TelemetryCallback(Callback):
                 "skipped": row.get("train/steps_skipped"),
             }
             for name, value in shown.items():
-                if value is not None:
-                    pl_module.log(name, float(value), prog_bar=True, logger=False, on_step=True, on_epoch=False)
+                if value is not None:  # a CPU tensor: Lightning would put a number on the device,
+                    # and the bar would read it back (a sync) on every batch until the next log step
+                    value = torch.tensor(float(value), dtype=torch.float32)
+                    pl_module.log(name, value, prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
     # -- checkpoint ----------------------------------------------------------------------
     @override

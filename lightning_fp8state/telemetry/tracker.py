@@ -7,9 +7,13 @@ Steps are counted (attempted, applied, skipped) on the host. On log steps the wi
 to the host in one transfer and every step of it becomes one row for the sinks, together
 with throughput (raw and effective) and quantizer health.
 
-The guard reads one device scalar per optimizer step (whether every gradient element is
-finite): the same single sync ``torch.amp.GradScaler.step`` makes. With ``guard=False``
-nothing reaches the host between log steps and non-finite steps are only reported.
+The guard decides on the device when the optimizer can skip a step there (torch's fused
+optimizers, ``fused=True``: the ``found_inf`` flag ``torch.amp.GradScaler`` hands them), so
+nothing reaches the host between log steps; with any other optimizer it reads one device
+scalar per optimizer step (whether every gradient element is finite), the same single sync
+``GradScaler.step`` makes there. With ``guard=False`` non-finite steps are only reported.
+Applied and skipped steps are counted on the host when the window reaches it (log steps,
+``state_dict``).
 """
 
 from __future__ import annotations
@@ -60,7 +64,18 @@ def count_tokens(batch: Any) -> int:
 class _Pending:
     device: dict[str, torch.Tensor]
     host: dict[str, Any]
-    guard_applied: bool
+    guard_applied: bool | torch.Tensor  # a host decision, or the device's (1.0: applied)
+    flagged: torch.optim.Optimizer | None = None  # holds our ``found_inf`` until the step is counted
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
+    """Whether ``optimizer.step()`` skips a step flagged in ``optimizer.found_inf`` by itself, on
+    the device: torch's fused optimizers (``fused=True`` Adam, AdamW, SGD, Adagrad; the flag
+    ``torch.amp.GradScaler`` sets), with plain (not DTensor) parameters. Their kernels leave
+    parameters and state (moments, step count) untouched when the flag is 1."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and not any(
+        hasattr(p, "device_mesh") for p in params
+    )
 
 
 class TrainingTelemetry:
@@ -84,7 +99,8 @@ class TrainingTelemetry:
         model: the trained module: names the gradient sources and hosts the saturation probe.
         state: the ``Fp8State`` to report on; found from ``model``'s converted layers if omitted.
         log_every: optimizer steps per window (one host transfer and one sink write each).
-        guard: skip a step whose gradients are not all finite (one host sync per step).
+        guard: skip a step whose gradients are not all finite: on the device with a fused
+            optimizer (see :func:`skips_on_device`), else with one host sync per step.
         max_grad_norm: clipping threshold; clip events are counted against it.
         clip_algorithm: ``"norm"`` or ``"value"`` (as Lightning's ``gradient_clip_algorithm``).
         apply_clipping: also clip (reusing the norm already computed); default: when
@@ -155,12 +171,17 @@ class TrainingTelemetry:
         self._sources_key: tuple | None = None
         self._sources: tuple[list[str], torch.Tensor] | None = None
         self._after_event = None
+        # this window's steps: [applied (a bool, or the device's flag until resolved), tokens]
+        self._outcomes: list[list] = []
+        self._counted = 0  # outcomes already in the cumulative counters
         self.reset_window()
         self._arm()
 
     # -- the window --------------------------------------------------------------------
     def reset_window(self) -> None:
         """Start a new throughput window now (e.g. when training starts after setup)."""
+        self._resolve()
+        self._outcomes, self._counted = [], 0
         self._win_start = time.perf_counter()
         self._win_steps = self._win_applied = 0
         self._win_tokens = self._win_eff_tokens = 0
@@ -168,6 +189,25 @@ class TrainingTelemetry:
     def _arm(self) -> None:
         if self.probe is not None:
             self.probe.armed = (self.attempted + 1) % self.log_every == 0
+
+    def _resolve(self) -> None:
+        """Count the window's steps not counted yet; the device's decisions among them move to
+        the host in one transfer (log steps, checkpoints: never between them)."""
+        todo = self._outcomes[self._counted :]
+        flags = [o for o in todo if isinstance(o[0], torch.Tensor)]
+        if flags:
+            vals = [o[0].detach().reshape(()).to(torch.float64) for o in flags]
+            if any(v.device != vals[0].device for v in vals):
+                vals = [v.cpu() for v in vals]
+            values = torch.stack(vals).tolist()
+            for o, v in zip(flags, values, strict=True):
+                o[0] = v == 1.0
+        for applied, tokens in todo:
+            self.applied += applied
+            self.skipped += not applied
+            self._win_applied += applied
+            self._win_eff_tokens += tokens if applied else 0
+        self._counted = len(self._outcomes)
 
     @property
     def step_pending(self) -> bool:
@@ -210,12 +250,15 @@ class TrainingTelemetry:
         """Measure the gradients about to be applied and decide whether to apply them.
 
         Call after backward (and before clipping: the norm reported is the one before).
-        When the guard is on and a gradient element is not finite, every gradient of the
-        optimizer's parameters is set to ``None`` (so an ``optimizer.step()`` that runs
-        anyway changes neither parameters nor optimizer state) and ``False`` is returned.
+        When the guard is on, a step with a gradient element that is not finite is skipped:
+        with a fused optimizer (:func:`skips_on_device`) its ``found_inf`` flag is set on the
+        device and its ``step()`` skips itself, with no host read; with any other optimizer
+        the flag is read on the host, every gradient of its parameters is set to ``None`` (so
+        an ``optimizer.step()`` that runs anyway changes neither parameters nor optimizer
+        state) and ``False`` is returned.
 
         Returns:
-            Whether to run ``optimizer.step()``.
+            Whether to run ``optimizer.step()`` (``True`` when the optimizer decides itself).
         """
         if self._pending is not None:  # a previous step was never finished (several optimizers)
             self.after_optimizer_step()
@@ -233,7 +276,8 @@ class TrainingTelemetry:
             host["train/lr"] = float(lr)
         if self._loss is not None:
             device.update({f"train/{k}": v for k, v in loss_summary(self._loss).items()})
-        apply = True
+        apply: bool | torch.Tensor = True
+        flagged = None
         if params:
             grads = [p.grad for p in params]
             norms = gradient_norms(grads)
@@ -251,18 +295,23 @@ class TrainingTelemetry:
                 device["train/clipped"] = clip_event(
                     summary["grad_norm"], max_abs, self.max_grad_norm, self.clip_algorithm
                 )
-            if self.guard:
+            if self.guard and skips_on_device(optimizer, params):
+                apply = summary["grad_finite"]  # decided on the device: the optimizer reads the flag
+                optimizer.found_inf = (apply == 0).to(torch.float32)
+                flagged = optimizer
+            elif self.guard:
                 apply = bool(summary["grad_finite"])  # the guard's one host sync per step
                 if not apply:
                     for p in params:
                         p.grad = None
-            if apply and self.apply_clipping and self.max_grad_norm is not None:
+            # a step the device may skip is clipped anyway (its gradients are then not used)
+            if apply is not False and self.apply_clipping and self.max_grad_norm is not None:
                 if self.clip_algorithm == "norm":
                     torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, summary["grad_norm"].float())
                 else:
                     torch.nn.utils.clip_grad_value_(params, self.max_grad_norm)
-        self._pending = _Pending(device, host, apply)
-        return apply
+        self._pending = _Pending(device, host, apply, flagged)
+        return apply is not False
 
     def after_optimizer_step(self, *, step: int | None = None, engine=None) -> dict[str, Any] | None:
         """Count the step and, on a log step, write the window. Returns the log step's row.
@@ -292,25 +341,18 @@ class TrainingTelemetry:
                     device["train/grad_norm"] = info.grad_norm
                 else:
                     host["train/grad_norm"] = info.grad_norm
-        applied = pending.guard_applied and not engine_skipped
+        opt = pending.flagged
+        if opt is not None and getattr(opt, "found_inf", None) is not None:
+            del opt.found_inf  # ours, for the step just taken: a later step() must not read it
+        applied = False if engine_skipped else pending.guard_applied
         self.attempted += 1
-        self.applied += applied
-        self.skipped += not applied
         tokens = self._tokens
         self._win_steps += 1
-        self._win_applied += applied
         self._win_tokens += tokens
-        self._win_eff_tokens += tokens if applied else 0
-        host.update(
-            {
-                "step": self.attempted if step is None else int(step),
-                "time": time.time(),
-                "train/skipped": float(not applied),
-                "train/steps_attempted": self.attempted,
-                "train/steps_applied": self.applied,
-                "train/steps_skipped": self.skipped,
-            }
-        )
+        self._outcomes.append([applied, tokens])
+        if not isinstance(applied, torch.Tensor):
+            self._resolve()  # a host decision: counted now
+        host.update({"step": self.attempted if step is None else int(step), "time": time.time()})
         if self._tokens_seen:
             host["train/tokens"] = tokens
         if self.write:
@@ -327,10 +369,22 @@ class TrainingTelemetry:
             row = self.after_optimizer_step()
             if row is not None:
                 return row
+        self._resolve()
         rows = self.recorder.drain()  # the one device-to-host transfer of the window
         elapsed = max(time.perf_counter() - self._win_start, 1e-9)
         window = (self._win_steps, self._win_applied, self._win_tokens, self._win_eff_tokens)
         saturation = self.probe.take() if self.probe is not None else None
+        # each row's cumulative counts: the totals less what the window's later steps added
+        outcomes = self._outcomes
+        applied = self.applied - sum(bool(a) for a, _ in outcomes)
+        skipped = self.skipped - sum(not a for a, _ in outcomes)
+        attempted = self.attempted - len(outcomes)
+        for row, (ok, _) in zip(rows, outcomes if rows else [], strict=True):  # one row per step
+            attempted, applied, skipped = attempted + 1, applied + ok, skipped + (not ok)
+            row["train/skipped"] = float(not ok)
+            row["train/steps_attempted"] = attempted
+            row["train/steps_applied"] = applied
+            row["train/steps_skipped"] = skipped
         self.reset_window()
         if not rows:
             return None
@@ -378,6 +432,7 @@ class TrainingTelemetry:
     # -- checkpoint --------------------------------------------------------------------
     def state_dict(self) -> dict[str, int | None]:
         """The cumulative counters (plain numbers), so a resumed run keeps counting."""
+        self._resolve()
         return {
             "attempted": self.attempted,
             "applied": self.applied,

@@ -39,11 +39,20 @@ class TinyModule(pl.LightningModule):
     backward. ``boost``: a layer whose gradient is multiplied (a gradient hook). Every loss
     it computes is kept in ``losses`` (the test's own record, independent of telemetry).
     ``state``: an Fp8State; the module converts its layers and opens one logical event per
-    batch (what the Lightning Fp8StateCallback does).
+    batch (what the Lightning Fp8StateCallback does). ``fused``: a fused AdamW.
     """
 
-    def __init__(self, *, nan_at=(), boost: tuple[str, float] | None = None, state=None, n_batches: int = 16):
+    def __init__(
+        self,
+        *,
+        nan_at=(),
+        boost: tuple[str, float] | None = None,
+        state=None,
+        n_batches: int = 16,
+        fused: bool = False,
+    ):
         super().__init__()
+        self.fused = fused  # AdamW(fused=True): the guard's skip is decided on the device
         torch.manual_seed(0)
         self.net = TinyNet()
         self.nan_at = set(nan_at)
@@ -74,7 +83,7 @@ class TinyModule(pl.LightningModule):
             self.net.hidden.weight.grad[0, 0] = float("nan")
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1, fused=self.fused)
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(regression_batches(self.n_batches), batch_size=None)

@@ -82,10 +82,13 @@ class ManualModule(TinyModule):
         opt.zero_grad()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["host_guard", "fused_device_guard"])
 @pytest.mark.parametrize("module_cls", [TinyModule, ManualModule], ids=["automatic", "manual"])
-def test_nan_step_is_skipped_counted_and_leaves_params_and_adamw_state_bitwise(tmp_path, monkeypatch, module_cls):
+def test_nan_step_is_skipped_counted_and_leaves_params_and_adamw_state_bitwise(
+    tmp_path, monkeypatch, module_cls, fused
+):
     monkeypatch.setenv("WANDB_MODE", "disabled")  # and logger=False: the JSONL is written anyway
-    module = module_cls(nan_at={3})
+    module = module_cls(nan_at={3}, fused=fused)
     spy = StepSnapshots({2, 3})
     tel = TelemetryCallback(log_every_n_steps=3)
     trainer(tmp_path, [tel, spy]).fit(module)

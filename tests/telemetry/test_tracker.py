@@ -13,10 +13,10 @@ from lightning_fp8state.telemetry import TrainingTelemetry, read_jsonl
 from tests.telemetry.helpers import FakeDeepSpeedEngine, TinyNet, assert_bitwise_same, regression_batches, snapshot
 
 
-def make(tmp_path, **kw):
+def make(tmp_path, fused=False, **kw):
     torch.manual_seed(0)
     model = TinyNet()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
     tel = TrainingTelemetry(tmp_path, model=model, **kw)
     return model, opt, tel
 
@@ -28,9 +28,10 @@ def backward(model, batch):
     return loss
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["host_guard", "fused_device_guard"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_nonfinite_step_is_skipped_counted_and_changes_nothing(tmp_path, bad):
-    model, opt, tel = make(tmp_path, log_every=4)
+def test_nonfinite_step_is_skipped_counted_and_changes_nothing(tmp_path, bad, fused):
+    model, opt, tel = make(tmp_path, log_every=4, fused=fused)
     batches = regression_batches(8)
     for step, batch in enumerate(batches):
         loss = backward(model, batch)
@@ -38,7 +39,7 @@ def test_nonfinite_step_is_skipped_counted_and_changes_nothing(tmp_path, bad):
             model.hidden.weight.grad[3, 1] = bad
             before = snapshot(model, opt)
         apply = tel.before_optimizer_step(opt, loss=loss, tokens=8)
-        assert apply == (step != 5)
+        assert apply == (fused or step != 5)  # a fused optimizer skips on the device itself
         opt.step()  # called even on the skipped step, as Lightning does: it must be a no-op
         if step == 5:
             assert_bitwise_same(before, snapshot(model, opt))
@@ -113,8 +114,9 @@ def test_clipping_is_applied_with_the_measured_norm_and_events_counted(tmp_path)
     assert [r["train/clipped"] for r in rows] == [float(n > 0.5) for n in pre_norms]
 
 
-def test_effective_throughput_counts_applied_steps_only(tmp_path):
-    model, opt, tel = make(tmp_path, log_every=4)
+@pytest.mark.parametrize("fused", [False, True], ids=["host_guard", "fused_device_guard"])
+def test_effective_throughput_counts_applied_steps_only(tmp_path, fused):
+    model, opt, tel = make(tmp_path, log_every=4, fused=fused)
     for step, batch in enumerate(regression_batches(8)):
         loss = backward(model, batch)
         if step in (1, 2, 6):
@@ -152,9 +154,11 @@ class _HostReads:
             monkeypatch.setattr(torch.Tensor, name, wrapper)
 
 
-@pytest.mark.parametrize("guard, per_step", [(False, 0), (True, 1)])
-def test_host_reads_only_on_log_steps_plus_the_guards_one(tmp_path, monkeypatch, guard, per_step):
-    model, opt, tel = make(tmp_path, log_every=5, guard=guard, max_grad_norm=1.0)
+@pytest.mark.parametrize(
+    "guard, fused, per_step", [(False, False, 0), (True, False, 1), (True, True, 0)], ids=["off", "host", "device"]
+)
+def test_host_reads_only_on_log_steps_plus_the_guards_one(tmp_path, monkeypatch, guard, fused, per_step):
+    model, opt, tel = make(tmp_path, log_every=5, guard=guard, max_grad_norm=1.0, fused=fused)
     reads = _HostReads(monkeypatch)
     counts = []
     for batch in regression_batches(10):
@@ -209,6 +213,35 @@ def test_counters_survive_a_state_dict_round_trip(tmp_path):
     rows = read_jsonl(tmp_path / "telemetry.jsonl")  # appended to the same file
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[-1]["train/steps_skipped"] == 1 and rows[-1]["train/steps_applied"] == 4
+
+
+def test_device_guard_counts_mid_window_for_a_checkpoint_and_leaves_no_flag_behind(tmp_path):
+    """Fused AdamW: the skip is decided on the device; a state_dict taken between log steps
+    still holds the exact counts, and the found_inf flag does not outlive its step."""
+    model, opt, tel = make(tmp_path, log_every=10, fused=True)
+    for step, batch in enumerate(regression_batches(3)):
+        loss = backward(model, batch)
+        if step == 1:
+            model.embed.bias.grad[0] = float("nan")
+        assert tel.before_optimizer_step(opt, loss=loss, tokens=8)
+        assert hasattr(opt, "found_inf")
+        opt.step()
+        opt.zero_grad()
+        assert tel.after_optimizer_step() is None  # no log step yet
+        assert not hasattr(opt, "found_inf")
+    sd = tel.state_dict()
+    assert (sd["attempted"], sd["applied"], sd["skipped"]) == (3, 2, 1)
+    assert int(opt.state[model.embed.bias]["step"]) == 2  # the skipped step did not count
+    before = snapshot(model, opt)
+    backward(model, regression_batches(1, seed=1)[0])
+    opt.step()  # a later step without telemetry applies: no stale flag
+    with pytest.raises(AssertionError, match="changed"):
+        assert_bitwise_same(before, snapshot(model, opt))
+    tel.close()
+    rows = read_jsonl(tmp_path / "telemetry.jsonl")
+    assert [r["train/skipped"] for r in rows] == [0.0, 1.0, 0.0]
+    assert [r["train/steps_applied"] for r in rows] == [1, 1, 2]
+    assert rows[-1]["train/steps_skipped_window"] == 1
 
 
 def test_bad_arguments_are_config_errors(tmp_path):

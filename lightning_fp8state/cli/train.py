@@ -365,7 +365,15 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
         )
     module, data = _module_and_data(cfg)
     t = cfg.trainer
-    telemetry = TelemetryCallback(run_dir=run_dir, log_every_n_steps=cfg.telemetry.log_every_n_steps)
+    # With the fused AdamW the telemetry clips, reusing the norm it measures: Lightning's
+    # mixed-precision plugin refuses to clip for a fused optimizer
+    clip_here = cfg.strategy.name in FUSED_OPTIMIZER_STRATEGIES and bool(t.gradient_clip_val)
+    telemetry = TelemetryCallback(
+        run_dir=run_dir,
+        log_every_n_steps=cfg.telemetry.log_every_n_steps,
+        clip_threshold=t.gradient_clip_val if clip_here else None,
+        apply_clipping=clip_here,
+    )
     checkpoint = ModelCheckpoint(
         dirpath=run_dir / "checkpoints",
         filename="{step}",
@@ -387,7 +395,7 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
             num_nodes=t.num_nodes,
             precision=t.precision,
             accumulate_grad_batches=t.accumulate_grad_batches,
-            gradient_clip_val=t.gradient_clip_val or None,
+            gradient_clip_val=None if clip_here else (t.gradient_clip_val or None),
             deterministic=t.deterministic,
             strategy=_strategy(cfg),
             logger=loggers or False,

@@ -103,6 +103,11 @@ class TelemetryCallback(Callback):
         progress_bar: show loss, effective tokens/s and skipped steps (refreshed on log steps,
             as host numbers: the bar reads nothing from the device between them).
         clip_threshold: count clip events against this (default: ``trainer.gradient_clip_val``).
+        apply_clipping: clip the gradients here, at ``clip_threshold`` by norm, with the norm
+            the callback measured anyway (one norm pass a step, not two). Leave the trainer's
+            ``gradient_clip_val`` unset then. Lightning's mixed-precision plugin refuses to clip
+            for a fused optimizer (it guards fp16 loss scaling, also under bf16), so this is
+            how a fused optimizer is clipped.
     """
 
     def __init__(
@@ -118,6 +123,7 @@ class TelemetryCallback(Callback):
         per_owner: bool = True,
         progress_bar: bool = True,
         clip_threshold: float | None = None,
+        apply_clipping: bool = False,
         jsonl_name: str = JSONL_NAME,
     ) -> None:
         if log_every_n_steps is not None and (
@@ -130,6 +136,12 @@ class TelemetryCallback(Callback):
             )
         if dominant_by not in ("layer", "parameter"):
             raise ConfigError(f"dominant_by={dominant_by!r} is not allowed: expected 'layer' or 'parameter'")
+        if apply_clipping and not (
+            isinstance(clip_threshold, (int, float)) and not isinstance(clip_threshold, bool) and clip_threshold > 0
+        ):
+            raise ConfigError(
+                f"apply_clipping=True with clip_threshold={clip_threshold!r} is not allowed: expected a number > 0"
+            )
         self.run_dir = run_dir
         self.log_every_n_steps = log_every_n_steps
         self.guard = guard
@@ -140,6 +152,7 @@ class TelemetryCallback(Callback):
         self.per_owner = per_owner
         self.progress_bar = progress_bar
         self.clip_threshold = clip_threshold
+        self.apply_clipping = apply_clipping
         self.jsonl_name = jsonl_name
         self.telemetry: TrainingTelemetry | None = None
         self._engine = None
@@ -162,6 +175,16 @@ class TelemetryCallback(Callback):
             )
             guard = False
         threshold, algorithm = self.clip_threshold, "norm"
+        if self.apply_clipping and trainer.gradient_clip_val:
+            raise ConfigError(
+                f"TelemetryCallback(apply_clipping=True) and Trainer(gradient_clip_val={trainer.gradient_clip_val!r}) "
+                "would both clip: clip in one place (leave gradient_clip_val unset)"
+            )
+        if engine is not None and self.apply_clipping:
+            raise ConfigError(
+                "TelemetryCallback(apply_clipping=True) under DeepSpeed is not allowed: DeepSpeed keeps the "
+                "gradients in its own buffers and clips them itself (set the trainer's gradient_clip_val)"
+            )
         if engine is None and pl_module.automatic_optimization and trainer.gradient_clip_val:
             threshold = threshold if threshold is not None else float(trainer.gradient_clip_val)
             algorithm = str(
@@ -176,7 +199,7 @@ class TelemetryCallback(Callback):
             guard=guard,
             max_grad_norm=threshold,
             clip_algorithm=algorithm,
-            apply_clipping=False,  # Lightning clips; we count
+            apply_clipping=self.apply_clipping,  # else Lightning clips; we count
             dominant_by=self.dominant_by,
             saturation=self.saturation,
             per_owner=self.per_owner,

@@ -203,6 +203,32 @@ def test_two_rank_fsdp_resume_through_the_cli_is_bit_identical(run_root):
     assert split == whole
 
 
+def test_bf16_mixed_with_clipping_runs_the_fused_optimizer_clipped_by_the_telemetry(run_root):
+    """The CLI's AdamW is fused (the guard then skips on the device, no sync per step), and
+    Lightning's mixed-precision plugin refuses to clip a fused optimizer: the telemetry clips
+    (with the norm it measures), so bf16-mixed with trainer.gradient_clip_val trains."""
+    code = main(
+        [
+            "train",
+            *SMALL,
+            "telemetry.wandb=disabled",
+            "telemetry.log_every_n_steps=3",
+            "trainer.precision=bf16-mixed",
+            "trainer.gradient_clip_val=1e-3",  # every step's norm is above it
+            "trainer.max_steps=6",
+            "trainer.checkpoint_every_n_steps=6",
+            f"out_dir={run_root / 'runs'}",
+        ]
+    )
+    assert code == 0
+    run = run_root / "runs" / "tiny_gpt_cpu"
+    rows = read_jsonl(run / "telemetry.jsonl")
+    assert [r["train/clipped"] for r in rows] == [1.0] * 6 and rows[-1]["train/clip_events"] == 6
+    assert rows[-1]["train/steps_applied"] == 6
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    assert ckpt["optimizer_states"][0]["param_groups"][0]["fused"] is True
+
+
 def test_trainer_compile_trains_bitwise_the_eager_run(run_root):
     """``trainer.compile=true``: every block compiled (each FP8 linear one op in its graph); the
     Lightning loop, the callback's events, the checkpointed state and the logged telemetry

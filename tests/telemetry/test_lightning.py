@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
 
@@ -214,11 +215,45 @@ def test_resume_continues_the_counters(tmp_path):
     assert rows[-1]["train/steps_skipped"] == 1 and rows[-1]["train/steps_applied"] == 5
 
 
-def test_bad_arguments_are_config_errors():
+class GradNormAtStep(Callback):
+    """The total gradient norm the optimizer is about to apply (after every earlier hook)."""
+
+    def __init__(self):
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        self.norms.append(float(torch.nn.utils.get_total_norm(grads)))
+
+
+def test_the_callback_clips_a_fused_optimizer_under_bf16_mixed(tmp_path):
+    """Lightning's mixed-precision plugin refuses to clip for a fused optimizer (its guard for
+    fp16 loss scaling raises under bf16-mixed too); the callback clips with its own norm."""
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):  # what it replaces
+        refused = tmp_path / "refused"
+        trainer(refused, [TelemetryCallback()], max_steps=2, precision="bf16-mixed", gradient_clip_val=1e-3).fit(
+            TinyModule(fused=True)
+        )
+    spy = GradNormAtStep()
+    tel = TelemetryCallback(log_every_n_steps=2, clip_threshold=1e-3, apply_clipping=True)
+    trainer(tmp_path, [tel, spy], max_steps=4, precision="bf16-mixed").fit(TinyModule(fused=True, nan_at={2}))
+    rows = read_jsonl(tmp_path / "telemetry.jsonl")
+    assert [r["train/clipped"] for r in rows] == [1.0, 1.0, 0.0, 1.0]  # the NaN step counts no clip
+    assert all(r["train/grad_norm"] > 1e-3 for i, r in enumerate(rows) if i != 2)  # measured before clipping
+    assert all(n <= 1e-3 * (1 + 1e-4) for i, n in enumerate(spy.norms) if i != 2)  # what the optimizer gets
+    assert [r["train/skipped"] for r in rows] == [0.0, 0.0, 1.0, 0.0]
+
+
+def test_bad_arguments_are_config_errors(tmp_path):
     with pytest.raises(f8s.ConfigError, match="log_every_n_steps=0"):
         TelemetryCallback(log_every_n_steps=0)
     with pytest.raises(f8s.ConfigError, match="tokens_per_batch='many'"):
         TelemetryCallback(tokens_per_batch="many")
+    with pytest.raises(f8s.ConfigError, match="apply_clipping=True with clip_threshold=None"):
+        TelemetryCallback(apply_clipping=True)
+    both = TelemetryCallback(clip_threshold=1.0, apply_clipping=True)
+    with pytest.raises(f8s.ConfigError, match="would both clip"):
+        trainer(tmp_path, [both], max_steps=1, gradient_clip_val=1.0).fit(TinyModule())
 
 
 class MemoryLogger(Logger):

@@ -272,8 +272,9 @@ class Fp8StateCallback(Callback):
             raise StateTransitionError(
                 f"{len(new)} quantizer protocol violation(s) before this optimizer step: {detail}"
             )
-        if self.log_metrics:
-            pl_module.log("fp8state/violations", float(len(violations)), on_step=True, on_epoch=False)
+        if self.log_metrics:  # a CPU tensor: a number would be copied to the device, a sync per step
+            count = torch.tensor(float(len(violations)), dtype=torch.float32)
+            pl_module.log("fp8state/violations", count, on_step=True, on_epoch=False)
 
     # -- audit ---------------------------------------------------------------------
     def audit_report(self) -> AuditReport:

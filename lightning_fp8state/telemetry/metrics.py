@@ -109,13 +109,15 @@ def gradient_summary(param_norms: torch.Tensor, group_index: torch.Tensor, n_gro
     sq = param_norms.square()
     total_sq = sq.sum()
     group_sq = torch.zeros(n_groups, dtype=sq.dtype, device=sq.device).index_add_(0, group_index, sq)
-    dominant = torch.argmax(group_sq)
+    # max over a dim: the value and its index on the device (a NaN wins). Indexing with a 0-d
+    # index tensor (group_sq[argmax]) would read the index on the host: a sync per step.
+    largest, dominant = group_sq.max(dim=0)
     total = total_sq.sqrt()
     return {
         "grad_norm": total,
         "grad_finite": torch.isfinite(total).to(torch.float64),
         "dominant_index": dominant.to(torch.float64),
-        "dominant_share": group_sq[dominant] / total_sq,
+        "dominant_share": largest / total_sq,
     }
 
 

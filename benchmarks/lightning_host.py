@@ -10,6 +10,11 @@ builds) that watches three windows of steady-state batches, after ``--warmup`` b
    two are about equal;
 3. profile: a cProfile of a few batches (its times are inflated; compare the shares).
 
+In the timing window it also counts Python's garbage collections and their time, per
+generation (a full collection walks every tracked object of the process: a pause of its
+own). ``--gc-freeze`` calls ``gc.freeze()`` when the warm-up ends: what exists then (the
+model, Lightning, the quantizer's owners) is left out of later collections.
+
 Run once per variant (FP8 safe, and the same command with ``quant.recipe=bf16``):
 
     python benchmarks/lightning_host.py --out DIR --variant fp8 [--recipe gpt_124m_h200] [key=value ...]
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -42,7 +48,7 @@ def _synchronize() -> None:
 
 
 class HostTrace(Callback):
-    def __init__(self, warmup: int, steps: int, profile_steps: int, sync_steps: int) -> None:
+    def __init__(self, warmup: int, steps: int, profile_steps: int, sync_steps: int, gc_freeze: bool = False) -> None:
         self.sync_start = warmup
         self.time_start = self.sync_start + sync_steps
         self.prof_start = self.time_start + steps
@@ -53,6 +59,17 @@ class HostTrace(Callback):
         self._saved_showwarning = None
         self._profile = None
         self._t0 = 0.0
+        self.gc_freeze = gc_freeze
+        self._gc: dict[int, list] = {}
+        self._gc_start = 0.0
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            entry = self._gc.setdefault(info["generation"], [0, 0.0])
+            entry[0] += 1
+            entry[1] += time.perf_counter() - self._gc_start
 
     def _record(self, message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):
@@ -65,6 +82,8 @@ class HostTrace(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         i = trainer.global_step
         if i == self.sync_start:
+            if self.gc_freeze:
+                gc.freeze()
             self._saved_showwarning = warnings.showwarning
             warnings.showwarning = self._record
             warnings.simplefilter("always")
@@ -75,6 +94,7 @@ class HostTrace(Callback):
                 torch.cuda.set_sync_debug_mode(0)
             warnings.showwarning = self._saved_showwarning
             _synchronize()
+            gc.callbacks.append(self._on_gc)
             self._t0 = time.perf_counter()
         elif i == self.prof_start:
             self._profile = cProfile.Profile()
@@ -86,7 +106,11 @@ class HostTrace(Callback):
             issue = time.perf_counter() - self._t0
             _synchronize()
             wall = time.perf_counter() - self._t0
+            gc.callbacks.remove(self._on_gc)
             self.result.update(
+                gc_freeze=self.gc_freeze,
+                gc_per_generation={g: {"collections": n, "ms": 1e3 * t} for g, (n, t) in sorted(self._gc.items())},
+                gc_ms_per_step=1e3 * sum(t for _, t in self._gc.values()) / self.steps,
                 host_issue_ms_per_step=1e3 * issue / self.steps,
                 wall_ms_per_step=1e3 * wall / self.steps,
                 syncs_per_step={k: v / self.sync_steps for k, v in self.syncs.most_common()},
@@ -111,11 +135,12 @@ def main() -> None:
     p.add_argument("--sync-steps", type=int, default=4)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile-steps", type=int, default=4)
+    p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() when the warm-up ends")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trace = HostTrace(args.warmup, args.steps, args.profile_steps, args.sync_steps)
+    trace = HostTrace(args.warmup, args.steps, args.profile_steps, args.sync_steps, args.gc_freeze)
     original_init = pl.Trainer.__init__
 
     def init_with_trace(self, *a, callbacks=None, **kw):  # the recipe's callbacks, plus ours
@@ -128,15 +153,17 @@ def main() -> None:
         f"trainer.max_steps={trace.end + 1}",
         "trainer.checkpoint_every_n_steps=100000",
         f"out_dir={out}",
-        f"name={args.variant}",
+        f"name={args.variant}{'_gc_freeze' if args.gc_freeze else ''}",
         *(["quant.recipe=bf16"] if args.variant == "bf16" else []),
         *args.overrides,
     ]
     code = run_training(args.recipe, overrides)
     result = {"recipe": args.recipe, "variant": args.variant, "overrides": args.overrides, "exit": code, **trace.result}
-    (out / f"lightning_host_{args.variant}.json").write_text(json.dumps(result, indent=1))
-    print(f"{args.variant}: exit {code}")
-    for key in ("host_issue_ms_per_step", "wall_ms_per_step"):
+    tag = f"{args.variant}{'_gc_freeze' if args.gc_freeze else ''}"
+    (out / f"lightning_host_{tag}.json").write_text(json.dumps(result, indent=1))
+    print(f"{tag}: exit {code}")
+    print(f"  garbage collections: {result.get('gc_per_generation')}")
+    for key in ("host_issue_ms_per_step", "wall_ms_per_step", "gc_ms_per_step"):
         print(f"  {key}: {result.get(key, float('nan')):.1f}")
     print("  syncs per step, by call site:")
     for site, n in result.get("syncs_per_step", {}).items():

@@ -112,6 +112,17 @@ def _module_and_data(cfg: DictConfig):
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+        def on_load_checkpoint(self, checkpoint):
+            # load_state_dict takes the saved param groups' settings: a run saved by an earlier
+            # version (AdamW not fused) would continue unfused, its guard syncing every step.
+            # The optimizer of this run is what the configuration says (the state is the same).
+            fused = cfg.strategy.name in FUSED_OPTIMIZER_STRATEGIES
+            for opt_state in checkpoint.get("optimizer_states", ()):
+                for group in opt_state.get("param_groups", ()):
+                    group["fused"] = fused
+                    if fused:
+                        group["foreach"] = None  # fused and foreach are exclusive
+
     class TokenData(pl.LightningDataModule):
         def train_dataloader(self):
             d = cfg.data

@@ -229,6 +229,25 @@ def test_bf16_mixed_with_clipping_runs_the_fused_optimizer_clipped_by_the_teleme
     assert ckpt["optimizer_states"][0]["param_groups"][0]["fused"] is True
 
 
+def test_a_run_saved_with_an_unfused_optimizer_resumes_fused(run_root):
+    """Runs saved before the CLI's AdamW was fused hold param groups with fused unset, which
+    load_state_dict would adopt (an unfused optimizer: the guard then syncs every step)."""
+    common = [*SMALL, "telemetry.wandb=disabled", "trainer.checkpoint_every_n_steps=4", f"out_dir={run_root / 'runs'}"]
+    assert main(["train", *common, "trainer.max_steps=4"]) == 0
+    run = run_root / "runs" / "tiny_gpt_cpu"
+    last = run / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(last, weights_only=False, map_location="cpu")
+    for group in ckpt["optimizer_states"][0]["param_groups"]:  # as an earlier version saved it
+        group["fused"], group["foreach"] = None, None
+    torch.save(ckpt, last)
+    assert main(["train", "--resume", str(run), "trainer.max_steps=8"]) == 0
+    resumed = torch.load(last, weights_only=False, map_location="cpu")
+    assert all(g["fused"] is True for g in resumed["optimizer_states"][0]["param_groups"])
+    step = next(iter(resumed["optimizer_states"][0]["state"].values()))["step"]
+    assert float(step) == 8.0
+    assert read_jsonl(run / "telemetry.jsonl")[-1]["train/steps_applied"] == 8
+
+
 def test_trainer_compile_trains_bitwise_the_eager_run(run_root):
     """``trainer.compile=true``: every block compiled (each FP8 linear one op in its graph); the
     Lightning loop, the callback's events, the checkpointed state and the logged telemetry

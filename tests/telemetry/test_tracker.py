@@ -244,6 +244,30 @@ def test_device_guard_counts_mid_window_for_a_checkpoint_and_leaves_no_flag_behi
     assert rows[-1]["train/steps_skipped_window"] == 1
 
 
+def test_a_fused_optimizer_that_loaded_a_non_fused_state_is_guarded_on_the_host(tmp_path):
+    """load_state_dict takes the saved param groups' settings: an AdamW built fused that loads
+    a non-fused one's state steps unfused, and its foreach path refuses a found_inf flag. The
+    guard must see that and skip on the host."""
+    model, opt, tel = make(tmp_path, log_every=2, fused=True)
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    backward(model, regression_batches(1)[0])
+    plain.step()
+    opt.load_state_dict(plain.state_dict())
+    assert opt._step_supports_amp_scaling and not opt.param_groups[0]["fused"]
+    for step, batch in enumerate(regression_batches(2)):
+        opt.zero_grad()
+        loss = backward(model, batch)
+        if step == 1:
+            model.embed.bias.grad[0] = float("nan")
+            before = snapshot(model, opt)
+        applied = tel.before_optimizer_step(opt, loss=loss)
+        assert not hasattr(opt, "found_inf") and applied == (step == 0)
+        opt.step()
+        tel.after_optimizer_step()
+    assert_bitwise_same(before, snapshot(model, opt))
+    assert (tel.applied, tel.skipped) == (1, 1)
+
+
 def test_bad_arguments_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="log_every=0"):
         TrainingTelemetry(tmp_path, log_every=0)

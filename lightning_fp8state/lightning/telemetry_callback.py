@@ -107,7 +107,8 @@ class TelemetryCallback(Callback):
             the callback measured anyway (one norm pass a step, not two). Leave the trainer's
             ``gradient_clip_val`` unset then. Lightning's mixed-precision plugin refuses to clip
             for a fused optimizer (it guards fp16 loss scaling, also under bf16), so this is
-            how a fused optimizer is clipped.
+            how a fused optimizer is clipped. Refused with fp16 loss scaling (the gradients
+            the callback sees are still scaled there) and under DeepSpeed.
     """
 
     def __init__(
@@ -179,6 +180,13 @@ class TelemetryCallback(Callback):
             raise ConfigError(
                 f"TelemetryCallback(apply_clipping=True) and Trainer(gradient_clip_val={trainer.gradient_clip_val!r}) "
                 "would both clip: clip in one place (leave gradient_clip_val unset)"
+            )
+        if self.apply_clipping and getattr(getattr(trainer, "precision_plugin", None), "scaler", None) is not None:
+            raise ConfigError(
+                "TelemetryCallback(apply_clipping=True) with fp16 loss scaling is not allowed: the gradients are "
+                "still scaled when the callback sees them (the scaler unscales later, or inside a fused "
+                "optimizer's step), so the threshold would not apply; use bf16, or clip with the trainer's "
+                "gradient_clip_val and an unfused optimizer"
             )
         if engine is not None and self.apply_clipping:
             raise ConfigError(

@@ -254,6 +254,16 @@ def test_bad_arguments_are_config_errors(tmp_path):
     both = TelemetryCallback(clip_threshold=1.0, apply_clipping=True)
     with pytest.raises(f8s.ConfigError, match="would both clip"):
         trainer(tmp_path, [both], max_steps=1, gradient_clip_val=1.0).fit(TinyModule())
+    # fp16 loss scaling (a GradScaler; Lightning builds one on CUDA only): gradients still scaled
+    scaled = SimpleNamespace(
+        log_dir=str(tmp_path),
+        default_root_dir=str(tmp_path),
+        model=TinyModule(),
+        gradient_clip_val=None,
+        precision_plugin=SimpleNamespace(scaler=torch.amp.GradScaler("cpu")),
+    )
+    with pytest.raises(f8s.ConfigError, match="fp16 loss scaling"):
+        TelemetryCallback(clip_threshold=1.0, apply_clipping=True).on_train_start(scaled, scaled.model)
 
 
 class MemoryLogger(Logger):

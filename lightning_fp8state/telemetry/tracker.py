@@ -185,9 +185,9 @@ class TrainingTelemetry:
 
     # -- the window --------------------------------------------------------------------
     def reset_window(self) -> None:
-        """Start a new throughput window now (e.g. when training starts after setup)."""
+        """Start a new throughput window now (e.g. when training starts after setup). Steps
+        recorded so far keep their rows and count in the cumulative counters, not in the window."""
         self._resolve()
-        self._outcomes, self._counted = [], 0
         self._win_start = time.perf_counter()
         self._win_steps = self._win_applied = 0
         self._win_tokens = self._win_eff_tokens = 0
@@ -391,6 +391,7 @@ class TrainingTelemetry:
             row["train/steps_attempted"] = attempted
             row["train/steps_applied"] = applied
             row["train/steps_skipped"] = skipped
+        self._outcomes, self._counted = [], 0
         self.reset_window()
         if not rows:
             return None

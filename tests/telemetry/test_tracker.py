@@ -244,6 +244,27 @@ def test_device_guard_counts_mid_window_for_a_checkpoint_and_leaves_no_flag_behi
     assert rows[-1]["train/steps_skipped_window"] == 1
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["host_guard", "fused_device_guard"])
+def test_a_window_reset_mid_window_keeps_every_rows_counts(tmp_path, fused):
+    """reset_window() between log steps (a new throughput window, e.g. after setup) must not
+    lose what the steps recorded so far say: their rows and counts are written at the flush."""
+    model, opt, tel = make(tmp_path, log_every=4, fused=fused)
+    for step, batch in enumerate(regression_batches(4)):
+        loss = backward(model, batch)
+        if step == 0:
+            model.embed.bias.grad[0] = float("nan")
+        tel.before_optimizer_step(opt, loss=loss, tokens=10)
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            tel.reset_window()
+        tel.after_optimizer_step()
+    rows = read_jsonl(tmp_path / "telemetry.jsonl")
+    assert [r["train/skipped"] for r in rows] == [1.0, 0.0, 0.0, 0.0]
+    assert [r["train/steps_applied"] for r in rows] == [0, 1, 2, 3]
+    assert rows[-1]["train/window_steps"] == 3 and rows[-1]["train/steps_applied_window"] == 3  # steps 1-3
+
+
 def test_a_fused_optimizer_that_loaded_a_non_fused_state_is_guarded_on_the_host(tmp_path):
     """load_state_dict takes the saved param groups' settings: an AdamW built fused that loads
     a non-fused one's state steps unfused, and its foreach path refuses a found_inf flag. The

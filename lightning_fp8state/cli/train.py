@@ -457,6 +457,9 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
     loss = trainer.callback_metrics.get("train/loss")
     print(f"run directory: {run_dir}")
     text = f"steps: {trainer.global_step}"
+    skipped = (telemetry.state_dict().get("counters") or {}).get("skipped") or 0
+    if skipped:  # throughput is not progress: say how much of the run did not update the model
+        text += f" ({skipped} skipped: their gradients were not finite; see telemetry.jsonl)"
     if loss is not None:
         text += f", last loss: {float(loss):.4f}"
     if failures:

@@ -248,6 +248,28 @@ def test_a_run_saved_with_an_unfused_optimizer_resumes_fused(run_root):
     assert read_jsonl(run / "telemetry.jsonl")[-1]["train/steps_applied"] == 8
 
 
+def test_the_summary_line_says_how_many_steps_were_skipped(run_root, capsys):
+    """A run whose gradients turn non-finite goes on (the guard skips those steps, the
+    parameters stay finite); its last line must not read like a healthy run."""
+    code = main(
+        [
+            "train",
+            *SMALL,
+            "telemetry.wandb=disabled",
+            "trainer.lr=1e8",  # the first applied step blows the weights up
+            "trainer.gradient_clip_val=0",
+            "trainer.max_steps=8",
+            "trainer.checkpoint_every_n_steps=8",
+            f"out_dir={run_root / 'runs'}",
+        ]
+    )
+    assert code == 0
+    rows = read_jsonl(run_root / "runs" / "tiny_gpt_cpu" / "telemetry.jsonl")
+    skipped = rows[-1]["train/steps_skipped"]
+    assert 0 < skipped < 8  # the first step applies
+    assert f"steps: 8 ({skipped} skipped: their gradients were not finite" in capsys.readouterr().out
+
+
 def test_trainer_compile_trains_bitwise_the_eager_run(run_root):
     """``trainer.compile=true``: every block compiled (each FP8 linear one op in its graph); the
     Lightning loop, the callback's events, the checkpointed state and the logged telemetry

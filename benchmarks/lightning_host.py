@@ -8,7 +8,10 @@ builds) that watches three windows of steady-state batches, after ``--warmup`` b
 2. timing: ``--steps`` batches; the host's issue time (until the last batch's hooks return)
    and the wall time once the GPU is done (``torch.cuda.synchronize``): host-bound when the
    two are about equal;
-3. profile: a cProfile of a few batches (its times are inflated; compare the shares).
+3. profile: a cProfile of a few batches (its times are inflated; compare the shares);
+4. busy (on a GPU): the profiler's device total over ``--busy-steps`` batches, the GPU's
+   busy time per step, to print beside the host's issue time: where the host's is larger,
+   the host sets the pace.
 
 In the timing window it also counts Python's garbage collections and their time, per
 generation (a full collection walks every tracked object of the process: a pause of its
@@ -48,11 +51,16 @@ def _synchronize() -> None:
 
 
 class HostTrace(Callback):
-    def __init__(self, warmup: int, steps: int, profile_steps: int, sync_steps: int, gc_freeze: bool = False) -> None:
+    def __init__(
+        self, warmup: int, steps: int, profile_steps: int, sync_steps: int, gc_freeze: bool = False, busy_steps: int = 3
+    ) -> None:
         self.sync_start = warmup
         self.time_start = self.sync_start + sync_steps
         self.prof_start = self.time_start + steps
-        self.end = self.prof_start + profile_steps
+        self.busy_start = self.prof_start + profile_steps
+        self.end = self.busy_start + busy_steps
+        self.busy_steps = busy_steps
+        self._busy = None
         self.steps, self.sync_steps, self.profile_steps = steps, sync_steps, profile_steps
         self.syncs: Counter = Counter()
         self.result: dict = {}
@@ -99,6 +107,12 @@ class HostTrace(Callback):
         elif i == self.prof_start:
             self._profile = cProfile.Profile()
             self._profile.enable()
+        elif i == self.busy_start and torch.cuda.is_available() and self.busy_steps > 0:
+            from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+            _synchronize()
+            self._busy = profile(activities=[ProfilerActivity.CUDA])
+            self._busy.start()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         i = trainer.global_step  # already advanced past this batch's optimizer step
@@ -115,7 +129,7 @@ class HostTrace(Callback):
                 wall_ms_per_step=1e3 * wall / self.steps,
                 syncs_per_step={k: v / self.sync_steps for k, v in self.syncs.most_common()},
             )
-        elif i == self.end and self._profile is not None:
+        elif i == self.busy_start and self._profile is not None:
             self._profile.disable()
             out = io.StringIO()
             pstats.Stats(self._profile, stream=out).sort_stats("tottime").print_stats(30)
@@ -124,6 +138,13 @@ class HostTrace(Callback):
             pstats.Stats(self._profile, stream=out).sort_stats("cumulative").print_stats(40)
             self.result["profile_cumulative"] = out.getvalue()
             self._profile = None
+        if i == self.end and self._busy is not None:
+            _synchronize()
+            self._busy.stop()
+            events = self._busy.key_averages()
+            busy = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+            self.result["gpu_busy_ms_per_step"] = busy / self.busy_steps / 1e3
+            self._busy = None
 
 
 def main() -> None:
@@ -136,11 +157,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile-steps", type=int, default=4)
     p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() when the warm-up ends")
+    p.add_argument("--busy-steps", type=int, default=3, help="batches whose GPU busy time is profiled (GPU only)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trace = HostTrace(args.warmup, args.steps, args.profile_steps, args.sync_steps, args.gc_freeze)
+    trace = HostTrace(args.warmup, args.steps, args.profile_steps, args.sync_steps, args.gc_freeze, args.busy_steps)
     original_init = pl.Trainer.__init__
 
     def init_with_trace(self, *a, callbacks=None, **kw):  # the recipe's callbacks, plus ours
@@ -163,7 +185,7 @@ def main() -> None:
     (out / f"lightning_host_{tag}.json").write_text(json.dumps(result, indent=1))
     print(f"{tag}: exit {code}")
     print(f"  garbage collections: {result.get('gc_per_generation')}")
-    for key in ("host_issue_ms_per_step", "wall_ms_per_step", "gc_ms_per_step"):
+    for key in ("host_issue_ms_per_step", "wall_ms_per_step", "gpu_busy_ms_per_step", "gc_ms_per_step"):
         print(f"  {key}: {result.get(key, float('nan')):.1f}")
     print("  syncs per step, by call site:")
     for site, n in result.get("syncs_per_step", {}).items():

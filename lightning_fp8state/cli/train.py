@@ -98,8 +98,7 @@ def _module_and_data(cfg: DictConfig):
             t = cfg.trainer
             # fused: one kernel per step, and the telemetry's non-finite guard skips on the device
             # (no host sync); sharded (FSDP2) and DeepSpeed-managed parameters keep the default
-            fused = cfg.strategy.name in FUSED_OPTIMIZER_STRATEGIES
-            opt = torch.optim.AdamW(self.parameters(), lr=t.lr, weight_decay=t.weight_decay, fused=fused)
+            opt = torch.optim.AdamW(self.parameters(), lr=t.lr, weight_decay=t.weight_decay, fused=fused_optimizer(cfg))
             warm = max(1, t.warmup_steps)
             total = t.schedule_steps or t.max_steps
 
@@ -116,7 +115,7 @@ def _module_and_data(cfg: DictConfig):
             # load_state_dict takes the saved param groups' settings: a run saved by an earlier
             # version (AdamW not fused) would continue unfused, its guard syncing every step.
             # The optimizer of this run is what the configuration says (the state is the same).
-            fused = cfg.strategy.name in FUSED_OPTIMIZER_STRATEGIES
+            fused = fused_optimizer(cfg)
             for opt_state in checkpoint.get("optimizer_states", ()):
                 for group in opt_state.get("param_groups", ()):
                     group["fused"] = fused
@@ -189,6 +188,12 @@ def require_finite(cfg: DictConfig) -> None:
 
 COMPILE_STRATEGIES = ("auto", "fp8state_ddp")
 FUSED_OPTIMIZER_STRATEGIES = ("auto", "fp8state_ddp")  # plain-tensor parameters the optimizer owns
+
+
+def fused_optimizer(cfg: DictConfig) -> bool:
+    """Whether the run's AdamW is fused (the guard then skips on the device, and the telemetry
+    clips: Lightning's mixed-precision plugin refuses to clip a fused optimizer)."""
+    return cfg.strategy.name in FUSED_OPTIMIZER_STRATEGIES
 
 
 def require_compile_strategy(cfg: DictConfig) -> None:
@@ -378,7 +383,7 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
     t = cfg.trainer
     # With the fused AdamW the telemetry clips, reusing the norm it measures: Lightning's
     # mixed-precision plugin refuses to clip for a fused optimizer
-    clip_here = cfg.strategy.name in FUSED_OPTIMIZER_STRATEGIES and bool(t.gradient_clip_val)
+    clip_here = fused_optimizer(cfg) and bool(t.gradient_clip_val)
     telemetry = TelemetryCallback(
         run_dir=run_dir,
         log_every_n_steps=cfg.telemetry.log_every_n_steps,

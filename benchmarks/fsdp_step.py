@@ -291,7 +291,7 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
-def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
+def worker(rank: int, world: int, args: argparse.Namespace, teardown: bool = True) -> list[dict]:
     cuda = not args.smoke
     if cuda:
         local = int(os.environ.get("LOCAL_RANK", rank))
@@ -328,13 +328,21 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             with open(args.json, "w") as fh:
                 json.dump({"args": vars(args), "world_size": world, "results": results}, fh, indent=1)
     dist.barrier()  # no rank tears the group down while another still reports
-    dist.destroy_process_group()
+    if teardown:
+        dist.destroy_process_group()
     return results
 
 
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    """A spawned rank: everything is reported once ``worker`` returns, so the process ends there
+    without tearing gloo down. Gloo's worker threads can abort the process at teardown ("terminate
+    called without an active exception", seen once in CI after a complete run), which made a
+    finished benchmark exit with SIGABRT."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    worker(rank, world, args)
+    worker(rank, world, args, teardown=False)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv=None) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 import time
 
 import pytest
@@ -15,10 +17,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _then_exit(rank: int, worker, *args) -> None:
+    """Run one worker; once it has returned, end the process without interpreter teardown. Gloo's
+    threads can abort a process at teardown ("terminate called without an active exception"), which
+    would fail a worker that had already passed; a worker that raises still fails as before."""
+    worker(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn(worker, args: tuple, *, nprocs: int = 2, timeout: float = 300, what: str = "workers") -> None:
     """Run ``worker(rank, free port, *args)`` in ``nprocs`` spawned processes; fail the test if
     one raises (its traceback is in the error) or they take longer than ``timeout`` seconds."""
-    ctx = mp.start_processes(worker, args=(free_port(), *args), nprocs=nprocs, start_method="spawn", join=False)
+    ctx = mp.start_processes(
+        _then_exit, args=(worker, free_port(), *args), nprocs=nprocs, start_method="spawn", join=False
+    )
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=5):  # raises if a worker failed
         if time.monotonic() > deadline:

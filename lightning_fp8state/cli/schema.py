@@ -140,6 +140,10 @@ class TrainerCfg:
     # torch.compile every block of the model (each FP8 linear is one op in the block's graph);
     # with the auto and fp8state_ddp strategies
     compile: bool = False
+    # replay each step's forward and backward from a CUDA graph (the optimizer steps eagerly;
+    # lightning_fp8state.lightning.GraphedTrainingStep): one GPU, strategy auto, no accumulation
+    cuda_graphs: bool = False
+    cuda_graphs_warmup: int = 3  # eager steps before the capture (at least 1)
 
     def __post_init__(self) -> None:
         require_choice("accelerator", self.accelerator, ACCELERATORS)
@@ -152,6 +156,8 @@ class TrainerCfg:
             require_number(key, getattr(self, key), 0)
         require_bool("deterministic", self.deterministic)
         require_bool("compile", self.compile)
+        require_bool("cuda_graphs", self.cuda_graphs)
+        require_int("cuda_graphs_warmup", self.cuda_graphs_warmup, 1)
 
 
 @dataclass

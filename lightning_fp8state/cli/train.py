@@ -85,10 +85,15 @@ def _module_and_data(cfg: DictConfig):
             if cfg.trainer.compile:  # compiled on first use, after the callback converted the linears
                 for block in self.model.blocks:
                     block.compile()
+            self.graphed = None
+            if cfg.trainer.cuda_graphs:  # manual optimization: the step runs the optimizer itself
+                from ..lightning import GraphedTrainingStep  # noqa: PLC0415
+
+                self.graphed = GraphedTrainingStep(self, self.model.loss, warmup=cfg.trainer.cuda_graphs_warmup)
 
         def training_step(self, batch, batch_idx):
             x, y = batch
-            loss = self.model.loss(x, y)
+            loss = self.graphed(self, batch) if self.graphed is not None else self.model.loss(x, y)
             # for callback_metrics only: the telemetry writes the loss to the loggers and the
             # bar on log steps; a device value in the bar would be read back every batch (a sync)
             self.log("train/loss", loss, on_step=True, prog_bar=False, logger=False)
@@ -206,6 +211,31 @@ def require_compile_strategy(cfg: DictConfig) -> None:
         )
 
 
+CUDA_GRAPHS_ACCELERATORS = ("gpu", "cuda")
+
+
+def require_cuda_graphs_setup(cfg: DictConfig) -> None:
+    """trainer.cuda_graphs: one GPU, strategy auto, no accumulation, no recompute audit; each
+    refusal names the key to change."""
+    t = cfg.trainer
+    if not t.cuda_graphs:
+        return
+    needs = [
+        ("trainer.accelerator", t.accelerator in CUDA_GRAPHS_ACCELERATORS, f"{t.accelerator!r}", "'gpu'"),
+        ("strategy.name", cfg.strategy.name == "auto", f"{cfg.strategy.name!r}", "'auto'"),
+        ("trainer.devices", t.devices == 1 and t.num_nodes == 1, f"{t.devices} x {t.num_nodes} node(s)", "1"),
+        ("trainer.accumulate_grad_batches", t.accumulate_grad_batches == 1, str(t.accumulate_grad_batches), "1"),
+        ("telemetry.audit", not cfg.telemetry.audit, "true", "false"),
+    ]
+    for key, ok, found, allowed in needs:
+        if not ok:
+            raise ConfigError(
+                f"trainer.cuda_graphs=true with {key}={found} is not allowed: expected {key}={allowed} (a replayed "
+                "step runs on one GPU, writes its gradients afresh each step, and runs no per-call Python for "
+                "the audit), or trainer.cuda_graphs=false"
+            )
+
+
 def require_accelerator(cfg: DictConfig, recipe: str | None) -> None:
     """Refuse a GPU configuration on a machine without (enough) GPUs, before anything is created."""
     t = cfg.trainer
@@ -315,6 +345,7 @@ def run_training(recipe: str | None, overrides: list[str], *, resume: str | None
         cfg = load_config(recipe, overrides)
     require_finite(cfg)
     require_compile_strategy(cfg)
+    require_cuda_graphs_setup(cfg)
     require_accelerator(cfg, recipe)
     if plan is not None:
         run_dir = Path(resume)
@@ -389,6 +420,7 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
         log_every_n_steps=cfg.telemetry.log_every_n_steps,
         clip_threshold=t.gradient_clip_val if clip_here else None,
         apply_clipping=clip_here,
+        saturation=not t.cuda_graphs,  # the saturation count runs Python per call: a replay does not
     )
     checkpoint = ModelCheckpoint(
         dirpath=run_dir / "checkpoints",
@@ -435,6 +467,9 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
         with warnings.catch_warnings():
             if plan is not None:  # a resumed run's checkpoint directory holds its earlier checkpoints
                 warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+            if t.cuda_graphs:  # manual optimization: Lightning warns that a checkpoint holds the state
+                # after the optimizer step, which is what every run of this CLI saves
+                warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
             trainer.fit(module, datamodule=data, ckpt_path=str(plan.checkpoint) if plan is not None else None)
     except SystemExit:
         if not trainer.interrupted:  # Lightning exits after a graceful Ctrl-C; anything else goes on

@@ -11,6 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from .callback import Fp8StateCallback
 from .checkpoint_io import AtomicCheckpointIO
 from .fsdp import Fp8StateFSDPStrategy
+from .graphed import GraphedTrainingStep
 from .strategies import Fp8StateDDPStrategy, Fp8StateDeepSpeedStrategy, register_strategies
 from .telemetry_callback import LightningLoggerSink, TelemetryCallback, wandb_logger
 
@@ -23,6 +24,7 @@ __all__ = [
     "Fp8StateDDPStrategy",
     "Fp8StateDeepSpeedStrategy",
     "Fp8StateFSDPStrategy",
+    "GraphedTrainingStep",
     "LightningLoggerSink",
     "TelemetryCallback",
     "register_strategies",

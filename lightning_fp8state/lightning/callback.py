@@ -31,6 +31,7 @@ from ..config import QuantConfig
 from ..errors import StateLoadError, StateTransitionError
 from ..fp8state import Fp8State
 from ..nn import ConversionReport
+from .graphed import DRIVES_EVENTS
 
 __all__ = ["CHECKPOINT_FORMAT_VERSION", "CHECKPOINT_KEY", "Fp8StateCallback", "check_resume_world_size"]
 
@@ -141,6 +142,7 @@ class Fp8StateCallback(Callback):
         self._grads_pending = False  # gradients accumulated since the last optimizer step
         self._grads_to_restore: dict[str, torch.Tensor] | None = None
         self._close_after_backward = True
+        self._drives_events = False
 
     # -- setup ---------------------------------------------------------------------
     @override
@@ -196,6 +198,7 @@ class Fp8StateCallback(Callback):
                 "lightning_fp8state.nn.fsdp.enable_fp8_all_gather(self)) before fully_shard in configure_model"
             )
         self._close_after_backward = pl_module.automatic_optimization
+        self._drives_events = bool(getattr(pl_module, DRIVES_EVENTS, False))
         if self.state.protocol.amax_reducer is None and trainer.world_size > 1:
             group = getattr(trainer.strategy, "fp8state_process_group", None)
             self.state.enable_amax_reduction(group=group, device=trainer.strategy.root_device)
@@ -221,10 +224,17 @@ class Fp8StateCallback(Callback):
         self._abort("the previous batch was skipped before its end")
         if self._grads_to_restore is not None:
             self._restore_grads(pl_module)
+        if self._drives_events:  # the module opens and closes its events (GraphedTrainingStep)
+            return
+        self.state.begin_event(*self.next_event(trainer))
+
+    def next_event(self, trainer: pl.Trainer) -> tuple[int, int]:
+        """The ``(step, microbatch)`` of the next batch's event: optimizer steps so far (moving
+        on from an earlier fit of this callback), and the index in the accumulation window."""
         step = trainer.global_step + self._step_offset
         last = self.state.clock.last
         microbatch = last[1] + 1 if last is not None and last[0] == step else 0
-        self.state.begin_event(step, microbatch)
+        return step, microbatch
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:

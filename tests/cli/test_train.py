@@ -351,3 +351,86 @@ def test_two_rank_ddp_with_trainer_compile_is_bitwise_the_eager_run(run_root):
         for name in ("eager", "compiled")
     ]
     assert len(logged[0]) == 6 and logged[0] == logged[1]
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("trainer.accelerator=cpu", "trainer.accelerator='cpu'"),
+        ("strategy.name=fp8state_deepspeed", "strategy.name='fp8state_deepspeed'"),
+        ("trainer.devices=2", "trainer.devices=2 x 1 node(s)"),
+        ("trainer.accumulate_grad_batches=2", "trainer.accumulate_grad_batches=2"),
+        ("telemetry.audit=true", "telemetry.audit=true"),
+    ],
+)
+def test_trainer_cuda_graphs_outside_its_setup_is_refused_by_key(run_root, capsys, override, key):
+    """A replayed step runs on one GPU, writes its gradients afresh and runs no Python per call:
+    anything else is refused before a directory is made, naming the key to change."""
+    code = main(["train", *SMALL, "trainer.accelerator=gpu", "trainer.cuda_graphs=true", override])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"trainer.cuda_graphs=true with {key} is not allowed" in err
+    assert not (run_root / "runs").exists()
+
+
+def test_trainer_cuda_graphs_warmup_below_one_is_refused(run_root, capsys):
+    assert main(["train", *SMALL, "trainer.cuda_graphs_warmup=0"]) == 2
+    assert "cuda_graphs_warmup" in capsys.readouterr().err
+
+
+def test_trainer_cuda_graphs_trains_bitwise_the_eager_run_and_resumes(run_root, monkeypatch):
+    """``trainer.cuda_graphs=true`` through the CLI's own module, optimizer, schedule, clipping,
+    telemetry and checkpoints, with GraphedStep's eager stand-in (the capture needs a GPU: the
+    real replay runs in tests/gpu/test_graphed_training_cuda.py). Eight steps, and four then a
+    resume to eight, end with the weights, the quantizer state and every step's loss and grad
+    norm of the plain run."""
+    import lightning_fp8state.cli.train as cli_train  # noqa: PLC0415
+    import lightning_fp8state.lightning.graphed as graphed  # noqa: PLC0415
+    from tests.lightning.graph_stand_in import for_model, model_of_graphed_body  # noqa: PLC0415
+
+    monkeypatch.setattr(cli_train, "CUDA_GRAPHS_ACCELERATORS", ("cpu",))
+    runners = []
+    stand_in = for_model(model_of_graphed_body)
+
+    def factory(*a, **kw):
+        runners.append(stand_in(*a, **kw))
+        return runners[-1]
+
+    monkeypatch.setattr(graphed, "GraphedStep", factory)
+    common = [
+        *SMALL,
+        "telemetry.wandb=disabled",
+        "telemetry.log_every_n_steps=1",
+        "trainer.gradient_clip_val=0.05",  # clipped by the telemetry (the fused AdamW) on most steps
+        "trainer.schedule_steps=8",
+        "trainer.checkpoint_every_n_steps=4",
+        "quant.strict=true",
+    ]
+    assert main(["train", *common, "trainer.max_steps=8", f"out_dir={run_root / 'eager'}"]) == 0
+    graphs = [*common, "trainer.cuda_graphs=true", "trainer.cuda_graphs_warmup=2"]
+    assert main(["train", *graphs, "trainer.max_steps=8", f"out_dir={run_root / 'graphed'}"]) == 0
+    assert [(r.eager_calls, r.replays) for r in runners] == [(2, 6)]  # the steps did run through the "graph"
+    assert main(["train", *graphs, "trainer.max_steps=4", f"out_dir={run_root / 'split'}"]) == 0
+    split = run_root / "split" / "tiny_gpt_cpu"
+    assert main(["train", "--resume", str(split), "trainer.max_steps=8"]) == 0
+    assert [(r.eager_calls, r.replays) for r in runners[1:]] == [(2, 2), (2, 2)]  # a resume warms up again
+
+    def final(name):
+        run = run_root / name / "tiny_gpt_cpu"
+        ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+        logged = [
+            (r["step"], r["train/loss"], r["train/grad_norm"], r["train/lr"])
+            for r in read_jsonl(run / "telemetry.jsonl")
+        ]
+        return ckpt, logged
+
+    (a, logged_a), (b, logged_b), (c, logged_c) = final("eager"), final("graphed"), final("split")
+    assert len(logged_a) == 8 and logged_a == logged_b == logged_c
+    assert any(r["train/clipped"] for r in read_jsonl(run_root / "graphed" / "tiny_gpt_cpu" / "telemetry.jsonl"))
+    for other in (b, c):
+        assert other["global_step"] == 8
+        for k in a["state_dict"]:
+            assert torch.equal(a["state_dict"][k], other["state_dict"][k]), k
+        for k in ("scale", "amax_history"):
+            assert torch.equal(a["fp8state"]["ranks"][0]["bank"][k], other["fp8state"]["ranks"][0]["bank"][k]), k
+        assert other["fp8state"]["ranks"][0]["clock"]["last"] == a["fp8state"]["ranks"][0]["clock"]["last"]

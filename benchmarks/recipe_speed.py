@@ -8,7 +8,14 @@ machine is noisy: ``--repeat N`` runs the pair N times, interleaved (fp8, bf16, 
 compares each variant's fastest run (every run's number is kept in the JSON). Overrides apply
 to both, e.g. ``trainer.compile=true``.
 
-    python benchmarks/recipe_speed.py --out DIR [--recipe gpt_124m_h200] [--steps 120] [--repeat 3] [key=value ...]
+``--modes`` runs each variant in several modes of the same loop, so that each is compared in its
+own best mode (like with like): ``eager``, ``compile`` (``trainer.compile=true``), ``graphs``
+(``trainer.cuda_graphs=true``: forward and backward replayed from a CUDA graph) and
+``compile+graphs``. It prints the ratio per mode, each variant's best mode, and FP8's best over
+bf16's best.
+
+    python benchmarks/recipe_speed.py --out DIR [--recipe gpt_124m_h200] [--steps 120] [--repeat 3]
+                                      [key=value ...] [--modes eager graphs]   (--modes last: it takes a list)
 """
 
 from __future__ import annotations
@@ -26,6 +33,14 @@ def _or_minus_inf(v: float) -> float:
     return float("-inf") if math.isnan(v) else v
 
 
+MODES = {
+    "eager": [],
+    "compile": ["trainer.compile=true"],
+    "graphs": ["trainer.cuda_graphs=true"],
+    "compile+graphs": ["trainer.compile=true", "trainer.cuda_graphs=true"],
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="gpt_124m_h200")
@@ -33,6 +48,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--skip-windows", type=int, default=2)
     p.add_argument("--repeat", type=int, default=1, help="run the pair this many times, interleaved; keep the fastest")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=["eager"])
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     out = Path(args.out)
@@ -46,22 +62,40 @@ def main() -> None:
         *args.overrides,
     ]
     result = {"recipe": args.recipe, "overrides": args.overrides, "steps": args.steps, "repeat": args.repeat}
+    variants = (("fp8", []), ("bf16", ["quant.recipe=bf16"]))
     for rep in range(args.repeat):
-        for name, extra in (("fp8", []), ("bf16", ["quant.recipe=bf16"])):
-            run_name = name if args.repeat == 1 else f"{name}_{rep}"
-            code, rows = train(out, run_name, [*common, *extra])
-            tps = throughput(rows, args.skip_windows, "train/effective_tokens_per_s") if code == 0 else float("nan")
-            loss = rows[-1]["train/loss"] if rows else float("nan")
-            runs = result.setdefault(name, {"runs": []})["runs"]
-            runs.append({"effective_tokens_per_s": tps, "exit": code, "final_loss": loss})
-            tag = f" [repeat {rep + 1}/{args.repeat}]" if args.repeat > 1 else ""
-            print(f"{name:>5}{tag}: {tps:,.0f} effective tokens/s, exit {code}, final loss {loss:.4f}", flush=True)
-    for name in ("fp8", "bf16"):
-        best = max(result[name]["runs"], key=lambda r: _or_minus_inf(r["effective_tokens_per_s"]))
-        result[name].update(best)
-    ratio = result["fp8"]["effective_tokens_per_s"] / result["bf16"]["effective_tokens_per_s"]
+        for mode in args.modes:
+            for name, extra in variants:
+                key = name if args.modes == ["eager"] else f"{name} {mode}"
+                run_name = key.replace(" ", "_").replace("+", "_")
+                run_name = run_name if args.repeat == 1 else f"{run_name}_{rep}"
+                code, rows = train(out, run_name, [*common, *MODES[mode], *extra])
+                tps = throughput(rows, args.skip_windows, "train/effective_tokens_per_s") if code == 0 else float("nan")
+                loss = rows[-1]["train/loss"] if rows else float("nan")
+                runs = result.setdefault(key, {"runs": [], "mode": mode, "variant": name})["runs"]
+                runs.append({"effective_tokens_per_s": tps, "exit": code, "final_loss": loss})
+                tag = f" [repeat {rep + 1}/{args.repeat}]" if args.repeat > 1 else ""
+                print(f"{key:>20}{tag}: {tps:,.0f} effective tokens/s, exit {code}, final loss {loss:.4f}", flush=True)
+    keys = [k for k, v in result.items() if isinstance(v, dict) and "runs" in v]
+    for key in keys:
+        best = max(result[key]["runs"], key=lambda r: _or_minus_inf(r["effective_tokens_per_s"]))
+        result[key].update(best)
+    if args.modes == ["eager"]:
+        ratio = result["fp8"]["effective_tokens_per_s"] / result["bf16"]["effective_tokens_per_s"]
+    else:
+        for mode in args.modes:
+            r = result[f"fp8 {mode}"]["effective_tokens_per_s"] / result[f"bf16 {mode}"]["effective_tokens_per_s"]
+            result[f"fp8_over_bf16 {mode}"] = r
+            print(f"FP8 / bf16 effective tokens/s, both {mode}: {r:.3f}")
+        best = {}
+        for name, _ in variants:
+            mode = max(args.modes, key=lambda m: _or_minus_inf(result[f"{name} {m}"]["effective_tokens_per_s"]))
+            best[name] = (mode, result[f"{name} {mode}"]["effective_tokens_per_s"])
+            result[f"{name}_best_mode"] = mode
+            print(f"{name} best mode: {mode} ({best[name][1]:,.0f} effective tokens/s)")
+        ratio = best["fp8"][1] / best["bf16"][1]
     result["fp8_over_bf16"] = ratio
-    print(f"FP8 / bf16 effective tokens/s: {ratio:.3f}")
+    print(f"FP8 / bf16 effective tokens/s{'' if args.modes == ['eager'] else ', each in its best mode'}: {ratio:.3f}")
     (out / "recipe_speed.json").write_text(json.dumps(result, indent=1))
 
 

@@ -222,7 +222,12 @@ class GraphedStep:
         graph = torch.cuda.CUDAGraph()
 
         def capture():
-            with torch.cuda.graph(graph, stream=self._side):
+            # thread_local: only this thread's work must be capturable. Under the default
+            # ("global") a CUDA call that is illegal during a capture made by *any* thread
+            # invalidates it, and a DataLoader's pin-memory thread (pin_memory=True, as in
+            # every GPU recipe) allocates pinned host memory whenever it likes: the capture
+            # then failed at random (cudaErrorStreamCaptureInvalidated).
+            with torch.cuda.graph(graph, stream=self._side, capture_error_mode="thread_local"):
                 return self._event(step)
 
         outputs = self._on_side_stream(capture)

@@ -163,3 +163,38 @@ def test_capture_refuses_owners_first_seen_in_it():
     with pytest.raises(f8s.StateTransitionError, match="first seen during a CUDA graph capture"):
         graphed(0, *data[0])
     assert state.clock.event is None  # the event was aborted, nothing committed
+
+
+def test_the_capture_survives_another_thread_allocating_pinned_memory():
+    """A DataLoader's pin-memory thread allocates pinned host memory at any time (cudaHostAlloc,
+    illegal during a capture in the default "global" mode, which then fails for every thread):
+    the capture is thread-local, so a thread pinning fresh buffers throughout it does not
+    invalidate it, and the run stays bitwise the eager one."""
+    import threading  # noqa: PLC0415
+
+    data = batches(5)
+    _, _, l_eager = run_eager(data)
+    stop = threading.Event()
+    pinned = []
+
+    def pin_forever():  # what the pin-memory thread does: pin a batch, copy it, let it go
+        stream = torch.cuda.Stream()
+        size = 1 << 16
+        with torch.cuda.stream(stream):
+            while not stop.is_set():
+                size = size * 2 if size < (1 << 26) else 1 << 16  # new sizes: fresh cudaHostAlloc calls
+                host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+                pinned.append(host.to("cuda", non_blocking=True))  # reuse of its block queries an event
+                del host
+                if len(pinned) > 4:
+                    pinned.pop(0)
+
+    thread = threading.Thread(target=pin_forever, daemon=True)
+    thread.start()
+    try:
+        model, state, l_graph, graphed = run_graphed(data)
+    finally:
+        stop.set()
+        thread.join()
+    assert graphed.replays == 3
+    assert bitwise_equal(l_eager, l_graph)

@@ -22,8 +22,10 @@ step. :class:`~lightning_fp8state.GraphedStep` removes it by capturing one event
   otherwise be read by every replay, stale after the first optimizer step.
 
 Refused, with a message that names what to change: automatic optimization, a world size above
-one, an auditor (the recompute audit and the telemetry's saturation
-count run Python per call, which a replay does not). Shapes and dtypes of the batch are fixed
+one, more than one optimizer, a learning-rate scheduler not stepped every optimizer step
+(``interval="step"``, ``frequency=1``, no ``ReduceLROnPlateau``: this class steps them), an
+auditor (the recompute audit and the telemetry's saturation count run Python per call, which a
+replay does not). Shapes and dtypes of the batch are fixed
 at the capture (``drop_last=True``). Gradient accumulation is refused by Lightning itself under
 manual optimization (each replay writes the gradients afresh: they could not accumulate anyway).
 """
@@ -114,6 +116,20 @@ class GraphedTrainingStep:
                 "all-reduce of a distributed strategy runs in its backward hooks, outside any graph; train on one "
                 "device, or without graphs"
             )
+        optimizers = module.optimizers()
+        if isinstance(optimizers, list):
+            raise ConfigError(
+                f"GraphedTrainingStep with {len(optimizers)} optimizers is not supported: it steps one optimizer "
+                "after each replayed event; return one from configure_optimizers"
+            )
+        for config in trainer.lr_scheduler_configs:
+            if config.interval != "step" or config.frequency != 1 or config.reduce_on_plateau:
+                found = "ReduceLROnPlateau" if config.reduce_on_plateau else f"interval={config.interval!r}"
+                raise ConfigError(
+                    f"GraphedTrainingStep with a learning-rate scheduler of {found}, frequency={config.frequency} "
+                    "is not supported: it steps each scheduler once after every optimizer step (interval='step', "
+                    "frequency=1); use such a scheduler, or step yours in a hook of your own"
+                )
         callback = _fp8_callback(trainer)
         auditors = [] if callback is None or callback.state is None else callback.state.protocol.auditors
         if auditors:
@@ -174,9 +190,8 @@ class GraphedTrainingStep:
         _call_hooks(trainer, module, "on_before_backward", loss)
         _call_hooks(trainer, module, "on_after_backward")
         optimizer.step()
-        schedulers = module.lr_schedulers()
-        for scheduler in schedulers if isinstance(schedulers, list) else [schedulers] if schedulers else []:
-            scheduler.step()
+        for config in trainer.lr_scheduler_configs:  # interval "step", frequency 1 (checked)
+            config.scheduler.step()
         return loss
 
 

@@ -230,6 +230,30 @@ def test_what_a_replay_cannot_serve_is_refused_by_name(tmp_path, setup, needle):
     assert not module.runners  # refused before any event ran
 
 
+class EpochScheduled(GPTModule):
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1)}  # interval "epoch"
+
+
+class TwoOptimizers(GPTModule):
+    def configure_optimizers(self):
+        return [torch.optim.AdamW(self.model.blocks.parameters()), torch.optim.SGD(self.model.head.parameters())]
+
+
+@pytest.mark.parametrize(
+    ("module_class", "needle"),
+    [(EpochScheduled, "interval='epoch', frequency=1 is not supported"), (TwoOptimizers, "with 2 optimizers")],
+)
+def test_what_the_step_would_step_wrongly_is_refused_by_name(tmp_path, module_class, needle):
+    """The step runs the optimizer and every scheduler after each event: an epoch-interval
+    scheduler would be stepped every batch, a second optimizer never."""
+    module = module_class(graphed=True)
+    with pytest.raises(ConfigError, match=needle):
+        fit(tmp_path, module)
+    assert not module.runners
+
+
 def test_gradient_accumulation_is_refused_by_lightning_by_name(tmp_path):
     """Manual optimization: Lightning refuses accumulate_grad_batches itself (each replay writes
     the gradients afresh, so they could not accumulate)."""

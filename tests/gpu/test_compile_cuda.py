@@ -15,6 +15,17 @@ from tests.conftest import bitwise_equal
 from tests.gpu.test_graphs import CFG, batches, make_body, pytestmark  # noqa: F401  (pytestmark: the GPU marks)
 
 STEPS = 5
+# fp8state train on one GPU at a small shape (bf16 autocast, no W&B): the GPU CLI tests' base
+CLI_ON_THE_GPU = [
+    "model.d_model=128",
+    "model.n_layers=2",
+    "model.seq_len=64",
+    "data.batch_size=8",
+    "data.num_samples=800",
+    "telemetry.wandb=disabled",
+    "trainer.accelerator=gpu",
+    "trainer.precision=bf16-mixed",
+]
 
 
 def build(compiled: bool, graphs: bool = False):
@@ -82,15 +93,8 @@ def test_cli_trainer_compile_on_the_gpu_is_bitwise_the_eager_run(tmp_path, monke
 
     monkeypatch.chdir(tmp_path)
     common = [
-        "model.d_model=128",
-        "model.n_layers=2",
-        "model.seq_len=64",
-        "data.batch_size=8",
-        "data.num_samples=800",
-        "telemetry.wandb=disabled",
+        *CLI_ON_THE_GPU,
         "telemetry.log_every_n_steps=4",
-        "trainer.accelerator=gpu",
-        "trainer.precision=bf16-mixed",
         "trainer.max_steps=8",
         "trainer.checkpoint_every_n_steps=8",
     ]

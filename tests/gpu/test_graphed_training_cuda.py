@@ -13,6 +13,7 @@ import torch
 import lightning_fp8state as f8s
 from lightning_fp8state.models import GPTConfig
 from tests.conftest import bitwise_equal
+from tests.gpu.test_compile_cuda import CLI_ON_THE_GPU
 from tests.gpu.test_lightning_sync_free import watched  # noqa: F401  (the fixture)
 from tests.lightning.test_graphed_training import STEPS, GPTModule, fit, losses
 
@@ -86,15 +87,8 @@ def test_cli_trainer_cuda_graphs_is_bitwise_the_eager_run_and_its_steady_steps_n
 
     monkeypatch.chdir(tmp_path)
     common = [
-        "model.d_model=128",
-        "model.n_layers=2",
-        "model.seq_len=64",
-        "data.batch_size=8",
-        "data.num_samples=800",
-        "telemetry.wandb=disabled",
+        *CLI_ON_THE_GPU,
         "telemetry.log_every_n_steps=100",  # no log step inside the watched steps
-        "trainer.accelerator=gpu",
-        "trainer.precision=bf16-mixed",
         "trainer.gradient_clip_val=0.5",
         "trainer.max_steps=12",
         "trainer.checkpoint_every_n_steps=12",

@@ -80,21 +80,8 @@ class GPTModule(pl.LightningModule):
         return ResumableLoader(ds, batch_size=self.batch_size, shuffle=False, drop_last=True)
 
 
-def fit(
-    tmp_path,
-    module,
-    *,
-    max_steps=STEPS,
-    ckpt_path=None,
-    callbacks=(),
-    telemetry=None,
-    accelerator="cpu",
-    quant=None,
-    **kw,
-):
-    fp8 = Fp8StateCallback(config=quant or f8s.QuantConfig(strict=True))
-    telemetry = telemetry or TelemetryCallback(run_dir=tmp_path, log_every_n_steps=1, saturation=False)
-    trainer = pl.Trainer(
+def make_trainer(tmp_path, *, max_steps=STEPS, callbacks=(), accelerator="cpu", **kw) -> pl.Trainer:
+    return pl.Trainer(
         accelerator=accelerator,
         devices=1,
         max_steps=max_steps,
@@ -103,9 +90,15 @@ def fit(
         enable_model_summary=False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         default_root_dir=tmp_path,
-        callbacks=[fp8, telemetry, *callbacks],
+        callbacks=list(callbacks),
         **kw,
     )
+
+
+def fit(tmp_path, module, *, ckpt_path=None, callbacks=(), telemetry=None, quant=None, **kw):
+    fp8 = Fp8StateCallback(config=quant or f8s.QuantConfig(strict=True))
+    telemetry = telemetry or TelemetryCallback(run_dir=tmp_path, log_every_n_steps=1, saturation=False)
+    trainer = make_trainer(tmp_path, callbacks=[fp8, telemetry, *callbacks], **kw)
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer, fp8
 
@@ -183,17 +176,7 @@ def test_a_resumed_graphed_run_warms_up_again_and_ends_bitwise_equal(tmp_path):
 def test_without_an_fp8_state_the_step_runs_as_a_bf16_control(tmp_path):
     """No Fp8StateCallback: the same loop with no quantizer state (the peer a benchmark compares)."""
     module = GPTModule(graphed=True, warmup=1)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=4,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(module)
+    make_trainer(tmp_path, max_steps=4).fit(module)
     (runner,) = module.runners
     assert runner.state is None and runner.events == [(s, 0) for s in range(4)] and runner.replays == 3
 
@@ -208,23 +191,11 @@ def test_without_an_fp8_state_the_step_runs_as_a_bf16_control(tmp_path):
 )
 def test_what_a_replay_cannot_serve_is_refused_by_name(tmp_path, setup, needle):
     module = GPTModule(graphed=True)
-    kw = setup if isinstance(setup, dict) else {}
     fp8 = Fp8StateCallback(config=f8s.QuantConfig(strict=True), audit=setup == "audit")
     telemetry = TelemetryCallback(run_dir=tmp_path, saturation=setup == "saturation")
     if setup == "automatic":
         module.automatic_optimization = True
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=tmp_path,
-        callbacks=[fp8, telemetry],
-        **kw,
-    )
+    trainer = make_trainer(tmp_path, max_steps=2, callbacks=[fp8, telemetry])
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         trainer.fit(module)
     assert not module.runners  # refused before any event ran

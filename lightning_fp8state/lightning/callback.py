@@ -31,9 +31,18 @@ from ..config import QuantConfig
 from ..errors import StateLoadError, StateTransitionError
 from ..fp8state import Fp8State
 from ..nn import ConversionReport
-from .graphed import DRIVES_EVENTS
 
-__all__ = ["CHECKPOINT_FORMAT_VERSION", "CHECKPOINT_KEY", "Fp8StateCallback", "check_resume_world_size"]
+__all__ = [
+    "CHECKPOINT_FORMAT_VERSION",
+    "CHECKPOINT_KEY",
+    "DRIVES_EVENTS",
+    "Fp8StateCallback",
+    "check_resume_world_size",
+]
+
+# a LightningModule with this attribute set to True opens and closes its quantizer events
+# itself (GraphedTrainingStep); Fp8StateCallback then leaves them alone
+DRIVES_EVENTS = "fp8state_drives_events"
 
 log = logging.getLogger(__name__)
 

@@ -39,12 +39,9 @@ import torch
 
 from ..errors import ConfigError
 from ..graphs import GraphedStep
+from .callback import DRIVES_EVENTS, Fp8StateCallback
 
-__all__ = ["DRIVES_EVENTS", "GraphedTrainingStep"]
-
-# a LightningModule with this attribute set to True opens and closes its quantizer events
-# itself; Fp8StateCallback then leaves them alone
-DRIVES_EVENTS = "fp8state_drives_events"
+__all__ = ["GraphedTrainingStep"]
 
 
 class GraphedTrainingStep:
@@ -203,8 +200,6 @@ _AUDITOR_SOURCES = {
 
 
 def _fp8_callback(trainer):
-    from .callback import Fp8StateCallback  # noqa: PLC0415
-
     return next((c for c in trainer.callbacks if isinstance(c, Fp8StateCallback)), None)
 
 

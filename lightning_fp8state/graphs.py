@@ -82,11 +82,7 @@ class GraphedStep:
             raise ConfigError(f"state: expected an Fp8State or None, got {type(state).__name__}")
         if not torch.cuda.is_available():
             raise ConfigError("GraphedStep needs a CUDA device (CUDA graphs); none is available")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-            raise ConfigError(
-                f"warmup={warmup!r} is not allowed: expected an integer >= 1 (owners register and "
-                "calibrate their first scale in eager events)"
-            )
+        require_warmup(warmup)
         for i, t in enumerate(sample_inputs):
             if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
                 raise ConfigError(f"sample_inputs[{i}]: expected a CUDA tensor, got {_describe(t)}")
@@ -249,6 +245,15 @@ class GraphedStep:
                 "raise warmup so that every layer runs in an eager event first"
             )
         return state.ledger.event(state.clock.last)
+
+
+def require_warmup(warmup) -> None:
+    """ConfigError unless ``warmup`` (eager events before the capture) is an integer >= 1."""
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+        raise ConfigError(
+            f"warmup={warmup!r} is not allowed: expected an integer >= 1 (owners register and "
+            "calibrate their first scale in eager events)"
+        )
 
 
 def _protocol_of(state):

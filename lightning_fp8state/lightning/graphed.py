@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from ..graphs import GraphedStep
+from ..graphs import GraphedStep, require_warmup
 from .callback import DRIVES_EVENTS, Fp8StateCallback
 
 __all__ = ["GraphedTrainingStep"]
@@ -85,11 +85,7 @@ class GraphedTrainingStep:
     ) -> None:
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn: expected a function of the batch, got {type(loss_fn).__name__}")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-            raise ConfigError(
-                f"warmup={warmup!r} is not allowed: expected an integer >= 1 (owners register and calibrate "
-                "their first scale in eager events)"
-            )
+        require_warmup(warmup)  # checked now: the runner is made at the first batch
         module.automatic_optimization = False
         setattr(module, DRIVES_EVENTS, True)
         self.loss_fn = loss_fn

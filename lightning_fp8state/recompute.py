@@ -8,12 +8,13 @@ call inside finds exactly the snapshot its true forward made, in any traversal o
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import enum
 import itertools
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ from .state import Event, OwnerKey, QuantSnapshot
 
 __all__ = [
     "ENGINES",
+    "AutocastState",
     "CallRecord",
     "Phase",
     "RegionFrame",
@@ -83,6 +85,54 @@ class Phase(enum.Enum):
     FORWARD = "forward"  # the true forward: records amax, stashes snapshots
     RECOMPUTE = "recompute"  # checkpoint re-run during backward: read-only
     INFERENCE = "inference"  # outside any event with grad off: read live state, record nothing
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    """The autocast settings a region's true forward ran under, re-entered by its recompute.
+
+    torch's checkpoint saves them itself; DeepSpeed's does not, and its recompute (run by the
+    autograd engine, outside the user's ``torch.autocast``) then computed the region's
+    non-quantized ops in float32: inputs of the quantized layers differed from the true
+    forward's. :func:`checkpoint` captures this at every region's true forward and re-enters it
+    around every recompute, whatever the engine.
+
+    Attributes:
+        devices: ``(device_type, enabled, dtype)`` for each device type whose autocast state
+            is kept (the CPU, CUDA when it is available, and the device types of the region's
+            tensor inputs).
+        cache_enabled: the process's autocast weight-cache setting.
+    """
+
+    devices: tuple[tuple[str, bool, torch.dtype], ...]
+    cache_enabled: bool
+
+    @classmethod
+    def capture(cls, args: tuple) -> AutocastState:
+        """The autocast state in force now, for the CPU, CUDA and the devices of ``args``."""
+        types = ["cpu"]
+        if torch.cuda.is_available():
+            types.append("cuda")
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.device.type not in types:
+                types.append(a.device.type)
+        devices = []
+        for t in types:
+            try:
+                devices.append((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)))
+            except RuntimeError:  # a device type autocast does not know (e.g. "meta")
+                continue
+        return cls(tuple(devices), torch.is_autocast_cache_enabled())
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """Run the body under exactly this autocast state (enabled or not, dtype, cache)."""
+        with contextlib.ExitStack() as stack:
+            for device_type, enabled, dtype in self.devices:
+                stack.enter_context(
+                    torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=self.cache_enabled)
+                )
+            yield
 
 
 @dataclass
@@ -157,14 +207,21 @@ def checkpoint(fn: Callable, *args: Any, engine: str | None = None, use_reentran
     _check_engine(engine)
     key = _new_region_key()
     calls = itertools.count()
+    forward_autocast: list[AutocastState] = []  # the true forward's, set at its call
 
     def region(*inner_args, **inner_kwargs):
         first = next(calls) == 0
         phase = Phase.FORWARD if first and not in_backward() else Phase.RECOMPUTE
+        if phase is Phase.FORWARD:
+            forward_autocast.append(AutocastState.capture(inner_args))
+            autocast = contextlib.nullcontext()
+        else:  # every engine's recompute runs under the true forward's autocast state
+            autocast = forward_autocast[0].entered() if forward_autocast else contextlib.nullcontext()
         stack = _stack()
         stack.append(RegionFrame(key, phase, default_engine=nested_default))
         try:
-            return fn(*inner_args, **inner_kwargs)
+            with autocast:
+                return fn(*inner_args, **inner_kwargs)
         except RuntimeError as exc:
             if phase is Phase.RECOMPUTE and storage_mismatch(exc):  # torch SAC: say what to do
                 raise SelectiveCheckpointError(

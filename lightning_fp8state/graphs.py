@@ -160,18 +160,7 @@ class GraphedStep:
 
     def _on_side_stream(self, fn):
         """Run ``fn`` on the side stream, as the caller's stream for the protocol."""
-        caller = torch.cuda.current_stream(self.device)
-        order = None if self.state is None else _protocol_of(self.state).stream_order
-        self._side.wait_stream(caller)
-        if order is not None:
-            order.alias(self._side, caller)
-        try:
-            with torch.cuda.stream(self._side):
-                return fn()
-        finally:
-            if order is not None:
-                order.unalias(self._side)
-            caller.wait_stream(self._side)
+        return on_side_stream(self._side, None if self.state is None else _protocol_of(self.state), fn)
 
     def __call__(self, step: int, *inputs: torch.Tensor):
         """Run event ``(step, microbatch)`` on ``inputs``; returns ``body``'s outputs."""
@@ -245,6 +234,24 @@ class GraphedStep:
                 "raise warmup so that every layer runs in an eager event first"
             )
         return state.ledger.event(state.clock.last)
+
+
+def on_side_stream(side: torch.cuda.Stream, protocol: QuantProtocol | None, fn):
+    """Run ``fn`` on the CUDA stream ``side`` (ordered after the caller's stream, and the
+    caller's after it), which ``protocol`` treats as the caller's stream (one entrant, not two):
+    warm-up and capture run there, as CUDA graphs want."""
+    caller = torch.cuda.current_stream(side.device)
+    order = None if protocol is None else protocol.stream_order
+    side.wait_stream(caller)
+    if order is not None:
+        order.alias(side, caller)
+    try:
+        with torch.cuda.stream(side):
+            return fn()
+    finally:
+        if order is not None:
+            order.unalias(side)
+        caller.wait_stream(side)
 
 
 def require_warmup(warmup) -> None:

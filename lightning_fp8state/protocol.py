@@ -41,6 +41,7 @@ from .state import (
     AmaxReducer,
     ConcurrencyGuard,
     Event,
+    EventRecord,
     FrozenScales,
     Ledger,
     LogicalClock,
@@ -52,7 +53,7 @@ from .state import (
     scoped_owner,
 )
 
-__all__ = ["QuantProtocol"]
+__all__ = ["GraphTemplate", "QuantProtocol"]
 
 # keep_for_backward: key -> a call's host-side state, across protocols (a backward names only the key)
 _KEPT: dict[int, object] = {}
@@ -64,6 +65,16 @@ class _Scratch(NamedTuple):
     amax_pending: torch.Tensor
     center_max: torch.Tensor
     center_min: torch.Tensor
+
+
+class GraphTemplate(NamedTuple):
+    """The host side of calls captured in CUDA graphs (:meth:`QuantProtocol.graph_template`)."""
+
+    observed: dict  # OwnerKey -> bank index, as the capture observed them
+    committed: frozenset  # owners the capture committed (a defect policy commits at once)
+    records: dict  # OwnerKey -> EventRecord: the ledger's counts of the captured calls
+    frozen: FrozenScales | None  # the frozen scales the graphs read
+    version: int  # the bank version they were captured against
 
 
 @dataclass
@@ -231,6 +242,72 @@ class QuantProtocol:
     @property
     def event(self) -> Event | None:
         return self.clock.event
+
+    # -- per-block CUDA graphs (block_graphs.py) ------------------------------------
+    def freeze_event(self, device: torch.device) -> FrozenScales:
+        """Take the open event's frozen scales now (eagerly), if no call took them yet."""
+        ev = self._require_open("freeze_event()")
+        with self._lock:
+            if ev.frozen is None or ev.frozen.version != self.bank.version:
+                self.stream_order.structural(device)
+                ev.frozen = self.bank.freeze()
+            return ev.frozen
+
+    def graph_template(self, since: GraphTemplate | None = None) -> GraphTemplate:
+        """What the open event's calls did on the host so far, less what it had done at
+        ``since`` (taken before the capture): the calls captured in CUDA graphs, for
+        :meth:`replay_template` to repeat in later events without Python per call."""
+        ev = self._require_open("graph_template()")
+        with self._lock:
+            records = {}
+            for o, r in self.ledger.event(ev.event).items():
+                b = since.records.get(o) if since is not None else None
+                if b is None:
+                    records[o] = EventRecord(
+                        r.observations, r.commits, r.recompute_reads, r.recompute_records, set(r.sites)
+                    )
+                    continue
+                counts = (
+                    r.observations - b.observations,
+                    r.commits - b.commits,
+                    r.recompute_reads - b.recompute_reads,
+                    r.recompute_records - b.recompute_records,
+                )
+                if any(counts):
+                    records[o] = EventRecord(*counts, set(r.sites))
+            observed = {o: i for o, i in ev.observed.items() if since is None or o not in since.observed}
+            committed = frozenset(ev.committed - (since.committed if since is not None else frozenset()))
+            return GraphTemplate(observed, committed, records, ev.frozen, self.bank.version)
+
+    def replay_template(self, template: GraphTemplate) -> None:
+        """Count the open event as running ``template``'s captured calls again: their owners
+        observed (and committed, where the capture committed: a defect policy), the ledger's
+        records added, and the event's scales frozen into the copy the graphs read.
+
+        Raises:
+            StateTransitionError: no open event, or the bank changed since the capture.
+        """
+        ev = self._require_open("a CUDA-graph replay")
+        with self._lock:
+            if template.version != self.bank.version:
+                raise StateTransitionError(
+                    "a CUDA-graph replay: the state bank was reallocated after the capture (a new owner "
+                    "registered, or load_state_dict/to() ran), so the graphs would read and write the old "
+                    "tensors: capture again"
+                )
+            if template.frozen is None:  # nothing quantized (the bf16 recipe)
+                pass
+            elif ev.frozen is None:
+                self.stream_order.structural(self.bank.device)
+                ev.frozen = self.bank.freeze_into(template.frozen)
+            elif ev.frozen is not template.frozen:  # an eager call froze first: the same values
+                template.frozen.scales.copy_(ev.frozen.scales)
+                if template.frozen.centers is not None:
+                    template.frozen.centers.copy_(ev.frozen.centers)
+            for owner, index in template.observed.items():
+                ev.observed.setdefault(owner, index)
+            ev.committed.update(template.committed)
+        self.ledger.replay(ev.event, template.records, partial=True)
 
     # -- calls ---------------------------------------------------------------------
     def _enter_stream(self, device: torch.device) -> tuple:

@@ -191,6 +191,17 @@ class StateBank:
             self.center.clone() if self.centered else None,
         )
 
+    def freeze_into(self, frozen: FrozenScales) -> FrozenScales:
+        """:meth:`freeze` into an earlier event's copy (same bank version): the copy a
+        captured CUDA graph reads, refreshed for this event by one device op (two when
+        centered). Only when no snapshot of that earlier event is read any more."""
+        if frozen.version != self.version:
+            raise ValueError(f"frozen scales of bank version {frozen.version}, the bank is at {self.version}")
+        frozen.scales.select(-1, 0).copy_(self.scales)
+        if frozen.centers is not None:
+            frozen.centers.copy_(self.center)
+        return frozen
+
     def calibrate(
         self,
         index: int,

@@ -115,22 +115,30 @@ class Ledger:
                         "exactly once per owner per logical event",
                     )
 
-    def replay(self, event: Event, template: dict[OwnerKey, EventRecord]) -> None:
+    def replay(self, event: Event, template: dict[OwnerKey, EventRecord], *, partial: bool = False) -> None:
         """Count ``event`` as a replay of a captured event whose per-owner records are
         ``template`` (a CUDA graph runs the captured device work again: the same recordings,
         recompute reads and commits, with no Python per call; see ``graphs.py``).
 
         What the capture violated, the replay violates again, and is counted (or raised, in
         strict mode) the same way: a replay of a defect is no less a defect.
+
+        Args:
+            partial: the template is a part of the open event (per-block graphs,
+                ``block_graphs.py``): its counts are added to what the event counted so far,
+                and the event's end checks it as usual. Otherwise the template is the whole
+                event, which must be new, and is checked now.
         """
         with self._lock:
-            if event in self._events:
+            if not partial and event in self._events:
                 raise StateTransitionError(f"event {event} was already counted: a replay is a new logical event")
             for owner, rec in template.items():
                 mine = self._record(event, owner)
-                mine.observations, mine.commits = rec.observations, rec.commits
-                mine.recompute_reads, mine.recompute_records = rec.recompute_reads, rec.recompute_records
-                mine.sites = set(rec.sites)
+                mine.observations += rec.observations
+                mine.commits += rec.commits
+                mine.recompute_reads += rec.recompute_reads
+                mine.recompute_records += rec.recompute_records
+                mine.sites |= rec.sites
                 self._commits[owner] += rec.commits
                 self._observations[owner] += rec.observations + rec.recompute_records
         for owner, rec in template.items():
@@ -158,7 +166,8 @@ class Ledger:
                     f"{owner} committed {rec.commits} times in event "
                     f"{event} (a CUDA-graph replay of a capture that did)",
                 )
-        self.check_event(event)
+        if not partial:
+            self.check_event(event)
 
     def check_event(self, event: Event) -> None:
         """At an event's end: every owner that observed was committed exactly once."""

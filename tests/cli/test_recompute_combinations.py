@@ -38,6 +38,10 @@ def test_every_checkpoint_engine_recomputes_bitwise_under_bf16_autocast(tmp_path
         ]
     )
     assert code == 0
-    rows = [r for r in read_jsonl(tmp_path / "runs" / "tiny_gpt_cpu" / "telemetry.jsonl") if "fp8state/recomputed_calls" in r]
+    rows = [
+        r
+        for r in read_jsonl(tmp_path / "runs" / "tiny_gpt_cpu" / "telemetry.jsonl")
+        if "fp8state/recomputed_calls" in r
+    ]
     assert rows and rows[-1]["fp8state/recomputed_calls"] >= 4 * 2 * 4  # 4 linears x 2 blocks x 4 steps
     assert [r["fp8state/recompute_mismatches"] for r in rows] == [0.0] * len(rows)

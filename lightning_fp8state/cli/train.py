@@ -86,7 +86,14 @@ def _module_and_data(cfg: DictConfig):
                 for block in self.model.blocks:
                     block.compile()
             self.graphed = None
-            if cfg.trainer.cuda_graphs:  # manual optimization: the step runs the optimizer itself
+            if cfg.trainer.cuda_graphs and cfg.strategy.name in BLOCK_GRAPH_STRATEGIES:
+                # per-block graphs: the strategy's gradient hooks stay eager between the blocks
+                from ..block_graphs import GraphedBlocks  # noqa: PLC0415
+
+                self.model.blocks_runner = GraphedBlocks(
+                    self.model.blocks, warmup=cfg.trainer.cuda_graphs_warmup, checkpoint=cfg.model.checkpoint
+                )
+            elif cfg.trainer.cuda_graphs:  # manual optimization: the step runs the optimizer itself
                 from ..lightning import GraphedTrainingStep  # noqa: PLC0415
 
                 self.graphed = GraphedTrainingStep(self, self.model.loss, warmup=cfg.trainer.cuda_graphs_warmup)
@@ -212,27 +219,67 @@ def require_compile_strategy(cfg: DictConfig) -> None:
 
 
 CUDA_GRAPHS_ACCELERATORS = ("gpu", "cuda")
+# trainer.cuda_graphs under a data-parallel strategy: per-block graphs (GraphedBlocks), its hooks eager;
+# under auto: the whole step (GraphedTrainingStep)
+BLOCK_GRAPH_STRATEGIES = ("fp8state_ddp", "fp8state_deepspeed")
+CUDA_GRAPH_STRATEGIES = ("auto", *BLOCK_GRAPH_STRATEGIES)
 
 
 def require_cuda_graphs_setup(cfg: DictConfig) -> None:
-    """trainer.cuda_graphs: one GPU, strategy auto, no accumulation, no recompute audit; each
-    refusal names the key to change."""
-    t = cfg.trainer
+    """trainer.cuda_graphs: on GPUs, under auto (the whole step: one GPU, no accumulation) or
+    fp8state_ddp / fp8state_deepspeed (per-block graphs), no recompute audit, none of DeepSpeed's
+    activation-checkpointing features; each refusal names the key to change and why."""
+    t, s = cfg.trainer, cfg.strategy
     if not t.cuda_graphs:
         return
+    whole_step = s.name == "auto"
+    why_step = "the whole step is one graph on one GPU that writes its gradients afresh each step"
+    why_blocks = "per-block graphs recompute through torch's checkpoint inside the graph"
     needs = [
-        ("trainer.accelerator", t.accelerator in CUDA_GRAPHS_ACCELERATORS, f"{t.accelerator!r}", "'gpu'"),
-        ("strategy.name", cfg.strategy.name == "auto", f"{cfg.strategy.name!r}", "'auto'"),
-        ("trainer.devices", t.devices == 1 and t.num_nodes == 1, f"{t.devices} x {t.num_nodes} node(s)", "1"),
-        ("trainer.accumulate_grad_batches", t.accumulate_grad_batches == 1, str(t.accumulate_grad_batches), "1"),
-        ("telemetry.audit", not cfg.telemetry.audit, "true", "false"),
+        (
+            "trainer.accelerator",
+            t.accelerator in CUDA_GRAPHS_ACCELERATORS,
+            f"{t.accelerator!r}",
+            "'gpu'",
+            "graphs are CUDA's",
+        ),
+        (
+            "strategy.name",
+            s.name in CUDA_GRAPH_STRATEGIES,
+            f"{s.name!r}",
+            f"one of {list(CUDA_GRAPH_STRATEGIES)}",
+            "FSDP2 all-gathers each block's parameters into memory it frees again, which a graph cannot hold",
+        ),
+        (
+            "trainer.devices",
+            not whole_step or (t.devices == 1 and t.num_nodes == 1),
+            f"{t.devices} x {t.num_nodes} node(s)",
+            "1 under strategy.name='auto'",
+            why_step,
+        ),
+        (
+            "trainer.accumulate_grad_batches",
+            not whole_step or t.accumulate_grad_batches == 1,
+            str(t.accumulate_grad_batches),
+            "1 under strategy.name='auto'",
+            why_step,
+        ),
+        (
+            "telemetry.audit",
+            not cfg.telemetry.audit,
+            "true",
+            "false",
+            "the audit runs Python on every quantized call, which a replay does not",
+        ),
+        ("trainer.compile", whole_step or not t.compile, "true", "false under a data-parallel strategy", why_blocks),
     ]
-    for key, ok, found, allowed in needs:
+    for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
+        needs.append((f"strategy.{key}", not s[key], "true", "false", f"{why_blocks}, not DeepSpeed's"))
+    for key, ok, found, allowed, why in needs:
         if not ok:
             raise ConfigError(
-                f"trainer.cuda_graphs=true with {key}={found} is not allowed: expected {key}={allowed} (a replayed "
-                "step runs on one GPU, writes its gradients afresh each step, and runs no per-call Python for "
-                "the audit), or trainer.cuda_graphs=false"
+                f"trainer.cuda_graphs=true with {key}={found} is not allowed: expected {key}={allowed} ({why}), "
+                "or trainer.cuda_graphs=false"
             )
 
 

@@ -80,9 +80,14 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # what runs the blocks while training, in place of the loop below: e.g. GraphedBlocks
+        # (per-block CUDA graphs); None: the loop
+        self.blocks_runner = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos[: idx.shape[1]]
+        if self.blocks_runner is not None and torch.is_grad_enabled():
+            return self.head(self.ln(self.blocks_runner(x)))
         for block in self.blocks:
             if self.cfg.checkpoint and torch.is_grad_enabled():
                 engine = self.cfg.checkpoint_engine

@@ -357,16 +357,19 @@ def test_two_rank_ddp_with_trainer_compile_is_bitwise_the_eager_run(run_root):
     ("override", "key"),
     [
         ("trainer.accelerator=cpu", "trainer.accelerator='cpu'"),
-        ("strategy.name=fp8state_deepspeed", "strategy.name='fp8state_deepspeed'"),
+        ("strategy.name=fp8state_fsdp", "strategy.name='fp8state_fsdp'"),
         ("trainer.devices=2", "trainer.devices=2 x 1 node(s)"),
         ("trainer.accumulate_grad_batches=2", "trainer.accumulate_grad_batches=2"),
         ("telemetry.audit=true", "telemetry.audit=true"),
+        ("strategy.name=fp8state_ddp trainer.compile=true", "trainer.compile=true"),
+        ("strategy.name=fp8state_deepspeed strategy.partition_activations=true", "strategy.partition_activations=true"),
+        ("strategy.name=fp8state_deepspeed strategy.cpu_checkpointing=true", "strategy.cpu_checkpointing=true"),
     ],
 )
 def test_trainer_cuda_graphs_outside_its_setup_is_refused_by_key(run_root, capsys, override, key):
     """A replayed step runs on one GPU, writes its gradients afresh and runs no Python per call:
     anything else is refused before a directory is made, naming the key to change."""
-    code = main(["train", *SMALL, "trainer.accelerator=gpu", "trainer.cuda_graphs=true", override])
+    code = main(["train", *SMALL, "trainer.accelerator=gpu", "trainer.cuda_graphs=true", *override.split()])
     assert code == 2
     err = capsys.readouterr().err
     assert f"trainer.cuda_graphs=true with {key} is not allowed" in err

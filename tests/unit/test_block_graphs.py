@@ -39,20 +39,21 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def inputs(n=N_EVENTS, seed=1):
+def inputs(n=N_EVENTS, seed=1, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(8, D, generator=g) * (1.5**i) for i in range(n)]
+    return [(torch.randn(8, D, generator=g) * (1.5**i)).to(device) for i in range(n)]
 
 
-def train(graphed: bool, mode="safe", recipe="fp8_delayed", accumulate=1, xs=None):
+def train(graphed: bool, mode="safe", recipe="fp8_delayed", accumulate=1, xs=None, device="cpu", backend=None):
+    """N events of Net with SGD; ``backend``: the graphs' (the emulation on the CPU, CUDA's on a GPU)."""
     state = f8s.Fp8State(f8s.QuantConfig(mode=mode, recipe=recipe, strict=False))
-    model = state.convert(Net())
-    backend = EmulatedGraphBackend()
+    model = state.convert(Net()).to(device)
+    backend = EmulatedGraphBackend() if backend is None and device == "cpu" else backend
     if graphed:
         model.runner = GraphedBlocks(model.blocks, warmup=WARMUP, backend=backend)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     outs, grads = [], []
-    for i, x in enumerate(xs or inputs()):
+    for i, x in enumerate(xs or inputs(device=device)):
         step, mb = divmod(i, accumulate)
         with state.step(step, mb):
             y = model(x)

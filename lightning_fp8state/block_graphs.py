@@ -76,13 +76,21 @@ class _BlockGraphs:
     """One block's two graphs and their static buffers."""
 
     def __init__(self, block: nn.Module) -> None:
+        self.block = block
         self.params = [p for p in block.parameters() if p.requires_grad]
+        # the capture differentiates leaf aliases of the parameters (same memory), not the
+        # parameters: a strategy's hooks keep the parameters' AccumulateGrad nodes alive, bound
+        # to the stream they were made on, and the capture's backward may not wait on it
+        self.aliases = {name: p.detach().requires_grad_(p.requires_grad) for name, p in block.named_parameters()}
         self.fwd = self.bwd = None
         self.static_in: torch.Tensor | None = None
         self.static_out: torch.Tensor | None = None
         self.static_grad_out: torch.Tensor | None = None
         self.static_grad_in: torch.Tensor | None = None
         self.static_grad_params: tuple = ()
+
+    def call_with_aliases(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(self.block, self.aliases, (x,))
 
 
 class _BlockReplay(torch.autograd.Function):
@@ -170,7 +178,7 @@ class GraphedBlocks:
                     return protocol
         return None
 
-    def _region(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _region(self, block: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         if not self.checkpoint:
             return block(x)
         # torch's engine, no RNG state: a capture forbids reading the generator's state
@@ -272,15 +280,16 @@ class GraphedBlocks:
             )
             with cache_off:
                 inp = x.detach().clone().requires_grad_(x.requires_grad)
-                for block, g in zip(self.blocks, graphs, strict=True):
+                for g in graphs:
                     g.static_in = inp
                     g.fwd = backend.new_graph()
                     with backend.capture(g.fwd, pool, self._side):
-                        g.static_out = self._region(block, inp)
+                        g.static_out = self._region(g.call_with_aliases, inp)
                     inp = g.static_out.detach().requires_grad_(True)
                 grad = torch.empty_like(graphs[-1].static_out)
                 for g in reversed(graphs):
-                    wanted = ([g.static_in] if g.static_in.requires_grad else []) + g.params
+                    aliases = [a for a in g.aliases.values() if a.requires_grad]
+                    wanted = ([g.static_in] if g.static_in.requires_grad else []) + aliases
                     g.static_grad_out = grad
                     g.bwd = backend.new_graph()
                     with backend.capture(g.bwd, pool, self._side):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .recompute import CallRecord, Phase, in_backward
+from .recompute import CallRecord, Phase, buffers_restored, in_backward
 from .sac import outside_selective_checkpoint
 from .state import role_phase
 
@@ -301,7 +301,10 @@ class RecomputeAuditor:
         state: the :class:`~lightning_fp8state.Fp8State` (or protocol) to audit.
         model: optional; when given, every module of it is watched for state that a
             recompute changes (buffers and plain attributes, each module's own), reported as
-            :class:`StateChange` rows (a report with any is not ``ok``).
+            :class:`StateChange` rows (a report with any is not ``ok``). Buffers that
+            :func:`~lightning_fp8state.checkpoint` writes back after the recompute
+            (``restore_buffers``, on by default) are not reported: the change does not last.
+            Under torch's or DeepSpeed's own checkpoint it does, and is reported.
 
     Example::
 
@@ -358,7 +361,10 @@ class RecomputeAuditor:
         before = stack.pop()
         event = self.protocol.event
         after = outside_selective_checkpoint(_module_state, module)
+        restored = buffers_restored(module)  # lightning_fp8state.checkpoint writes them back at the region's end
         for kind, attr, detail in outside_selective_checkpoint(_state_diff, before, after):
+            if kind == "buffer" and restored:
+                continue
             change = StateChange(event, name, attr, kind, detail)
             with self._lock:
                 self.state_changes.append(change)

@@ -201,7 +201,7 @@ class Fp8State:
         # a second convert with nothing new (the Lightning callback converts at setup and again at
         # fit start) must not cancel the check a first one armed
         self._check_owners = self._check_owners or bool(report.converted or report.attention)
-        self.converted_layers.update(report.converted, report.attention)
+        self.converted_layers.update(report.layers())  # the layer names their owners take
         if self._loaded_unchecked is not None:
             unknown, self._loaded_unchecked = sorted(self._loaded_unchecked - self.converted_layers), None
             if unknown:

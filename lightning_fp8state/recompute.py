@@ -11,28 +11,32 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
+import functools
 import itertools
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .errors import AmbiguousRecomputeError, ConfigError, SelectiveCheckpointError
-from .sac import storage_mismatch
+from .sac import outside_selective_checkpoint, storage_mismatch
 from .state import Event, OwnerKey, QuantSnapshot
 
 __all__ = [
     "ENGINES",
     "AutocastState",
+    "BufferRestore",
     "CallRecord",
     "Phase",
     "RegionFrame",
     "SnapshotStash",
     "bind_event_engine",
+    "buffers_restored",
     "checkpoint",
     "current_frame",
     "default_engine",
@@ -181,7 +185,14 @@ def _new_region_key() -> tuple:
     return (*parent.key, parent.child_regions - 1)
 
 
-def checkpoint(fn: Callable, *args: Any, engine: str | None = None, use_reentrant: bool = False, **kwargs: Any):
+def checkpoint(
+    fn: Callable,
+    *args: Any,
+    engine: str | None = None,
+    use_reentrant: bool = False,
+    restore_buffers: bool | nn.Module | Iterable[nn.Module] = True,
+    **kwargs: Any,
+):
     """Activation-checkpoint ``fn(*args, **kwargs)`` so that stateful quantizers inside
     replay their true-forward snapshots during recompute.
 
@@ -194,6 +205,17 @@ def checkpoint(fn: Callable, *args: Any, engine: str | None = None, use_reentran
             ``checkpoint_engine``: ``"torch"`` unless set, e.g. by the fp8state_deepspeed
             strategy), or ``"torch"`` when torch-only keyword arguments are given.
         use_reentrant: torch engine only: the reentrant (True) or non-reentrant variant.
+        restore_buffers: keep the recompute from changing module buffers (BatchNorm's
+            running statistics and ``num_batches_tracked``, any registered buffer): every
+            buffer the region's true forward changed is copied when the recompute enters the
+            region and written back when it leaves it (early stop included), so after backward
+            the buffers hold what the forward left, as without checkpointing. ``True``: the
+            buffers of the modules the region can be seen to run: ``fn`` itself if it is a
+            module, the module of a bound method (``block.forward``, ``layer.__call__``), the
+            modules in a ``functools.partial`` or directly in ``fn``'s closure, and modules
+            passed as region arguments; pass the module(s) instead for anything else (a
+            compiled function, modules reached through other objects). ``False``: off. See
+            :class:`BufferRestore` for what it covers.
         **kwargs: passed to the engine (torch: ``preserve_rng_state``, ``context_fn``,
             ``determinism_check``, ``debug``, ``early_stop``; region keyword inputs are
             passed to ``fn`` only by the non-reentrant torch engine).
@@ -205,6 +227,7 @@ def checkpoint(fn: Callable, *args: Any, engine: str | None = None, use_reentran
     if engine is None:  # torch-only keywords keep the torch engine
         engine = "torch" if kwargs else nested_default
     _check_engine(engine)
+    buffers = BufferRestore.for_region(fn, args, kwargs, restore_buffers)
     key = _new_region_key()
     calls = itertools.count()
     forward_autocast: list[AutocastState] = []  # the true forward's, set at its call
@@ -219,6 +242,7 @@ def checkpoint(fn: Callable, *args: Any, engine: str | None = None, use_reentran
             autocast = forward_autocast[0].entered() if forward_autocast else contextlib.nullcontext()
         stack = _stack()
         stack.append(RegionFrame(key, phase, default_engine=nested_default))
+        buffers.enter(phase)
         try:
             with autocast:
                 return fn(*inner_args, **inner_kwargs)
@@ -238,6 +262,7 @@ def checkpoint(fn: Callable, *args: Any, engine: str | None = None, use_reentran
             raise
         finally:
             # torch's early stop raises out of the region mid-body: leave it here anyway.
+            buffers.exit(phase)
             stack.pop()
 
     if engine == "deepspeed":
@@ -330,3 +355,148 @@ class SnapshotStash:
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._by_layer.values())
+
+
+def _restoring() -> dict[int, int]:
+    """id(module) -> recomputes in flight on this thread that will restore its buffers."""
+    restoring = getattr(_tls, "restoring", None)
+    if restoring is None:
+        restoring = _tls.restoring = {}
+    return restoring
+
+
+def buffers_restored(module: nn.Module) -> bool:
+    """Whether a recompute running on this thread will write ``module``'s buffers back when its
+    region ends (:class:`BufferRestore`): what the recompute changes there does not last."""
+    return id(module) in _restoring()
+
+
+def _modules_seen_in(obj: Any, found: dict[int, nn.Module], depth: int = 0) -> None:
+    """The modules ``obj`` visibly runs: itself, a bound method's owner, a ``functools.partial``'s
+    function and arguments, ``__wrapped__``, and modules directly in a function's closure."""
+    if depth > 3 or obj is None:
+        return
+    if isinstance(obj, nn.Module):
+        found.setdefault(id(obj), obj)
+        return
+    owner = getattr(obj, "__self__", None)
+    if isinstance(owner, nn.Module):
+        found.setdefault(id(owner), owner)
+    if isinstance(obj, functools.partial):
+        for part in (obj.func, *obj.args, *obj.keywords.values()):
+            _modules_seen_in(part, found, depth + 1)
+        return
+    wrapped = getattr(obj, "__wrapped__", None)
+    if wrapped is not None and wrapped is not obj:
+        _modules_seen_in(wrapped, found, depth + 1)
+    for cell in getattr(obj, "__closure__", None) or ():
+        try:
+            content = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(content, nn.Module) or isinstance(getattr(content, "__self__", None), nn.Module):
+            _modules_seen_in(content, found, depth + 1)
+
+
+class BufferRestore:
+    """Keeps a checkpoint region's recompute from changing module buffers.
+
+    A checkpointed region runs its forward twice; whatever state the forward updates (BatchNorm's
+    ``running_mean``/``running_var``/``num_batches_tracked``, any registered buffer) is updated
+    twice, so a checkpointed run drifts from the same run without checkpointing. When a recompute
+    enters the region, every buffer of the watched modules is copied; when it leaves (also when
+    torch's early stop raises out of it), each buffer is written back (and put back in its module,
+    had the recompute replaced it), so after backward each holds what the true forward (and
+    anything after it) left. Nothing is copied in the true forward. All buffers are copied, not
+    only the ones the forward changed: BatchNorm's kernels update the running statistics in place
+    without moving their version counters, so no cheap test tells which ones did. The copies are
+    device ops (no host sync), outside torch SAC's modes (its recompute must issue the forward's
+    ops); a region's buffers cost one copy and one write-back per recompute. The write-back leaves
+    the buffers' version counters alone, as BatchNorm's own update does: the recompute's graph
+    saved them, and the reentrant engines run its backward after the region has left.
+
+    What it does not do: the recompute itself still reads the buffers as the whole forward left
+    them, so a forward that *reads* state it writes (a counter deciding a branch) recomputes
+    differently (the audit reports it: ``StateChange``; ``SelectiveCheckpointError`` under SAC);
+    plain attributes are not buffers and are not restored; modules the region runs but
+    :func:`checkpoint` cannot see (see its ``restore_buffers``) are not watched; torch's and
+    DeepSpeed's own checkpoint functions (called without :func:`checkpoint`) restore nothing.
+    """
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        seen: dict[int, nn.Module] = {}
+        for root in modules:
+            for module in root.modules():
+                seen.setdefault(id(module), module)
+        self.modules = [m for m in seen.values() if m._buffers]
+        self._copies: list[list] = []  # a stack, one entry per recompute in flight
+
+    @classmethod
+    def for_region(cls, fn: Callable, args: tuple, kwargs: dict, restore_buffers) -> BufferRestore:
+        """The restore :func:`checkpoint` runs for ``fn(*args, **kwargs)`` (see its
+        ``restore_buffers``); one that does nothing when it is ``False`` or finds no buffer.
+
+        Raises:
+            ConfigError: ``restore_buffers`` is none of the allowed values.
+        """
+        if restore_buffers is False:
+            return cls([])
+        if restore_buffers is True:
+            found: dict[int, nn.Module] = {}
+            for obj in (fn, *args, *kwargs.values()):
+                _modules_seen_in(obj, found)
+            return cls(list(found.values()))
+        if isinstance(restore_buffers, nn.Module):
+            return cls([restore_buffers])
+        modules = list(restore_buffers) if isinstance(restore_buffers, (list, tuple)) else None
+        if modules is None or not all(isinstance(m, nn.Module) for m in modules):
+            shown = (
+                f"<{type(restore_buffers).__name__} of {', '.join(type(m).__name__ for m in modules)}>"
+                if modules is not None
+                else repr(restore_buffers)
+            )
+            raise ConfigError(
+                f"restore_buffers={shown} is not allowed: expected True, False, an nn.Module "
+                "or a list/tuple of nn.Modules (whose buffers the recompute must leave as the forward did)"
+            )
+        return cls(modules)
+
+    @torch.compiler.disable
+    def enter(self, phase: Phase) -> None:
+        """Called as the region's body starts: a recompute copies the buffers."""
+        if phase is Phase.RECOMPUTE and self.modules:
+            self._copies.append(outside_selective_checkpoint(self._copy))
+            restoring = _restoring()
+            for module in self.modules:
+                restoring[id(module)] = restoring.get(id(module), 0) + 1
+
+    @torch.compiler.disable
+    def exit(self, phase: Phase) -> None:
+        """Called as the region's body ends (in ``finally``): a recompute writes them back."""
+        if phase is Phase.RECOMPUTE and self.modules:
+            outside_selective_checkpoint(self._restore, self._copies.pop())
+            restoring = _restoring()
+            for module in self.modules:
+                left = restoring.pop(id(module)) - 1
+                if left:
+                    restoring[id(module)] = left
+
+    def _copy(self) -> list:
+        with torch.no_grad():
+            return [
+                (module, name, buf, buf.detach().clone())
+                for module in self.modules
+                for name, buf in module._buffers.items()
+                if buf is not None
+            ]
+
+    @staticmethod
+    def _restore(copies: list) -> None:
+        with torch.no_grad():
+            for module, name, buf, saved in copies:
+                if module._buffers.get(name) is not buf:  # replaced (``self.count = self.count + 1``)
+                    module._buffers[name] = buf
+                # through .data: the buffer's version counter stays where the recompute left it.
+                # Autograd saved it in the recompute's graph (BatchNorm's node keeps its running
+                # statistics), and the reentrant engines run that graph's backward after this.
+                buf.data.copy_(saved)

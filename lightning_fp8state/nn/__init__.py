@@ -6,6 +6,7 @@ from .convert import ConversionReport, convert_model
 from .gemm import scaled_matmul, scaled_mm_available
 from .linear import LINEAR_ROLES, Fp8Linear
 from .prologue import ACTIVATIONS, Prologue, linear_after
+from .transformer import Fp8MultiheadAttention, Fp8TransformerEncoderLayer
 
 __all__ = [
     "ACTIVATIONS",
@@ -14,6 +15,8 @@ __all__ = [
     "Fp4AttentionQuantizer",
     "Fp8Conv1D",
     "Fp8Linear",
+    "Fp8MultiheadAttention",
+    "Fp8TransformerEncoderLayer",
     "Prologue",
     "convert_model",
     "is_hf_conv1d",

@@ -2,30 +2,42 @@
 attention quantizers, and report every candidate: converted, skipped or not quantizable, each
 with its reason.
 
-Candidates are ``nn.Linear`` (and subclasses) and transformers' ``Conv1D`` (GPT-2; its weight is
-``[in, out]``). A candidate whose weight is read outside its own ``forward`` would never
-quantize if swapped (``nn.MultiheadAttention.out_proj``: ``F.multi_head_attention_forward`` reads
-``out_proj.weight`` directly), so it is left as it is and reported as not quantizable, never
-claimed. What no static rule can see is caught after the first event by
+Candidates are ``nn.Linear`` (and subclasses), transformers' ``Conv1D`` (GPT-2; its weight is
+``[in, out]``) and ``nn.MultiheadAttention``'s projections: its in-projection (a bare parameter,
+``<mha>.in_proj`` or ``<mha>.q_proj|k_proj|v_proj``) and ``out_proj``, both quantized by making the
+module an :class:`~lightning_fp8state.nn.Fp8MultiheadAttention` (nn/transformer.py). A candidate
+whose weight is read outside its own ``forward`` would never quantize if swapped (the
+projections of a *subclass* of ``nn.MultiheadAttention``, whose forward we cannot replace), so it
+is left as it is and reported as not quantizable, never claimed. An ``nn.TransformerEncoderLayer``
+holding converted layers becomes an :class:`~lightning_fp8state.nn.Fp8TransformerEncoderLayer`
+(no eval fast path reading their weights) and an ``nn.TransformerEncoder`` of them stops
+building nested tensors: both reported as rerouted. A subclass of the encoder layer with its
+own forward cannot be rerouted: reported (``fast_path``) and warned about at its first eval
+call. What no static rule can see is caught after the first event by
 :meth:`ConversionReport.unowned` (a converted layer that never ran through the protocol).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
+from ..errors import ConversionWarning
 from ..protocol import QuantProtocol
 from .attention import Fp4AttentionQuantizer
 from .conv1d import Fp8Conv1D, is_hf_conv1d
 from .linear import Fp8Linear
+from .transformer import Fp8MultiheadAttention, Fp8TransformerEncoderLayer, mha_projections
 
 __all__ = ["ConversionReport", "convert_model"]
 
 CONVERTED, SKIPPED, NOT_QUANTIZABLE = "converted", "skipped", "not quantizable"
+REROUTED, FAST_PATH = "rerouted", "eval fast path"
 
 
 @dataclass
@@ -40,6 +52,12 @@ class ConversionReport:
         not_quantizable: layers that look quantizable but would not quantize if swapped,
             and why.
         attention: FP4 attention quantizers bound to the state.
+        owner_layers: per converted entry whose calls take other layer names than the entry's
+            own (``nn.MultiheadAttention``'s in-projection: ``<mha>.in_proj.q``, ...), those names.
+        rerouted: modules holding converted layers whose torch fast path was turned off for them
+            (per module), and how.
+        fast_path: modules holding converted layers whose eval fast path could not be turned
+            off, and why (warned about at their first eval call).
     """
 
     converted: list[str] = field(default_factory=list)
@@ -47,6 +65,16 @@ class ConversionReport:
     attention: list[str] = field(default_factory=list)
     not_quantizable: dict[str, str] = field(default_factory=dict)
     how: dict[str, str] = field(default_factory=dict)
+    owner_layers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    rerouted: dict[str, str] = field(default_factory=dict)
+    fast_path: dict[str, str] = field(default_factory=dict)
+
+    def layers(self) -> list[str]:
+        """Every layer name the converted entries' calls take (what their owners are keyed by)."""
+        out = []
+        for name in (*self.converted, *self.attention):
+            out += self.owner_layers.get(name, (name,))
+        return out
 
     def entries(self) -> list[tuple[str, str, str]]:
         """``(name, status, reason)`` for every candidate (status: converted | skipped |
@@ -55,6 +83,8 @@ class ConversionReport:
         rows += [(n, CONVERTED, "FP4 attention quantizer bound to the state") for n in self.attention]
         rows += [(n, SKIPPED, why) for n, why in self.skipped.items()]
         rows += [(n, NOT_QUANTIZABLE, why) for n, why in self.not_quantizable.items()]
+        rows += [(n, REROUTED, why) for n, why in self.rerouted.items()]
+        rows += [(n, FAST_PATH, why) for n, why in self.fast_path.items()]
         return rows
 
     def counts(self) -> dict[str, int]:
@@ -63,6 +93,10 @@ class ConversionReport:
         out.update({f"converted {k}": v for k, v in sorted(kinds.items()) if k})
         if self.attention:
             out["attention quantizers"] = len(self.attention)
+        if self.rerouted:
+            out[REROUTED] = len(self.rerouted)
+        if self.fast_path:
+            out[FAST_PATH] = len(self.fast_path)
         return out
 
     def summary(self) -> str:
@@ -73,6 +107,10 @@ class ConversionReport:
         line += f", skipped {len(self.skipped)}, not quantizable {len(self.not_quantizable)}"
         if self.attention:
             line += f", bound {len(self.attention)} FP4 attention quantizer(s)"
+        if self.rerouted:
+            line += f", rerouted {len(self.rerouted)} module(s) off torch's fast path"
+        if self.fast_path:
+            line += f", {len(self.fast_path)} module(s) with an eval fast path bypassing FP8"
         return line
 
     def merge(self, other: ConversionReport) -> ConversionReport:
@@ -84,11 +122,17 @@ class ConversionReport:
             {k: v for k, v in other.not_quantizable.items() if k not in self.not_quantizable},
         )
         new.how = {n: other.how[n] for n in new.converted if n in other.how}
+        new.owner_layers = {n: other.owner_layers[n] for n in new.converted if n in other.owner_layers}
+        new.rerouted = {k: v for k, v in other.rerouted.items() if k not in self.rerouted}
+        new.fast_path = {k: v for k, v in other.fast_path.items() if k not in self.fast_path}
         self.converted += new.converted
         self.skipped.update(new.skipped)
         self.attention += new.attention
         self.not_quantizable.update(new.not_quantizable)
         self.how.update(new.how)
+        self.owner_layers.update(new.owner_layers)
+        self.rerouted.update(new.rerouted)
+        self.fast_path.update(new.fast_path)
         return new
 
     def to_dict(self) -> dict:
@@ -103,7 +147,9 @@ class ConversionReport:
         ``protocol``'s bank: they never ran a training forward through the protocol. Meaningful
         after the first event, under a quantized recipe and per-layer ownership."""
         layers = {o.layer for o in protocol.bank.owners}
-        return [n for n in (*self.converted, *self.attention) if n not in layers]
+        return [
+            n for n in (*self.converted, *self.attention) if not layers.intersection(self.owner_layers.get(n, (n,)))
+        ]
 
     def __str__(self) -> str:
         lines = [self.summary()]
@@ -115,24 +161,108 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def _mha_not_convertible(mha: nn.MultiheadAttention) -> str | None:
+    """Why ``mha``'s projections cannot be quantized, or None."""
+    if isinstance(mha, Fp8MultiheadAttention) or type(mha) is nn.MultiheadAttention:
+        return None
+    return (
+        f"{type(mha).__name__} subclasses nn.MultiheadAttention, whose projections F.multi_head_attention_forward "
+        "reads as raw weights (no module forward runs for them); only nn.MultiheadAttention itself is replaced "
+        "by Fp8MultiheadAttention, a subclass may have its own forward: convert it by hand (call the projections "
+        "as Linears) or exclude it"
+    )
+
+
 def _weight_read_outside_forward(parents: dict[str, nn.Module], name: str) -> str | None:
     """Why ``name`` would never quantize if swapped (its weight is used by a parent's own code),
     or None."""
     parent_name, _, child = name.rpartition(".")
     parent = parents.get(parent_name)
     if isinstance(parent, nn.MultiheadAttention) and child == "out_proj":
-        return (
-            "nn.MultiheadAttention reads out_proj.weight/bias directly in F.multi_head_attention_forward; "
-            "out_proj's forward never runs, so a swapped layer would never quantize (replace the attention "
-            "module with one that calls its projections, e.g. F.scaled_dot_product_attention between Linears)"
-        )
+        return _mha_not_convertible(parent)
     return None
+
+
+def _selection(name: str, config) -> str | None:
+    """Why ``name`` is left alone by the include/exclude patterns, or None (selected)."""
+    if not _matches(name, config.include):
+        return f"matches no include pattern {list(config.include)}"
+    if _matches(name, config.exclude):
+        return f"matches an exclude pattern {list(config.exclude)}"
+    return None
+
+
+_ENCODER_LAYER_HOW = (
+    "nn.TransformerEncoderLayer -> Fp8TransformerEncoderLayer: eval under no_grad calls its modules instead of "
+    "torch's fast path (torch._transformer_encoder_layer_fwd reads linear1/linear2/self_attn weights directly, "
+    "so the converted layers would run in high precision)"
+)
+_ENCODER_HOW = (
+    "nn.TransformerEncoder: use_nested_tensor set to False on this module (its layers take the FP8 path; in eval "
+    "with a padding mask, padded positions hold computed values, as in training, instead of 0)"
+)
+
+
+def _holds_converted(module: nn.Module) -> bool:
+    return any(
+        isinstance(m, (Fp8Linear, Fp8Conv1D)) or (isinstance(m, Fp8MultiheadAttention) and m.fp8_in_proj)
+        for m in module.modules()
+    )
+
+
+def _warn_at_first_eval(name: str, module: nn.Module) -> None:
+    """A forward pre-hook warning once, at the first call in eval under no_grad, that ``module``
+    may run torch's fast path past its converted layers (then removing itself)."""
+
+    def hook(mod, args):
+        if mod.training or torch.is_grad_enabled():
+            return
+        handle.remove()
+        warnings.warn(
+            f"lightning_fp8state: {name or '<root>'} ({type(mod).__name__}) runs in eval under no_grad and may take "
+            "torch's nn.TransformerEncoderLayer fast path, which reads the weights of its converted layers "
+            "directly: those outputs are not quantized. It subclasses nn.TransformerEncoderLayer with its own "
+            "forward, so it was not rerouted (state.last_conversion.fast_path); call its modules yourself in "
+            "eval, or turn the fast path off with torch.backends.mha.set_fastpath_enabled(False)",
+            ConversionWarning,
+            stacklevel=2,
+        )
+
+    handle = module.register_forward_pre_hook(hook)
+
+
+def _reroute_fast_paths(modules: dict[str, nn.Module], report: ConversionReport) -> None:
+    """Turn torch's eval fast paths off, per module, where they would bypass converted layers."""
+    for name, module in modules.items():
+        if not isinstance(module, nn.TransformerEncoderLayer) or isinstance(module, Fp8TransformerEncoderLayer):
+            continue
+        if not _holds_converted(module):
+            continue
+        if type(module) is nn.TransformerEncoderLayer:
+            Fp8TransformerEncoderLayer.convert(module)
+            report.rerouted[name] = _ENCODER_LAYER_HOW
+        elif name not in report.fast_path:
+            report.fast_path[name] = (
+                f"{type(module).__name__} subclasses nn.TransformerEncoderLayer with its own forward, which may "
+                "reach torch's fast path (reading its converted layers' weights directly in eval under no_grad); "
+                "it is left as it is and warned about at its first eval call"
+            )
+            _warn_at_first_eval(name, module)
+    for name, module in modules.items():
+        if isinstance(module, nn.TransformerEncoder) and getattr(module, "use_nested_tensor", False):
+            if _holds_converted(module):
+                module.use_nested_tensor = False
+                report.rerouted[name] = _ENCODER_HOW
 
 
 def convert_model(model: nn.Module, protocol: QuantProtocol) -> ConversionReport:
     """Replace, in place, every ``nn.Linear`` and transformers ``Conv1D`` of ``model`` whose
     qualified name matches an ``include`` pattern of the protocol's config and no ``exclude``
-    pattern, unless it would not quantize (then it is reported as not quantizable).
+    pattern, unless it would not quantize (then it is reported as not quantizable); quantize
+    ``nn.MultiheadAttention``'s in-projection (entry ``<mha>.in_proj``, or ``<mha>.q_proj`` /
+    ``k_proj`` / ``v_proj`` with separate weights) and ``out_proj`` by the same patterns; reroute
+    ``nn.TransformerEncoderLayer`` / ``nn.TransformerEncoder`` holding converted layers off torch's
+    eval fast path (module by module).
 
     Parameters are shared, not copied: an optimizer built before conversion keeps working.
     Already-converted layers are left alone (converting twice is a no-op).
@@ -150,6 +280,7 @@ def convert_model(model: nn.Module, protocol: QuantProtocol) -> ConversionReport
     report = ConversionReport()
     modules = dict(model.named_modules())
     targets = []
+    attentions = []  # (name, module, in-projection entries to quantize)
     for name, module in modules.items():
         if isinstance(module, Fp4AttentionQuantizer):
             if module.protocol is None:
@@ -157,6 +288,19 @@ def convert_model(model: nn.Module, protocol: QuantProtocol) -> ConversionReport
                 report.attention.append(module.layer_name)
             elif module.protocol is not protocol:
                 report.skipped[name] = "an FP4 attention quantizer already bound to another state"
+            continue
+        if isinstance(module, nn.MultiheadAttention) and not isinstance(module, Fp8MultiheadAttention):
+            entries = {f"{name}.{e}" if name else e: layers for e, layers in mha_projections(module).items()}
+            why_not = _mha_not_convertible(module)
+            chosen = []
+            for entry in entries:
+                why = why_not or _selection(entry, config)
+                (report.not_quantizable if why_not else report.skipped).update({entry: why} if why else {})
+                if why is None:
+                    chosen.append(entry)
+            out_chosen = _selection(f"{name}.out_proj" if name else "out_proj", config) is None
+            if why_not is None and (chosen or out_chosen):
+                attentions.append((name, module, chosen, entries))
             continue
         if isinstance(module, (Fp8Linear, Fp8Conv1D)):
             continue
@@ -177,21 +321,40 @@ def convert_model(model: nn.Module, protocol: QuantProtocol) -> ConversionReport
         why_not = _weight_read_outside_forward(modules, name)
         if why_not is not None:
             report.not_quantizable[name] = why_not
-        elif not _matches(name, config.include):
-            report.skipped[name] = f"matches no include pattern {list(config.include)}"
-        elif _matches(name, config.exclude):
-            report.skipped[name] = f"matches an exclude pattern {list(config.exclude)}"
         else:
-            targets.append((name, module, kind))
+            why = _selection(name, config)
+            if why is not None:
+                report.skipped[name] = why
+            else:
+                targets.append((name, module, kind))
     for name, module, kind in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if kind == "transformers Conv1D":
             new = Fp8Conv1D.from_conv1d(module, protocol=protocol, layer_name=name)
             report.how[name] = f"{kind} -> Fp8Conv1D (weight [in, out] used as its [out, in] view)"
+        elif isinstance(parent, nn.MultiheadAttention):
+            new = Fp8Linear.from_linear(module, protocol=protocol, layer_name=name)
+            report.how[name] = f"{kind} -> Fp8Linear (called by Fp8MultiheadAttention)"
         else:
             new = Fp8Linear.from_linear(module, protocol=protocol, layer_name=name)
             report.how[name] = f"{kind} -> Fp8Linear"
         setattr(parent, child, new)
         report.converted.append(name)
+    for name, module, chosen, entries in attentions:
+        Fp8MultiheadAttention.convert(
+            module, protocol=protocol, layer_name=name, in_proj=frozenset(e.rpartition(".")[2] for e in chosen)
+        )
+        for entry in chosen:
+            param = "in_proj_weight [3E, E]" if entry.endswith("in_proj") else f"{entry.rpartition('.')[2]}_weight"
+            report.how[entry] = f"nn.MultiheadAttention {param} -> FP8 GEMM(s) in Fp8MultiheadAttention" + (
+                " (one packed GEMM for self-attention, q and packed kv for encoder-decoder attention, three "
+                "otherwise; each its own owners)"
+                if entry.endswith("in_proj")
+                else ""
+            )
+            prefix = entry.rpartition(".")[0]
+            report.owner_layers[entry] = tuple(f"{prefix}.{layer}" if prefix else layer for layer in entries[entry])
+            report.converted.append(entry)
+    _reroute_fast_paths(dict(model.named_modules()), report)
     return report

@@ -1,6 +1,6 @@
 """The model-library tests on the GPU: torch._scaled_mm and the CUDA kernels under bf16 autocast,
 HF Llama / GPT-2 with HF checkpointing (both reentrant settings and SAC), litgpt's checkpoint
-wrapper, torchtitan's full and selective AC; checkpointed gradients bitwise equal to plain ones,
+wrapper, torchtitan's full and selective AC, one model of each family (test_families.py); checkpointed gradients bitwise equal to plain ones,
 the audit complete, the naive mode differing. litgpt and torchtitan tests skip (with the
 reason) where those packages are not installed."""
 
@@ -87,3 +87,24 @@ def test_torchtitan_on_cuda():
         pytest.skip(f"the installed torchtitan does not import under torch {torch.__version__}: {exc}")
     wraps = {name: (lambda m, name=name: titan.AC[name]().apply(m)) for name in titan.AC}
     _check(titan.tiny_llama3, wraps, titan.loss_fn)
+
+
+def _families():
+    return importlib.import_module("tests.integration.test_families")
+
+
+@pytest.mark.parametrize(
+    ("name", "reentrant"),
+    [("llama", False), ("llama", True), ("bert", False), ("bert", True), ("t5", False), ("vit", False), ("vit", True)],
+)
+def test_model_families_on_cuda(name, reentrant):
+    """tests/integration/test_families.py on the GPU (issue 27): HF's own checkpointing
+    (``activation_checkpointing_enable`` where the installed transformers has it), bitwise the
+    plain run, every recomputed call audited. (T5 reentrant is not bitwise, by torch: CPU test.)"""
+    fam = _families()
+    assert f8s.ops.cuda.ensure_loaded(), f8s.ops.cuda.extension_info()
+    _, ref, _ = fam.run(name, None, device="cuda", autocast=True)
+    state, got, report = fam.run(name, reentrant, device="cuda", autocast=True)
+    assert_bitwise(ref, got)
+    assert_audit_complete(report, min_recomputed=fam.RECOMPUTED[name] * STEPS)
+    assert not state.ledger.violations

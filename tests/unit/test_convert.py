@@ -1,5 +1,6 @@
 """convert: every candidate reported (converted / skipped / not quantizable, with reasons), a
-transformers-style Conv1D quantized for real, nn.MultiheadAttention's out_proj never claimed,
+transformers-style Conv1D quantized for real, nn.MultiheadAttention's projections converted
+(tests/unit/test_transformer_modules.py has the rest),
 and the after-first-event check for converted layers that never ran through the protocol.
 
 The real transformers Conv1D (GPT-2) is in tests/integration/test_hf.py; here a stand-in with
@@ -142,20 +143,21 @@ def test_conv1d_compiled_is_one_graph_and_bitwise_the_eager_run():
         assert a.keys() == b.keys() and all(bitwise_equal(a[k], b[k]) for k in a)
 
 
-def test_multihead_attention_out_proj_is_not_claimed():
-    """nn.MultiheadAttention reads out_proj.weight in F.multi_head_attention_forward: out_proj is
-    reported not quantizable with the reason, never converted; every converted layer really
-    quantizes (owns state after an event). Before issue 17 out_proj was reported converted."""
+def test_multihead_attention_projections_are_converted_and_really_quantize():
+    """nn.MultiheadAttention's out_proj (read by F.multi_head_attention_forward, its forward never
+    ran) and its in-projection (a bare parameter, never in the report) are converted through
+    Fp8MultiheadAttention since issue 27 (before it: out_proj "not quantizable", in_proj_weight
+    absent); every converted layer really quantizes (owns state after an event). Before issue 17
+    out_proj was reported converted while it never quantized."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, dropout=0.0, batch_first=True)
     model = nn.Sequential(layer)
     state = f8s.Fp8State(f8s.QuantConfig())
     state.convert(model)
     report = state.last_conversion
-    assert "0.self_attn.out_proj" not in report.converted
-    assert "F.multi_head_attention_forward" in report.not_quantizable["0.self_attn.out_proj"]
-    assert type(layer.self_attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
-    assert report.converted == ["0.linear1", "0.linear2"]
+    assert sorted(report.converted) == ["0.linear1", "0.linear2", "0.self_attn.in_proj", "0.self_attn.out_proj"]
+    assert report.not_quantizable == {}
+    assert isinstance(layer.self_attn.out_proj, f8s.Fp8Linear)
     with warnings.catch_warnings():
         warnings.simplefilter("error", f8s.ConversionWarning)
         events(state, model, n=2)
@@ -217,27 +219,31 @@ def test_report_lists_every_candidate_with_a_reason():
     statuses = {name: status for name, status, _ in report.entries()}
     assert statuses == {
         "0": "converted",
+        "2.in_proj": "converted",
+        "2.out_proj": "converted",
         "3.c_fc": "converted",
         "3.c_proj": "converted",
         "1": "not quantizable",
-        "2.out_proj": "not quantizable",
         "4": "skipped",
     }
     assert all(reason for _, _, reason in report.entries())
     assert "its own forward" in report.not_quantizable["1"]
     assert report.counts() == {
-        "converted": 3,
+        "converted": 5,
         "skipped": 1,
-        "not quantizable": 2,
+        "not quantizable": 1,
         "converted nn.Linear": 1,
+        "converted nn.Linear subclass NonDynamicallyQuantizableLinear": 1,
+        "converted nn.MultiheadAttention in_proj_weight [3E, E]": 1,
         "converted transformers Conv1D": 2,
     }
     assert report.summary() == (
-        "converted 3 layer(s) (1 nn.Linear, 2 transformers Conv1D), skipped 1, not quantizable 2"
+        "converted 5 layer(s) (1 nn.Linear, 1 nn.Linear subclass NonDynamicallyQuantizableLinear, "
+        "1 nn.MultiheadAttention in_proj_weight [3E, E], 2 transformers Conv1D), skipped 1, not quantizable 1"
     )
     assert "\n" not in report.summary()
-    assert len(str(report).splitlines()) == 1 + 6
-    assert json.loads(json.dumps(report.to_dict()))["counts"]["converted"] == 3
+    assert len(str(report).splitlines()) == 1 + 7
+    assert json.loads(json.dumps(report.to_dict()))["counts"]["converted"] == 5
     root = f8s.Fp8State(f8s.QuantConfig())
     root.convert(nn.Linear(4, 4))
     assert "root module itself" in root.last_conversion.not_quantizable[""]

@@ -29,6 +29,7 @@ from .errors import (
 )
 from .formats import E4M3, E5M2, MXFP4, NVFP4, Fp4Layout, Fp8Format
 from .fp8state import STATE_FORMAT_VERSION, Fp8State
+from .block_graphs import GraphedBlocks
 from .graphs import GraphedStep
 from .nn import Fp4AttentionQuantizer, Fp8Linear, convert_model
 from .recompute import Phase, checkpoint
@@ -52,6 +53,7 @@ __all__ = [
     "QuantConfig",
     "checkpoint",
     "GraphedStep",
+    "GraphedBlocks",
     "selective_checkpoint_context",
     "selective_checkpoint_policy",
     "MATMUL_OPS",

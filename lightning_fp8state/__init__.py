@@ -14,6 +14,7 @@ import importlib
 
 from . import ops
 from .audit import AuditReport, AuditRow, DeviceRecomputeAuditor, RecomputeAuditor
+from .block_graphs import GraphedBlocks
 from .config import QuantConfig
 from .errors import (
     AmbiguousRecomputeError,
@@ -29,7 +30,6 @@ from .errors import (
 )
 from .formats import E4M3, E5M2, MXFP4, NVFP4, Fp4Layout, Fp8Format
 from .fp8state import STATE_FORMAT_VERSION, Fp8State
-from .block_graphs import GraphedBlocks
 from .graphs import GraphedStep
 from .nn import Fp4AttentionQuantizer, Fp8Linear, convert_model
 from .recompute import Phase, checkpoint

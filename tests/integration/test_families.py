@@ -205,14 +205,19 @@ def test_t5_reentrant_differs_by_torch_not_by_the_library(plain):
     assert_audit_complete(fp8_report, min_recomputed=RECOMPUTED["t5"] * STEPS)
 
 
-def test_timm_vision_transformer_checkpointed_bitwise():
-    """timm's ViT with its own ``set_grad_checkpointing()`` (torch's checkpoint per block).
-    timm needs torchvision, whose PyPI wheel is built for CUDA torch and does not load on the
-    CPU build (``torchvision::nms`` does not exist): skipped there, with that reason."""
+def import_timm():
+    """timm, or a skip with the reason: timm needs torchvision, whose PyPI wheel is built for CUDA
+    torch and does not load on the CPU build (``torchvision::nms`` does not exist)."""
     try:
-        timm = pytest.importorskip("timm", reason="needs timm (and a torchvision matching torch)")
+        return pytest.importorskip("timm", reason="needs timm (and a torchvision matching torch)")
     except RuntimeError as exc:  # torchvision's extension does not load on this torch build
         pytest.skip(f"timm does not import here: {exc}")
+
+
+def run_timm_vit(device="cpu", autocast=False):
+    """timm's ViT with its own ``set_grad_checkpointing()`` (torch's checkpoint per block), plain and
+    checkpointed: asserts the gradients bitwise and every recomputed call audited."""
+    timm = import_timm()
 
     def go(ckpt: bool):
         torch.manual_seed(0)
@@ -221,15 +226,24 @@ def test_timm_vision_transformer_checkpointed_bitwise():
         )
         state = f8s.Fp8State(f8s.QuantConfig(strict=False))
         state.convert(model)
+        model.to(device)
         if ckpt:
             model.set_grad_checkpointing(True)
-        loss = lambda m, tok: nn.functional.cross_entropy(m(images(tok)), tok[:, 0] % 10)  # noqa: E731
-        return train(state, model, loss, batches())
+
+        def loss(m, tok):
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
+                return nn.functional.cross_entropy(m(images(tok)).float(), tok[:, 0] % 10)
+
+        return train(state, model, loss, batches(device=device))
 
     ref, _ = go(False)
     got, report = go(True)
     assert_bitwise(ref, got)
     assert_audit_complete(report, min_recomputed=2 * 4 * STEPS)
+
+
+def test_timm_vision_transformer_checkpointed_bitwise():
+    run_timm_vit()
 
 
 def test_plain_transformer_encoder_checkpointed_bitwise_and_eval_quantized():

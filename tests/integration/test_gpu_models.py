@@ -129,3 +129,9 @@ def test_t5_non_reentrant_on_cuda_differs_by_torch_not_by_the_library():
     state, _, report = fam.run("t5", False, **kw)
     assert_audit_complete(report, min_recomputed=fam.RECOMPUTED["t5"] * STEPS)
     assert not state.ledger.violations
+
+
+def test_timm_vision_transformer_on_cuda():
+    """timm's ViT (test_families.run_timm_vit) on the GPU under bf16 autocast, where timm imports."""
+    assert f8s.ops.cuda.ensure_loaded(), f8s.ops.cuda.extension_info()
+    _families().run_timm_vit(device="cuda", autocast=True)

@@ -156,23 +156,12 @@ def _module_and_data(cfg: DictConfig):
 
 
 def _strategy(cfg: DictConfig):
-    s = cfg.strategy
-    if s.name == "auto":
+    """``strategy.name``: ``auto``, or the fp8state strategy of that name built from the section."""
+    if cfg.strategy.name == "auto":
         return "auto"
-    from ..lightning import strategies
+    from ..lightning import STRATEGIES
 
-    if s.name == "fp8state_ddp":
-        return strategies.Fp8StateDDPStrategy()
-    if s.name == "fp8state_fsdp":
-        from ..lightning import Fp8StateFSDPStrategy  # noqa: PLC0415
-
-        return Fp8StateFSDPStrategy(fp8_all_gather=s.fp8_all_gather, reshard_after_forward=s.reshard_after_forward)
-    return strategies.Fp8StateDeepSpeedStrategy(
-        stage=s.zero_stage,
-        partition_activations=s.partition_activations,
-        cpu_checkpointing=s.cpu_checkpointing,
-        contiguous_memory_optimization=s.contiguous_memory_optimization,
-    )
+    return STRATEGIES[cfg.strategy.name].from_cli(cfg.strategy)
 
 
 def last_checkpoint(run_dir: Path) -> Path:

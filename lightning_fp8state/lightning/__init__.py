@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from .callback import Fp8StateCallback
 from .checkpoint_io import AtomicCheckpointIO
+from .contract import Fp8StateStrategyContract, contract_of
 from .fsdp import Fp8StateFSDPStrategy
 from .graphed import GraphedTrainingStep
 from .strategies import Fp8StateDDPStrategy, Fp8StateDeepSpeedStrategy, register_strategies
@@ -18,15 +19,21 @@ from .telemetry_callback import LightningLoggerSink, TelemetryCallback, wandb_lo
 register_strategies(StrategyRegistry)
 Fp8StateFSDPStrategy.register_strategies(StrategyRegistry)
 
+# the fp8state strategies by name, each built from the CLI's ``strategy`` section by ``from_cli``
+STRATEGIES = {cls.strategy_name: cls for cls in (Fp8StateDDPStrategy, Fp8StateDeepSpeedStrategy, Fp8StateFSDPStrategy)}
+
 __all__ = [
     "AtomicCheckpointIO",
     "Fp8StateCallback",
     "Fp8StateDDPStrategy",
     "Fp8StateDeepSpeedStrategy",
     "Fp8StateFSDPStrategy",
+    "Fp8StateStrategyContract",
+    "STRATEGIES",
     "GraphedTrainingStep",
     "LightningLoggerSink",
     "TelemetryCallback",
+    "contract_of",
     "register_strategies",
     "wandb_logger",
 ]

@@ -31,6 +31,7 @@ from ..config import QuantConfig
 from ..errors import StateLoadError, StateTransitionError
 from ..fp8state import Fp8State
 from ..nn import ConversionReport
+from .contract import contract_of
 
 __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
@@ -170,7 +171,7 @@ class Fp8StateCallback(Callback):
             )
         # the strategy's choice of engine for unnamed lightning_fp8state.checkpoint calls
         # travels with the state (bound while its events are open), not through a global
-        engine = getattr(getattr(trainer, "strategy", None), "fp8state_checkpoint_engine", None)
+        engine = contract_of(trainer.strategy).fp8state_checkpoint_engine
         if engine is not None:
             self.state.checkpoint_engine = engine
         self._module_id = id(pl_module)
@@ -194,13 +195,14 @@ class Fp8StateCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Layers created in LightningModule.configure_model (after setup) are converted now.
         late = self._convert(trainer, pl_module)
-        if late.converted and getattr(trainer.strategy, "zero_stage_3", False):
+        contract = contract_of(trainer.strategy)
+        if late.converted and contract.fp8state_converts_before_wrap:
             raise MisconfigurationException(
                 f"layers {late.converted} were created in configure_model, after Fp8StateCallback.setup: "
                 "under ZeRO stage 3 they must be converted before DeepSpeed wraps the model. Call "
                 "`callback.state.convert(self)` at the end of configure_model"
             )
-        if late.converted and getattr(trainer.strategy, "fp8state_sharded", False):
+        if late.converted and contract.fp8state_sharded:
             raise MisconfigurationException(
                 f"layers {late.converted} were created in configure_model, after Fp8StateCallback.setup: under "
                 "FSDP2 they must be converted before fully_shard. Call `callback.state.convert(self)` (then "
@@ -209,7 +211,7 @@ class Fp8StateCallback(Callback):
         self._close_after_backward = pl_module.automatic_optimization
         self._drives_events = bool(getattr(pl_module, DRIVES_EVENTS, False))
         if self.state.protocol.amax_reducer is None and trainer.world_size > 1:
-            group = getattr(trainer.strategy, "fp8state_process_group", None)
+            group = contract.fp8state_process_group
             self.state.enable_amax_reduction(group=group, device=trainer.strategy.root_device)
 
     @override
@@ -309,9 +311,10 @@ class Fp8StateCallback(Callback):
             return
         grads = None
         # fp8state_deepspeed keeps its engine's window itself (and marks what it could not keep)
-        mid_window = self._grads_pending and not getattr(trainer.strategy, "fp8state_saves_accumulation", False)
+        contract = contract_of(trainer.strategy)
+        mid_window = self._grads_pending and not contract.fp8state_saves_accumulation
         if mid_window and self.save_accumulated_grads:
-            sharded = getattr(trainer.strategy, "fp8state_sharded", False)
+            sharded = contract.fp8state_sharded
             if trainer.strategy.handles_gradient_accumulation or sharded:
                 where = "sharded across ranks" if sharded else "inside its engine"
                 rank_zero_warn(
@@ -367,7 +370,7 @@ class Fp8StateCallback(Callback):
         saved_world, world, rank = entry["world_size"], trainer.world_size, trainer.global_rank
         ranks = entry["ranks"]
         if saved_world != world:
-            sharded = getattr(trainer.strategy, "fp8state_sharded", False)
+            sharded = contract_of(trainer.strategy).fp8state_sharded
             check_resume_world_size(saved_world, world, trainer.state.fn == TrainerFn.FITTING, sharded=sharded)
             # Read-only stages (validate/test/predict) may run on another world size: each rank
             # reads the state of saved rank (rank mod saved world size).

@@ -38,6 +38,7 @@ from ..errors import StateLoadError
 from ..nn import Fp8Linear
 from ..nn.fsdp import enable_fp8_all_gather, fp8_all_gather_problem, gathered_layers, plain_shard
 from .callback import CHECKPOINT_KEY, Fp8StateCallback, check_resume_world_size
+from .contract import Fp8StateStrategyContract
 from .strategies import _require_callback
 
 __all__ = ["Fp8StateFSDPStrategy", "default_shard_units"]
@@ -64,7 +65,7 @@ def default_shard_units(model: nn.Module) -> list[str]:
     return names
 
 
-class Fp8StateFSDPStrategy(ModelParallelStrategy):
+class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
     """FSDP2 (``fully_shard``) for stateful FP8 training; registered as ``fp8state_fsdp``.
 
     Args:
@@ -127,7 +128,12 @@ class Fp8StateFSDPStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
 
-    # -- read by Fp8StateCallback ------------------------------------------------------
+    @classmethod
+    def from_cli(cls, strategy_cfg: Any) -> Fp8StateFSDPStrategy:
+        """The strategy ``fp8state train`` builds from its ``strategy`` section."""
+        return cls(fp8_all_gather=strategy_cfg.fp8_all_gather, reshard_after_forward=strategy_cfg.reshard_after_forward)
+
+    # -- the contract Fp8StateCallback reads ---------------------------------------------
     @property
     def fp8state_process_group(self) -> Any:
         """The shard group: the weight owners' amaxes are MAX-reduced over it (each rank

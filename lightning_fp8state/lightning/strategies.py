@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from ..errors import StateLoadError
 from .callback import Fp8StateCallback
+from .contract import Fp8StateStrategyContract
 from .deepspeed_accumulation import (
     ACCUMULATION_FORMAT_VERSION,
     ACCUMULATION_KEY,
@@ -52,7 +53,7 @@ def _require_callback(trainer: pl.Trainer, name: str) -> None:
         )
 
 
-class Fp8StateDDPStrategy(DDPStrategy):
+class Fp8StateDDPStrategy(Fp8StateStrategyContract, DDPStrategy):
     """``DDPStrategy`` for stateful FP8 training (CPU with gloo, or CUDA with NCCL).
 
     Registered as ``fp8state_ddp`` (subprocess launch, like ``ddp``) and
@@ -61,10 +62,10 @@ class Fp8StateDDPStrategy(DDPStrategy):
 
     strategy_name = "fp8state_ddp"
 
-    @property
-    def fp8state_process_group(self) -> Any:
-        """The group pending amaxes are reduced over: DDP's data-parallel group, the default one."""
-        return None
+    @classmethod
+    def from_cli(cls, strategy_cfg: Any) -> Fp8StateDDPStrategy:
+        """The strategy ``fp8state train`` builds for ``strategy.name=fp8state_ddp``."""
+        return cls()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -84,7 +85,7 @@ class Fp8StateDDPStrategy(DDPStrategy):
                 )
 
 
-class Fp8StateDeepSpeedStrategy(DeepSpeedStrategy):
+class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
     """``DeepSpeedStrategy`` (ZeRO stages 1-3, CUDA only) for stateful FP8 training.
 
     Registered as ``fp8state_deepspeed`` (ZeRO-2) and ``fp8state_deepspeed_stage_{1,2,3}``.
@@ -148,18 +149,29 @@ class Fp8StateDeepSpeedStrategy(DeepSpeedStrategy):
         features = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
         return "deepspeed" if any(ac.get(k) for k in features) else None
 
+    @classmethod
+    def from_cli(cls, strategy_cfg: Any) -> Fp8StateDeepSpeedStrategy:
+        """The strategy ``fp8state train`` builds from its ``strategy`` section."""
+        s = strategy_cfg
+        return cls(
+            stage=s.zero_stage,
+            partition_activations=s.partition_activations,
+            cpu_checkpointing=s.cpu_checkpointing,
+            contiguous_memory_optimization=s.contiguous_memory_optimization,
+        )
+
+    # -- the contract Fp8StateCallback reads (Lightning's DeepSpeed strategy runs data parallel
+    # only, so the amax reduction's group is the default one) --------------------------------
     @property
     def fp8state_checkpoint_engine(self) -> str | None:
-        """Read by :class:`Fp8StateCallback` at setup: the ``checkpoint_engine`` of its state
-        (the engine of unnamed ``lightning_fp8state.checkpoint`` calls inside its events);
-        ``None`` leaves the state's own."""
+        """The ``checkpoint_engine`` of the callback's state (the engine of unnamed
+        ``lightning_fp8state.checkpoint`` calls inside its events); ``None`` leaves the state's own."""
         return self.routed_engine
 
     @property
-    def fp8state_process_group(self) -> Any:
-        """The group pending amaxes are reduced over. Lightning's DeepSpeed strategy runs
-        data parallel only (no model parallelism), so that is the default group."""
-        return None
+    def fp8state_converts_before_wrap(self) -> bool:
+        """ZeRO stage 3 partitions the parameters when the engine wraps the model."""
+        return self.zero_stage_3
 
     @override
     def setup_environment(self) -> None:
@@ -198,8 +210,7 @@ class Fp8StateDeepSpeedStrategy(DeepSpeedStrategy):
     # -- the engine's gradient-accumulation window in checkpoints ---------------------------
     @property
     def fp8state_saves_accumulation(self) -> bool:
-        """Read by :class:`Fp8StateCallback`: this strategy keeps the engine's accumulation
-        window in checkpoints itself (the callback's ``accumulated_grads`` path is for DDP)."""
+        """This strategy keeps the engine's accumulation window in checkpoints itself."""
         return True
 
     def _save_accumulated_grads_wanted(self) -> bool:

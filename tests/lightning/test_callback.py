@@ -342,7 +342,7 @@ def test_a_save_inside_a_window_of_an_engine_that_owns_the_gradients_warns_and_i
 
     cb = Fp8StateCallback()
     model = make_model()
-    cb.setup(SimpleNamespace(global_rank=0), model, "fit")
+    cb.setup(SimpleNamespace(global_rank=0, strategy=None), model, "fit")
     cb._grads_pending = True  # as after a backward inside an accumulation window
     engine = SimpleNamespace(strategy=SimpleNamespace(handles_gradient_accumulation=True))
     checkpoint = {}
@@ -352,7 +352,7 @@ def test_a_save_inside_a_window_of_an_engine_that_owns_the_gradients_warns_and_i
     assert entry["accumulation_lost"] is True and entry["accumulated_grads"] is None
     other = Fp8StateCallback()
     model2 = make_model()
-    other.setup(SimpleNamespace(global_rank=0), model2, "fit")
+    other.setup(SimpleNamespace(global_rank=0, strategy=None), model2, "fit")
     fitting = SimpleNamespace(world_size=1, global_rank=0, state=SimpleNamespace(fn=TrainerFn.FITTING))
     with pytest.warns(UserWarning, match="not an exact continuation"):
         other.on_load_checkpoint(fitting, model2, checkpoint)
@@ -363,7 +363,7 @@ def test_saving_inside_an_event_is_refused_with_lightning_advice():
 
     cb = Fp8StateCallback()
     model = make_model()
-    cb.setup(SimpleNamespace(global_rank=0), model, "fit")
+    cb.setup(SimpleNamespace(global_rank=0, strategy=None), model, "fit")
     cb.state.begin_event(0, 0)
     with pytest.raises(f8s.StateTransitionError, match="save from on_train_batch_end or later"):
         cb.on_save_checkpoint(SimpleNamespace(strategy=SimpleNamespace(handles_gradient_accumulation=False)), model, {})
@@ -377,9 +377,14 @@ def test_a_save_inside_a_window_under_sharded_parameters_warns_and_is_marked():
 
     cb = Fp8StateCallback()
     model = make_model()
-    cb.setup(SimpleNamespace(global_rank=0), model, "fit")
+    cb.setup(SimpleNamespace(global_rank=0, strategy=None), model, "fit")
     cb._grads_pending = True
-    trainer = SimpleNamespace(strategy=SimpleNamespace(handles_gradient_accumulation=False, fp8state_sharded=True))
+
+    class Sharded(f8s.lightning.Fp8StateStrategyContract):  # fp8state_fsdp's answers, without its setup
+        handles_gradient_accumulation = False
+        fp8state_sharded = True
+
+    trainer = SimpleNamespace(strategy=Sharded())
     checkpoint = {}
     with pytest.warns(UserWarning, match="keeps the accumulated gradients sharded across ranks"):
         cb.on_save_checkpoint(trainer, model, checkpoint)

@@ -147,7 +147,9 @@ def test_the_callback_takes_the_strategys_engine_for_its_state_s_events(monkeypa
     events nothing is left changed."""
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
-    class RoutingStrategy(SingleDeviceStrategy):
+    from lightning_fp8state.lightning import Fp8StateStrategyContract
+
+    class RoutingStrategy(Fp8StateStrategyContract, SingleDeviceStrategy):
         fp8state_checkpoint_engine = "deepspeed"
 
     calls = []
@@ -221,3 +223,44 @@ def test_fsdp_default_units_are_the_blocks_and_the_wrapped_network():
     stack = torch.nn.Module()
     stack.inp, stack.blocks = torch.nn.Linear(2, 2), torch.nn.ModuleList([Block(4), Block(4)])
     assert default_shard_units(stack) == ["blocks.0", "blocks.1", "inp"]
+
+
+# -- the strategy contract the callback reads ----------------------------------------------
+def test_every_fp8state_strategy_declares_the_contract_and_the_cli_knows_each():
+    from lightning.pytorch.strategies import DeepSpeedStrategy, SingleDeviceStrategy
+
+    from lightning_fp8state.cli.schema import STRATEGIES as CLI_STRATEGIES
+    from lightning_fp8state.lightning import STRATEGIES, Fp8StateStrategyContract, contract_of
+
+    assert set(CLI_STRATEGIES) == {"auto", *STRATEGIES}
+    ddp = STRATEGIES["fp8state_ddp"]()
+    ds3 = STRATEGIES["fp8state_deepspeed"](stage=3)
+    for strategy in (ddp, ds3):
+        assert isinstance(strategy, Fp8StateStrategyContract) and contract_of(strategy) is strategy
+    assert (ddp.fp8state_process_group, ddp.fp8state_sharded, ddp.fp8state_converts_before_wrap) == (None, False, False)
+    assert ds3.fp8state_converts_before_wrap and ds3.fp8state_saves_accumulation
+    assert not STRATEGIES["fp8state_deepspeed"](stage=2).fp8state_converts_before_wrap
+    assert STRATEGIES["fp8state_fsdp"].fp8state_sharded.fget(None) is True
+    # Lightning's own strategies answer from what they are
+    assert contract_of(DeepSpeedStrategy(stage=3)).fp8state_converts_before_wrap
+    plain = contract_of(SingleDeviceStrategy(device="cpu"))
+    assert (plain.fp8state_checkpoint_engine, plain.fp8state_sharded, plain.fp8state_saves_accumulation) == (
+        None,
+        False,
+        False,
+    )
+
+
+def test_the_callback_reads_strategies_only_through_the_contract():
+    import ast
+    import inspect
+
+    from lightning_fp8state.lightning import callback
+
+    tree = ast.parse(inspect.getsource(callback))
+    probes = [
+        ast.unparse(n)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "getattr" and "strategy" in ast.unparse(n.args[0])
+    ]
+    assert probes == []

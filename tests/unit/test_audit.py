@@ -124,9 +124,7 @@ def test_recompute_changing_module_state_is_reported(engine):
                 if engine in ("wrapper", "compiled"):
                     x = f8s.checkpoint(block, x, restore_buffers=False)
                 elif engine == "sac":  # the auditor's copies stay out of SAC's op sequence
-                    x = f8s.checkpoint(
-                        block, x, context_fn=f8s.selective_checkpoint_context(), restore_buffers=False
-                    )
+                    x = f8s.checkpoint(block, x, context_fn=f8s.selective_checkpoint_context(), restore_buffers=False)
                 else:
                     x = torch_checkpoint(block, x, use_reentrant=engine == "reentrant")
             return x

@@ -17,7 +17,7 @@ LAYERS = [
     ("sac, encoders, recompute", {"sac", "encoders", "recompute"}),
     ("protocol", {"protocol"}),
     ("defects, nn", {"defects", "nn"}),
-    ("facade, audit, graphs", {"fp8state", "audit", "graphs"}),
+    ("facade, audit, graphs", {"fp8state", "audit", "graphs", "block_graphs"}),
     ("models, telemetry", {"models", "telemetry"}),
     ("lightning", {"lightning"}),
     ("cli", {"cli", "__main__", "__init__"}),

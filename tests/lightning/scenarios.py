@@ -41,6 +41,7 @@ DEFAULTS = {
     "save_at": [],  # [[epoch, batch_idx, file name(, save_grads)], ...]: trainer.save_checkpoint there
     "stop_after_save": False,  # stop the fit right after the last save_at (an interruption)
     "resume_from": None,  # file name of a checkpoint written by an earlier run
+    "graphed": False,  # the blocks through GraphedBlocks, its graphs emulated (tests/graph_emulation.py)
 }
 
 
@@ -148,6 +149,11 @@ def run(spec: dict, out: str) -> None:
     spec = {**DEFAULTS, **spec}
     pl.seed_everything(0, workers=True, verbose=False)
     model = CheckpointedBoring(ckpt=spec["ckpt"], frozen=spec["frozen"])
+    if spec["graphed"]:
+        from lightning_fp8state.block_graphs import GraphedBlocks
+        from tests.graph_emulation import EmulatedGraphBackend
+
+        model.blocks_runner = GraphedBlocks(model.blocks, warmup=2, backend=EmulatedGraphBackend())
     data = ScaledDataset(spec["samples"])
 
     def train_dataloader():
@@ -180,6 +186,7 @@ def run(spec: dict, out: str) -> None:
     ckpt = None if spec["resume_from"] is None else os.path.join(out, spec["resume_from"])
     trainer.fit(model, ckpt_path=ckpt)
     result = observe(trainer, model, cb)
+    result["replays"] = None if model.blocks_runner is None else model.blocks_runner.replays
     folder = os.path.join(out, spec["name"])
     os.makedirs(folder, exist_ok=True)
     torch.save(result, os.path.join(folder, f"rank{trainer.global_rank}.pt"))

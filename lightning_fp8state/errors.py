@@ -13,6 +13,7 @@ __all__ = [
     "StaleSnapshotError",
     "StateLoadError",
     "StateTransitionError",
+    "UntrustedCheckpointError",
 ]
 
 
@@ -54,6 +55,19 @@ class AmbiguousRecomputeError(RuntimeError):
 
 class StateLoadError(ValueError):
     """A saved quantizer state is corrupt or does not match the live one; nothing was loaded."""
+
+
+class UntrustedCheckpointError(StateLoadError):
+    """A checkpoint file names a type or function outside the allowlist of what our checkpoints
+    hold: unpickling it could run code (a pickled ``os.system`` call). Nothing in it has run."""
+
+    def __init__(self, path, refused: str) -> None:
+        self.path, self.refused = path, refused
+        super().__init__(
+            f"{path}: refused to load: it names {refused}, which no checkpoint of lightning_fp8state holds "
+            "(only tensors, numbers, containers and an allowlist of DeepSpeed/torch types); reading it could "
+            "run code from the file. Nothing in it was run: use a checkpoint from a source you trust"
+        )
 
 
 class SelectiveCheckpointError(RuntimeError):

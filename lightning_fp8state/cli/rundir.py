@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..errors import ConfigError, RunDirectoryError
+from ..errors import ConfigError, RunDirectoryError, UntrustedCheckpointError
+from ..state.checkpoint_files import check_checkpoint, deepspeed_safe_globals, load_checkpoint_file
 from .config import quant_config
 
 __all__ = [
@@ -197,7 +198,12 @@ def _checkpoint_candidates(run_dir: Path) -> list[Path]:
 
 
 def _read_checkpoint(path: Path) -> dict:
-    """The checkpoint's contents (memory-mapped: tensors are not read), or RunDirectoryError."""
+    """The checkpoint's contents (memory-mapped: tensors are not read), or an error.
+
+    Every file a loader would unpickle (a DeepSpeed directory's shards, FSDP2's ``meta.pt`` and
+    DCP ``.metadata``) is read with ``weights_only=True`` and our allowlist first
+    (:func:`~lightning_fp8state.state.checkpoint_files.check_checkpoint`): a file that names
+    anything else raises UntrustedCheckpointError, and nothing in it has run."""
     target = path
     if path.is_dir() and (path / "meta.pt").is_file():  # FSDP2 (DCP): Lightning's state beside the shards
         target = path / "meta.pt"
@@ -208,12 +214,10 @@ def _read_checkpoint(path: Path) -> dict:
         target = shards[0]
     if target.stat().st_size == 0:
         raise ValueError("the file is empty")
-    try:
-        ckpt = torch.load(target, map_location="cpu", weights_only=False, mmap=True)
-    except RuntimeError as exc:
-        if "mmap" not in str(exc):
-            raise
-        ckpt = torch.load(target, map_location="cpu", weights_only=False)  # legacy (non-zip) format
+    if path.is_dir():
+        check_checkpoint(path)  # every shard, before DeepSpeed's engine or DCP unpickles one
+    allowed = deepspeed_safe_globals() if path.is_dir() and target.name != "meta.pt" else ()
+    ckpt = load_checkpoint_file(target, mmap=True, safe_globals=allowed)
     if not isinstance(ckpt, dict) or "global_step" not in ckpt:
         raise ValueError(f"not a Lightning checkpoint (no 'global_step'; got {type(ckpt).__name__})")
     return ckpt
@@ -279,6 +283,8 @@ def _select_checkpoint(cfg: DictConfig, run_dir: Path, resume: str) -> tuple[Pat
     for path in candidates:
         try:
             ckpt = _read_checkpoint(path)
+        except UntrustedCheckpointError as exc:  # refused, not "corrupt": never fall back past it
+            raise RunDirectoryError(f"--resume {resume!r}: {exc}") from None
         except Exception as exc:  # noqa: BLE001  (any failure to read is "corrupt": say which and why)
             bad.append(f"{path} is not a readable checkpoint ({_reason(exc)})")
             continue

@@ -1,5 +1,8 @@
 """AtomicCheckpointIO: Lightning checkpoints written to a temporary file, then renamed.
 
+Reads are ``torch.load(weights_only=True)`` (``state/checkpoint_files.py``): a checkpoint that
+names any other type is refused before anything in it runs.
+
 A checkpoint file is either the old one or the new one, never a torn mix: a kill, a crash or
 a full disk during a save leaves the previous file in place. Lightning's own ``_atomic_save``
 stages the file through fsspec's transaction, whose temporary file lives in the system's
@@ -19,6 +22,8 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
+
+from ..state.checkpoint_files import load_checkpoint_file
 
 __all__ = ["TMP_SUFFIX", "AtomicCheckpointIO", "write_atomic"]
 
@@ -69,3 +74,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f"{storage_options!r}: pass a custom CheckpointIO for those"
             )
         write_atomic(path, lambda f: torch.save(checkpoint, f))
+
+    @override
+    def load_checkpoint(
+        self, path, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Always ``weights_only=True`` with our allowlist, whatever the caller asks: a run
+        directory may come from someone else (UntrustedCheckpointError names a refused type)."""
+        if not Path(path).exists():
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        return load_checkpoint_file(path, map_location=map_location or (lambda storage, loc: storage))

@@ -559,3 +559,94 @@ def test_a_fresh_state_refuses_the_state_of_another_model():
     state_d.load_state_dict(saved)
     model_d = state_d.convert(make_stack(n=4))
     run_events(state_d, model_d, event_inputs(3)[2:], step0=2)
+
+
+# -- untrusted checkpoints (issue 30) -----------------------------------------------------
+class PlantedCall:
+    """Pickles as a call of ``os.system`` that creates ``marker``: what a hostile run directory
+    would plant in a checkpoint. Loading it with pickle runs the command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _plant(run: Path, kind: str, marker: Path) -> Path:
+    """Replace the run's checkpoints by one of ``kind`` whose file ``planted`` carries the call;
+    config.yaml names the strategy that writes that kind (on a GPU, refused here after it)."""
+    ckpts = run / "checkpoints"
+    saved = torch.load(ckpts / "last.ckpt", weights_only=True)
+    shutil.rmtree(ckpts)
+    ckpts.mkdir()
+    if kind == "lightning":
+        target = ckpts / "last.ckpt"
+        torch.save({**saved, "callbacks": {**saved["callbacks"], "x": PlantedCall(marker)}}, target)
+        return target
+    cfg = run / "config.yaml"
+    strategy = "fp8state_deepspeed" if kind.startswith("deepspeed") else "fp8state_fsdp"
+    text = cfg.read_text().replace("name: auto", f"name: {strategy}").replace("accelerator: cpu", "accelerator: gpu")
+    cfg.write_text(text)
+    last = ckpts / "last.ckpt"
+    if kind.startswith("deepspeed"):  # a directory of shards: DeepSpeed's engine unpickles each
+        shard_dir = last / "checkpoint"
+        shard_dir.mkdir(parents=True)
+        model = {**saved, "module": saved.pop("state_dict"), "ds_version": "0.19"}
+        optim = {"optimizer_state_dict": {"loss_scaler": 1.0}, "ds_version": "0.19"}
+        planted = "optim" if kind == "deepspeed_optim" else "model"
+        (model if planted == "model" else optim)["x"] = PlantedCall(marker)
+        torch.save(model, shard_dir / "mp_rank_00_model_states.pt")
+        torch.save(optim, shard_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        return (
+            shard_dir / f"{'mp_rank_00_model' if planted == 'model' else 'zero_pp_rank_0_mp_rank_00_optim'}_states.pt"
+        )
+    # FSDP2: torch distributed checkpoint's shards, .metadata (plain pickle) and Lightning's meta.pt
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"state_dict": saved.pop("state_dict")}, checkpoint_id=str(last))
+    if kind == "fsdp_meta":
+        saved["x"] = PlantedCall(marker)
+    torch.save(saved, last / "meta.pt")
+    if kind == "fsdp_dcp_metadata":
+        import pickle
+
+        (last / ".metadata").write_bytes(pickle.dumps(PlantedCall(marker)))
+    return last / ("meta.pt" if kind == "fsdp_meta" else ".metadata")
+
+
+@pytest.mark.parametrize("kind", ["lightning", "deepspeed", "deepspeed_optim", "fsdp_meta", "fsdp_dcp_metadata"])
+def test_a_checkpoint_carrying_a_pickled_call_is_refused_before_it_runs(finished_run, capsys, monkeypatch, kind):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    marker = finished_run.parent / "MARKER"
+    planted = _plant(finished_run, kind, marker)
+    before = snapshot(finished_run)
+    capsys.readouterr()
+    assert train("--resume", str(finished_run), "trainer.max_steps=30") == 2
+    assert not marker.exists(), "the planted call ran"
+    assert_one_clean_error(capsys.readouterr().err, str(planted), "refused to load", "posix.system")
+    assert snapshot(finished_run) == before
+
+
+def test_the_library_loaders_refuse_a_pickled_call_too(finished_run, tmp_path):
+    """AtomicCheckpointIO (Trainer.fit(ckpt_path=...)) and the FSDP2/DeepSpeed pre-check."""
+    from lightning_fp8state.lightning import AtomicCheckpointIO
+    from lightning_fp8state.state.checkpoint_files import check_checkpoint
+
+    marker = tmp_path / "MARKER"
+    good = AtomicCheckpointIO().load_checkpoint(finished_run / "checkpoints" / "step=10.ckpt")
+    assert good["global_step"] == 10
+    planted = _plant(finished_run, "lightning", marker)
+    with pytest.raises(f8s.UntrustedCheckpointError, match="posix.system"):
+        AtomicCheckpointIO().load_checkpoint(planted)
+    for kind in ("deepspeed_optim", "fsdp_dcp_metadata"):
+        run = tmp_path / kind
+        shutil.copytree(finished_run.parent / "tiny_gpt_cpu", run)
+        (run / "checkpoints" / "last.ckpt").unlink()
+        torch.save({"global_step": 1, "state_dict": {}, "callbacks": {}}, run / "checkpoints" / "last.ckpt")
+        planted = _plant(run, kind, marker)
+        with pytest.raises(f8s.UntrustedCheckpointError, match=re.escape(str(planted))):
+            check_checkpoint(run / "checkpoints" / "last.ckpt")
+    assert not marker.exists()

@@ -27,6 +27,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError, RunDirectoryError, UntrustedCheckpointError
+from ..fp8state import Fp8State
 from ..state.checkpoint_files import check_checkpoint, deepspeed_safe_globals, load_checkpoint_file
 from .config import quant_config
 
@@ -129,7 +130,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` in one rename (never half written)."""
     from ..lightning.checkpoint_io import write_atomic  # noqa: PLC0415  (Lightning: imported only when writing)
 
-    write_atomic(path, lambda f: f.write(text), binary=False)
+    write_atomic(path, lambda f: f.write(text), binary=False, nbytes=len(text.encode("utf-8")))
 
 
 def wandb_run_id(run_dir: Path, *, create: bool) -> str | None:
@@ -166,6 +167,7 @@ class ResumePlan:
     checkpoint: Path
     step: int
     notes: list[str] = field(default_factory=list)
+    saved_cfg: DictConfig | None = None  # the run's config.yaml as it was (before the overrides)
 
     @property
     def complete(self) -> bool:
@@ -229,8 +231,9 @@ def _reason(exc: BaseException) -> str:
 
 
 def _check_against_checkpoint(cfg: DictConfig, ckpt: dict, path: Path) -> None:
-    """The checkpoint was made by a run of this configuration: same quantizer state layout,
-    same world size, same model shapes."""
+    """The checkpoint was made by a run of this configuration: same quantizer state layout and
+    world size, exactly the model's weights (none missing, none extra, each of its shape), and
+    quantizer owners of exactly the layers this configuration converts."""
     entry = ckpt.get("fp8state")
     if isinstance(entry, dict) and entry.get("ranks"):
         world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
@@ -251,25 +254,67 @@ def _check_against_checkpoint(cfg: DictConfig, ckpt: dict, path: Path) -> None:
                 f"{path}: the quantizer state was made with another configuration ({'; '.join(diff)}); "
                 "resume with the configuration the run was started with"
             )
-    weights = ckpt.get("state_dict")
-    if isinstance(weights, dict):
-        from ..models import GPT  # noqa: PLC0415
-        from .audit import model_config  # noqa: PLC0415
+    weights = ckpt.get("state_dict")  # (DeepSpeed's shards hold the weights in their own layout)
+    from ..models import GPT  # noqa: PLC0415
+    from .audit import model_config  # noqa: PLC0415
 
-        with torch.device("meta"):
-            expected = {f"model.{k}": tuple(v.shape) for k, v in GPT(model_config(cfg)).state_dict().items()}
-        missing = sorted(set(expected) - set(weights))
-        wrong = sorted(k for k in expected if k in weights and tuple(weights[k].shape) != expected[k])
-        if missing or wrong:
+    with torch.device("meta"):
+        model = GPT(model_config(cfg))
+    if isinstance(weights, dict) and weights:
+        _check_weights(path, {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}, weights)
+    if isinstance(entry, dict) and entry.get("ranks"):
+        state = Fp8State(quant_config(cfg))
+        state.convert(model)
+        _check_owners(path, {f"model.{name}" for name in state.converted_layers}, entry["ranks"], state)
+
+
+def _check_weights(path: Path, expected: dict[str, tuple], weights: dict) -> None:
+    """Exactly the model's weights: none missing, none extra, each of its shape."""
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    wrong = sorted(
+        k for k in expected if k in weights and hasattr(weights[k], "shape") and tuple(weights[k].shape) != expected[k]
+    )
+    if not (missing or extra or wrong):
+        return
+    if missing:
+        detail = f"missing {_few(missing)}"
+    elif extra:
+        detail = f"extra {_few(extra)} that this configuration's model does not have"
+    else:
+        detail = f"{wrong[0]}: checkpoint {tuple(weights[wrong[0]].shape)}, config {expected[wrong[0]]}"
+    raise RunDirectoryError(
+        f"{path}: the model weights do not fit this configuration's model ({detail}); "
+        "resume with the model.* settings the run was started with"
+    )
+
+
+def _check_owners(path: Path, layers: set[str], ranks: dict, state: Fp8State) -> None:
+    """The quantizer state of every rank belongs to exactly the layers this configuration converts."""
+    if not state.config.quantized or state.config.ownership == "per_model":
+        return
+    for rank, sd in ranks.items():
+        try:
+            saved = {o[0] for o in sd["bank"]["owners"]} - {"*"}
+        except (KeyError, TypeError, IndexError) as exc:
+            raise RunDirectoryError(f"{path}: the quantizer state of rank {rank} is corrupt ({exc!r})") from None
+        if not saved:
+            continue  # saved before the first step: no owner registered yet
+        unknown, missing = sorted(saved - layers), sorted(layers - saved)
+        if unknown or missing:
             detail = (
-                f"missing {missing[:3]}"
-                if missing
-                else f"{wrong[0]}: checkpoint {tuple(weights[wrong[0]].shape)}, config {expected[wrong[0]]}"
+                f"owners of layers {_few(unknown)} that this configuration's model does not convert"
+                if unknown
+                else f"no owners for the converted layers {_few(missing)}"
             )
             raise RunDirectoryError(
-                f"{path}: the model weights do not fit this configuration's model ({detail}); "
-                "resume with the model.* settings the run was started with"
+                f"{path}: the quantizer state of rank {rank} does not fit this configuration ({detail}); "
+                "resume with the model.* and quant.* settings the run was started with"
             )
+
+
+def _few(names: list[str], n: int = 3) -> str:
+    return f"{names[:n]}{f' and {len(names) - n} more' if len(names) > n else ''}"
 
 
 def _select_checkpoint(cfg: DictConfig, run_dir: Path, resume: str) -> tuple[Path, dict, list[str]]:
@@ -334,5 +379,10 @@ def plan_resume(resume: str, recipe: str | None, overrides: list[str]) -> Resume
             f"(in {saved_path}); a resume continues the run as it was configured and may change only "
             f"{', '.join(RESUMABLE_KEYS)}. Start a new run (without --resume) to change {k}"
         )
+    asked = any(item.split("=", 1)[0].strip() == "trainer.schedule_steps" for item in overrides)
+    if not asked and not cfg.trainer.schedule_steps and cfg.trainer.max_steps != saved.trainer.max_steps:
+        # a longer (or shorter) resume keeps the learning-rate curve the run was on; the user
+        # re-stretches it only by asking (trainer.schedule_steps=N)
+        cfg.trainer.schedule_steps = int(saved.trainer.schedule_steps or saved.trainer.max_steps)
     path, ckpt, notes = _select_checkpoint(cfg, run_dir, resume)
-    return ResumePlan(cfg=cfg, checkpoint=path, step=int(ckpt["global_step"]), notes=notes)
+    return ResumePlan(cfg=cfg, checkpoint=path, step=int(ckpt["global_step"]), notes=notes, saved_cfg=saved)

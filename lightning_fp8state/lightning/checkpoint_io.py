@@ -14,7 +14,9 @@ copy onto the target, which is not atomic. Here the temporary file sits next to 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -23,11 +25,32 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
+from ..errors import DiskFullError
 from ..state.checkpoint_files import load_checkpoint_file
 
-__all__ = ["TMP_SUFFIX", "AtomicCheckpointIO", "write_atomic"]
+__all__ = ["TMP_SUFFIX", "AtomicCheckpointIO", "checkpoint_nbytes", "write_atomic"]
 
 TMP_SUFFIX = ".tmp"  # what a save interrupted by SIGKILL may leave behind: `.NAME.XXXX.tmp`
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def checkpoint_nbytes(obj: Any) -> int:
+    """About how many bytes ``torch.save(obj)`` writes: the tensors' storages (each once)."""
+    seen: set[int] = set()
+    total = 0
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            if storage.data_ptr() not in seen or storage.data_ptr() == 0:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total + 64 * 1024  # the pickled structure and the zip records
 
 
 def _fsync_dir(path: Path) -> None:
@@ -39,9 +62,14 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def write_atomic(path: str | os.PathLike, write, *, binary: bool = True) -> None:
+def write_atomic(path: str | os.PathLike, write, *, binary: bool = True, nbytes: int | None = None) -> None:
     """Call ``write(file)`` on a temporary file next to ``path``, flush it to disk, then rename
-    it onto ``path``. On any error the temporary file is removed and ``path`` is untouched."""
+    it onto ``path``. On any error the temporary file is removed and ``path`` is untouched.
+
+    Raises:
+        DiskFullError: the disk (or quota) is full; it names ``path``, ``nbytes`` (what the
+            write needs, when the caller knows) and the space free there.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
@@ -51,9 +79,14 @@ def write_atomic(path: str | os.PathLike, write, *, binary: bool = True) -> None
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and not isinstance(exc, DiskFullError) and exc.errno in DISK_FULL:
+            free = None
+            with contextlib.suppress(OSError):
+                free = shutil.disk_usage(path.parent).free
+            raise DiskFullError(path, nbytes, free, exc) from None
         raise
     _fsync_dir(path.parent)
 
@@ -73,7 +106,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 "AtomicCheckpointIO.save_checkpoint takes no storage_options, got "
                 f"{storage_options!r}: pass a custom CheckpointIO for those"
             )
-        write_atomic(path, lambda f: torch.save(checkpoint, f))
+        write_atomic(path, lambda f: torch.save(checkpoint, f), nbytes=checkpoint_nbytes(checkpoint))
 
     @override
     def load_checkpoint(

@@ -145,9 +145,17 @@ def load_checkpoint_file(
                 return torch.load(path, map_location=map_location, weights_only=True)  # legacy (non-zip) format
         except pickle.UnpicklingError as exc:
             refused = _refused_type(exc)
-            if refused is None:
-                raise
-            raise UntrustedCheckpointError(path, refused) from None
+            if refused is not None:
+                raise UntrustedCheckpointError(path, refused) from None
+            raise pickle.UnpicklingError(f"not a readable checkpoint ({_inner_reason(exc)})") from None
+
+
+def _inner_reason(exc: BaseException) -> str:
+    """The reason inside torch's weights_only message, without its advice about PyTorch 2.6."""
+    noise = ("Weights only load failed", "In PyTorch", "(1)", "(2)", "Check the documentation", "Please file an issue")
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    useful = [line for line in lines if not line.startswith(noise)]
+    return useful[0] if useful else "a corrupt pickle"
 
 
 class _MetadataUnpickler(pickle.Unpickler):

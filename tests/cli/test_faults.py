@@ -650,3 +650,122 @@ def test_the_library_loaders_refuse_a_pickled_call_too(finished_run, tmp_path):
         with pytest.raises(f8s.UntrustedCheckpointError, match=re.escape(str(planted))):
             check_checkpoint(run / "checkpoints" / "last.ckpt")
     assert not marker.exists()
+
+
+# -- a hand-edited config.yaml, a load that fails (issue 30) ------------------------------
+@pytest.mark.parametrize(
+    ("edit", "needles"),
+    [
+        (("n_layers: 2", "n_layers: 1"), ["last.ckpt", "extra ['model.blocks.1.", "model.* settings"]),
+        (("- '*head'", "- '*head'\n  - '*.fc'"), ["last.ckpt", "quantizer state of rank 0", "blocks.0.fc"]),
+    ],
+)
+def test_a_hand_edited_config_is_refused_against_the_checkpoint_exactly(finished_run, capsys, edit, needles):
+    cfg = finished_run / "config.yaml"
+    assert edit[0] in cfg.read_text()
+    cfg.write_text(cfg.read_text().replace(*edit))
+    before = snapshot(finished_run)
+    capsys.readouterr()
+    assert train("--resume", str(finished_run), "trainer.max_steps=30") == 2
+    assert_one_clean_error(capsys.readouterr().err, *needles)
+    assert snapshot(finished_run) == before
+
+
+def test_the_run_files_are_rewritten_only_once_the_checkpoint_has_loaded(finished_run, capsys, monkeypatch):
+    from lightning_fp8state.lightning import Fp8StateCallback
+
+    def refuse(self, trainer, pl_module, checkpoint):
+        raise f8s.StateLoadError("the quantizer state is refused (injected)")
+
+    monkeypatch.setattr(Fp8StateCallback, "on_load_checkpoint", refuse)
+    before = snapshot(finished_run)
+    capsys.readouterr()
+    assert train("--resume", str(finished_run), "trainer.max_steps=30") == 2
+    assert_one_clean_error(capsys.readouterr().err, "refused (injected)")
+    after = snapshot(finished_run)
+    for name in ("config.yaml", "conversion.json", "provenance.json", "telemetry.jsonl"):
+        assert after[name] == before[name], name
+    assert {k for k in after if k.startswith("checkpoints")} == {k for k in before if k.startswith("checkpoints")}
+
+
+# -- a full disk (issue 30) ----------------------------------------------------------------
+def test_a_full_disk_at_a_checkpoint_save_is_one_line_and_keeps_the_last_good_checkpoint(run_root, capsys, monkeypatch):
+    """From step 15 on every write fails with ENOSPC (the telemetry's and every atomic write:
+    the step-20 checkpoint, the run files): exit 3, one line naming the file and the space it
+    needs, no traceback, and the step-10 checkpoint intact; the run resumes from it."""
+    full = {"since": None}
+    write, fsync = JsonlSink.write, os.fsync
+
+    def sink_write(self, rows):
+        if any(r["step"] >= 15 for r in rows) and "room" not in full:
+            full["since"] = full["since"] or rows[0]["step"]
+        if full["since"] is not None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(self, rows)
+
+    def disk_fsync(fd):
+        if full["since"] is not None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fsync(fd)
+
+    monkeypatch.setattr(JsonlSink, "write", sink_write)
+    monkeypatch.setattr(os, "fsync", disk_fsync)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the sink's failure warnings are tested above
+        code = train(*COMMON, "trainer.max_steps=20", "out_dir=runs")
+    err = capsys.readouterr().err
+    run = Path("runs") / "tiny_gpt_cpu"
+    assert code == 3, err[-3000:]
+    assert_one_clean_error(err, str(run / "checkpoints" / "step=20.ckpt"), "no space left", "needs about", "MiB")
+    assert f"then continue: fp8state train --resume {run}" in err
+    ckpts = run / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "step=10.ckpt"]  # no temporary left
+    assert torch.load(ckpts / "last.ckpt", weights_only=True)["global_step"] == 10
+    full["since"] = None
+    full["room"] = True
+    assert train("--resume", str(run), "trainer.max_steps=12") == 0  # room again: it continues
+
+
+def test_a_resume_after_a_torn_last_line_starts_on_a_new_line(tmp_path):
+    """A kill mid-write leaves a torn last row; the next sink (the resumed run) must not glue its
+    first row onto it, or that row is lost too and the report counts 49 of 50 steps."""
+    jsonl = tmp_path / "telemetry.jsonl"
+    _write(jsonl, _rows(range(1, 6)))
+    with open(jsonl, "ab") as f:
+        f.write(b'{"step": 6, "train/loss": 2.9')  # torn by a kill
+    _write(jsonl, _rows(range(6, 11)))  # the resumed run
+    log = read_telemetry(jsonl)
+    assert [r["step"] for r in log.rows] == list(range(1, 11))
+    assert [b.line for b in log.bad_lines] == [6]
+    assert write_report(tmp_path, show=False).rows == 10
+
+
+# -- the schedule on resume (issue 30) -------------------------------------------------------
+def _lrs(run: Path) -> dict[int, float]:
+    return {r["step"]: r["train/lr"] for r in read_telemetry(run / "telemetry.jsonl").rows}
+
+
+def test_a_longer_resume_keeps_the_lr_curve_unless_asked_to_restretch_it(finished_run, capsys):
+    """20 steps on their cosine, then --resume with trainer.max_steps=30: no LR jump larger than
+    one step's change on the run's own curve; trainer.schedule_steps= re-stretches, and says so."""
+    lr = _lrs(finished_run)
+    one_step = max(abs(lr[s + 1] - lr[s]) for s in range(1, 20))
+    capsys.readouterr()
+    assert train("--resume", str(finished_run), "trainer.max_steps=30", "telemetry.log_every_n_steps=1") == 0
+    out = capsys.readouterr().out
+    lr = _lrs(finished_run)
+    assert sorted(lr) == list(range(1, 31))
+    assert max(abs(lr[s + 1] - lr[s]) for s in range(19, 30)) <= one_step * (1 + 1e-6)
+    assert re.search(r"learning rate at step 21: \S+, on the run's schedule of 20 steps", out), out
+    # asked for: the schedule is re-stretched, and the resume says from what to what
+    assert train("--resume", str(finished_run), "trainer.max_steps=32", "trainer.schedule_steps=60") == 0
+    out = capsys.readouterr().out
+    m = re.search(
+        r"learning rate at step 31: (\S+) on the run's schedule, (\S+) on the schedule of "
+        r"trainer.schedule_steps=60",
+        out,
+    )
+    assert m is not None, out
+    lr = _lrs(finished_run)
+    assert abs(float(m.group(1)) - lr[30]) < 1e-3 * lr[30]  # the floor the run's curve had reached
+    assert lr[32] - lr[31] > 2 * one_step  # re-stretched: the jump the user asked for

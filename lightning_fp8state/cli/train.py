@@ -425,9 +425,9 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
     os.environ.setdefault("WANDB_SILENT", "true")
     import lightning.pytorch as pl
     from lightning.fabric.utilities.exceptions import MisconfigurationException
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from ..lightning import AtomicCheckpointIO, Fp8StateCallback, TelemetryCallback, wandb_logger
+    from ..lightning.checkpoint_io import RunCheckpoint
 
     pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     loggers = []
@@ -455,7 +455,7 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
         apply_clipping=clip_here,
         saturation=not t.cuda_graphs,  # the saturation count runs Python per call: a replay does not
     )
-    checkpoint = ModelCheckpoint(
+    checkpoint = RunCheckpoint(  # ModelCheckpoint that still prunes when the run directory moved
         dirpath=run_dir / "checkpoints",
         filename="{step}",
         every_n_train_steps=t.checkpoint_every_n_steps,

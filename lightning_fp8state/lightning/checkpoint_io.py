@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from ..errors import DiskFullError
 from ..state.checkpoint_files import load_checkpoint_file
 
-__all__ = ["TMP_SUFFIX", "AtomicCheckpointIO", "checkpoint_nbytes", "write_atomic"]
+__all__ = ["TMP_SUFFIX", "AtomicCheckpointIO", "RunCheckpoint", "checkpoint_nbytes", "write_atomic"]
 
 TMP_SUFFIX = ".tmp"  # what a save interrupted by SIGKILL may leave behind: `.NAME.XXXX.tmp`
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -117,3 +118,41 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not Path(path).exists():
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         return load_checkpoint_file(path, map_location=map_location or (lambda storage, loc: storage))
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint(filename="{step}", monitor="step", mode="max")`` that keeps pruning after a
+    resume, whatever the directory is called and whatever the resume changed.
+
+    Lightning restores which checkpoints it kept (``best_k_models``) only when the saved
+    ``dirpath`` string equals the current one, and only under a callback state key that holds
+    ``every_n_train_steps``: resumed through an absolute path, from a copied run directory, or
+    with another ``trainer.checkpoint_every_n_steps``, it forgot them and never removed the
+    older ``step=N.ckpt`` again. Here the kept set is read from the directory itself when
+    training starts: the ``save_top_k`` newest ``step=N.ckpt`` are kept, older ones removed.
+    """
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # the kept set comes from the directory (on_train_start): no "dirpath has changed" warning
+        super().load_state_dict(dict(state_dict, dirpath=self.dirpath))
+
+    @override
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        if self.dirpath is None or self.save_top_k < 1 or self.monitor != "step":
+            return
+        found = []
+        for path in Path(self.dirpath).glob("step=*.ckpt"):
+            step = path.name[len("step=") : -len(".ckpt")]
+            if step.isdigit():
+                found.append((int(step), path))
+        found.sort(reverse=True)
+        keep, older = found[: self.save_top_k], found[self.save_top_k :]
+        if trainer.is_global_zero:
+            for _, path in older:
+                trainer.strategy.remove_checkpoint(path)
+        self.best_k_models = {str(path): torch.tensor(step) for step, path in keep}
+        if keep:
+            self.best_model_path, self.best_model_score = str(keep[0][1]), torch.tensor(keep[0][0])
+            self.kth_best_model_path, self.kth_value = str(keep[-1][1]), torch.tensor(keep[-1][0])

@@ -769,3 +769,17 @@ def test_a_longer_resume_keeps_the_lr_curve_unless_asked_to_restretch_it(finishe
     lr = _lrs(finished_run)
     assert abs(float(m.group(1)) - lr[30]) < 1e-3 * lr[30]  # the floor the run's curve had reached
     assert lr[32] - lr[31] > 2 * one_step  # re-stretched: the jump the user asked for
+
+
+# -- pruning under another spelling of the run directory (issue 30) ------------------------
+def test_pruning_keeps_two_checkpoints_through_an_absolute_path_and_in_a_copied_run(run_root, finished_run):
+    # a copied run directory (finished_run was trained elsewhere), resumed by its relative path
+    resume = ["--resume", str(finished_run.relative_to(run_root)), "trainer.checkpoint_every_n_steps=5"]
+    assert train(*resume, "trainer.max_steps=30") == 0
+    assert {p.name for p in (finished_run / "checkpoints").iterdir()} == {"last.ckpt", "step=25.ckpt", "step=30.ckpt"}
+    # a run started with a relative out_dir, resumed through its absolute path
+    every2 = [*SMALL, "telemetry.wandb=disabled", "trainer.checkpoint_every_n_steps=2", "out_dir=fresh"]
+    assert train(*every2, "trainer.max_steps=4") == 0
+    run = (run_root / "fresh" / "tiny_gpt_cpu").resolve()
+    assert train("--resume", str(run), "trainer.max_steps=8") == 0
+    assert {p.name for p in (run / "checkpoints").iterdir()} == {"last.ckpt", "step=6.ckpt", "step=8.ckpt"}

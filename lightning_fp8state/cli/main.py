@@ -125,13 +125,30 @@ def _disk_full(exc: OSError) -> str:
     return text
 
 
+def _options_first(argv: list[str]) -> list[str]:
+    """``train``'s options moved before its positionals, so that overrides may stand on both
+    sides of ``--resume RUN_DIR`` (argparse takes no positional after an option's value)."""
+    if not argv or argv[0] != "train":
+        return argv
+    options, rest, i = [], [], 1
+    while i < len(argv):
+        item = argv[i]
+        if item == "--resume" and i + 1 < len(argv):
+            options += argv[i : i + 2]
+            i += 2
+            continue
+        (options if item.startswith("--") else rest).append(item)
+        i += 1
+    return ["train", *options, *rest]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
     if not argv:  # a bare `fp8state`: say what it does and how to call it
         parser.print_help(sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_options_first(argv))
     from omegaconf.errors import OmegaConfBaseException  # noqa: PLC0415  (the CLI's own dependency)
     from yaml import YAMLError  # noqa: PLC0415
 

@@ -783,3 +783,32 @@ def test_pruning_keeps_two_checkpoints_through_an_absolute_path_and_in_a_copied_
     run = (run_root / "fresh" / "tiny_gpt_cpu").resolve()
     assert train("--resume", str(run), "trainer.max_steps=8") == 0
     assert {p.name for p in (run / "checkpoints").iterdir()} == {"last.ckpt", "step=6.ckpt", "step=8.ckpt"}
+
+
+# -- bad inputs that slipped through or misled (issue 30) ------------------------------------
+@pytest.mark.parametrize(
+    ("args", "files", "needles"),
+    [
+        (["empty.yaml"], {"empty.yaml": ""}, ["empty.yaml", "the recipe is empty", "name:"]),
+        (["name=../x", "out_dir=runs"], {}, ["name='../x'", "single path component", "out_dir="]),
+        (["name=a/b", "out_dir=runs"], {}, ["name='a/b'", "single path component"]),
+        (["trainer.max_stepz=3"], {}, ["trainer.max_stepz", "nearest: 'trainer.max_steps'", "trainer.lr"]),
+        (["typo.yaml"], {"typo.yaml": "name: t\ntrainer: {max_stepz: 3}\n"}, ["nearest: 'trainer.max_steps'"]),
+        (["trainer.max_steps=3", "--resume", "nowhere", "trainer.lr=1"], {}, ["--resume 'nowhere'", "config.yaml"]),
+    ],
+    ids=["empty-recipe", "name-dotdot", "name-slash", "unknown-key", "unknown-key-in-yaml", "both-sides-of-resume"],
+)
+def test_bad_input_that_once_slipped_through_exits_2_naming_the_key(run_root, capsys, args, files, needles):
+    for name, text in files.items():
+        (run_root / name).write_text(text)
+    assert train(*args) == 2
+    assert_one_clean_error(capsys.readouterr().err, *needles)
+    assert sorted(p.name for p in run_root.iterdir()) == sorted(files)  # nothing created, here or above
+
+
+def test_report_of_a_file_that_is_not_telemetry_exits_2_and_creates_nothing(tmp_path, capsys):
+    other = tmp_path / "notes.txt"
+    other.write_text("hello\nworld\n")
+    assert main(["report", str(other)]) == 2
+    assert_one_clean_error(capsys.readouterr().err, str(other), "not a telemetry file", "telemetry.jsonl")
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]

@@ -38,7 +38,7 @@ from .rundir import (
     write_text_atomic,
 )
 
-__all__ = ["lr_factor", "provenance", "run_training"]
+__all__ = ["lr_factor", "provenance", "run_training", "set_cpu_threads"]
 
 
 def _git_commit() -> str:
@@ -369,6 +369,17 @@ def _print_resumed_lr(cfg: DictConfig, plan) -> None:
         )
 
 
+def set_cpu_threads() -> int:
+    """Torch's intra-op threads: the cores this process may run on (``os.sched_getaffinity``: a
+    container's or ``taskset``'s share), not the machine's count; ``OMP_NUM_THREADS`` wins when
+    set. DataLoader workers run one thread each (torch sets that in every worker). Returns it."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores))
+    return torch.get_num_threads()
+
+
 def run_training(recipe: str | None, overrides: list[str], *, resume: str | None = None, verbose: bool = False) -> int:
     """Validate everything, then train. Nothing is created (new run) or changed (resume)
     until the configuration, the overrides and (on resume) the checkpoint are validated."""
@@ -383,6 +394,7 @@ def run_training(recipe: str | None, overrides: list[str], *, resume: str | None
     require_compile_strategy(cfg)
     require_cuda_graphs_setup(cfg)
     require_accelerator(cfg, recipe)
+    set_cpu_threads()
     if plan is not None:
         run_dir = Path(resume)
         if plan.complete:
@@ -421,8 +433,33 @@ def run_training(recipe: str | None, overrides: list[str], *, resume: str | None
             lock.close()
 
 
+class _NoLitLoggerTip:
+    """Drops Lightning's "Tip: ... try installing litlogger" advertisement (one INFO record of
+    its rank_zero logger on every run); every other record of that logger passes."""
+
+    def filter(self, record) -> bool:
+        return "litlogger" not in record.getMessage()
+
+
+def quiet_lightning() -> None:
+    """The noise of every run, silenced where it comes from: Lightning's litlogger tip (a
+    filter on that one record) and Lightning's use of torch's deprecated ``LeafSpec`` (that
+    one message from that one module); W&B's "anonymous" warning is fixed in ``wandb_logger``."""
+    import logging
+
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _NoLitLoggerTip) for f in rank_zero.filters):
+        rank_zero.addFilter(_NoLitLoggerTip())
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+
+
 def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = False) -> int:
     os.environ.setdefault("WANDB_SILENT", "true")
+    quiet_lightning()
     import lightning.pytorch as pl
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 

@@ -812,3 +812,55 @@ def test_report_of_a_file_that_is_not_telemetry_exits_2_and_creates_nothing(tmp_
     assert main(["report", str(other)]) == 2
     assert_one_clean_error(capsys.readouterr().err, str(other), "not a telemetry file", "telemetry.jsonl")
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+# -- threads (issue 30) ----------------------------------------------------------------------
+def test_the_cli_takes_its_threads_from_the_cores_it_may_use(monkeypatch):
+    from lightning_fp8state.cli.train import set_cpu_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the machine's count: not what this process may use
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    try:
+        assert set_cpu_threads() == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+# -- quiet runs (issue 30) -------------------------------------------------------------------
+def test_a_run_prints_none_of_the_three_noises(run_root, capfd, caplog):
+    """Lightning's litlogger tip, W&B's "anonymous setting has no effect", torch's LeafSpec
+    deprecation via Lightning: each silenced where it comes from (W&B offline, as by default)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert train(*SMALL, "trainer.max_steps=2", "out_dir=runs") == 0
+    out, err = capfd.readouterr()
+    text = out + err + caplog.text + "\n".join(str(w.message) for w in caught)
+    for noise in ("litlogger", "anonymous setting", "LeafSpec"):
+        assert noise not in text, noise
+    assert "run directory:" in out  # the run's own output is still there
+
+
+def test_skips_are_summed_up_by_reason_not_listed_one_by_one():
+    from types import SimpleNamespace
+
+    import tests.conftest as conftest
+
+    def skip(reason):
+        return SimpleNamespace(longrepr=("test_x.py", 1, f"Skipped: {reason}"))
+
+    lines, sections = [], []
+    reporter = SimpleNamespace(
+        stats={"skipped": [skip("needs a CUDA GPU")] * 3 + [skip("needs 2 GPUs")]},
+        section=lambda title, sep="=": sections.append(title),
+        line=lines.append,
+    )
+    conftest.pytest_terminal_summary(reporter, 0, None)
+    assert sections == ["4 skipped, by reason"]
+    assert [line.split() for line in lines] == [["3", "needs", "a", "CUDA", "GPU"], ["1", "needs", "2", "GPUs"]]
+    import tomllib
+
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    report_chars = addopts.split("-r", 1)[1].split()[0]
+    assert not set(report_chars) & set("saA")  # no SKIPPED line per test (-ra listed ~112 of them)

@@ -27,6 +27,7 @@ from .errors import (
     StaleSnapshotError,
     StateLoadError,
     StateTransitionError,
+    UntrustedCheckpointError,
 )
 from .formats import E4M3, E5M2, MXFP4, NVFP4, Fp4Layout, Fp8Format
 from .fp8state import STATE_FORMAT_VERSION, Fp8State
@@ -89,6 +90,7 @@ __all__ = [
     "StaleSnapshotError",
     "StateLoadError",
     "StateTransitionError",
+    "UntrustedCheckpointError",
     # the custom ops (torch.ops.fp8state) and their references
     "ops",
 ]

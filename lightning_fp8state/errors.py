@@ -7,12 +7,14 @@ __all__ = [
     "ConcurrentEntryError",
     "ConfigError",
     "ConversionWarning",
+    "DiskFullError",
     "OwnerAlignmentError",
     "RunDirectoryError",
     "SelectiveCheckpointError",
     "StaleSnapshotError",
     "StateLoadError",
     "StateTransitionError",
+    "UntrustedCheckpointError",
 ]
 
 
@@ -54,6 +56,41 @@ class AmbiguousRecomputeError(RuntimeError):
 
 class StateLoadError(ValueError):
     """A saved quantizer state is corrupt or does not match the live one; nothing was loaded."""
+
+
+class DiskFullError(OSError):
+    """A file could not be written for lack of space (``ENOSPC``/``EDQUOT``). The file it would
+    have replaced is intact (every save writes a temporary and renames it)."""
+
+    def __init__(self, path, needed: int | None, free: int | None, cause: OSError | None = None) -> None:
+        def mb(n: int) -> str:
+            return f"{n / 2**20:.1f} MiB"
+
+        need = f"it needs about {mb(needed)}" if needed is not None else "it needs more space"
+        have = f", {mb(free)} free there" if free is not None else ""
+        why = f" ({cause.strerror})" if cause is not None and cause.strerror else ""
+        super().__init__(
+            cause.errno if cause is not None else 28,
+            f"no space left to write {path}{why}: {need}{have}. The previous file is kept as it was; "
+            "free some space (or pass another out_dir), then continue",
+        )
+        self.path, self.needed, self.free = path, needed, free
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+class UntrustedCheckpointError(StateLoadError):
+    """A checkpoint file names a type or function outside the allowlist of what our checkpoints
+    hold: unpickling it could run code (a pickled ``os.system`` call). Nothing in it has run."""
+
+    def __init__(self, path, refused: str) -> None:
+        self.path, self.refused = path, refused
+        super().__init__(
+            f"{path}: refused to load: it names {refused}, which no checkpoint of lightning_fp8state holds "
+            "(only tensors, numbers, containers and an allowlist of DeepSpeed/torch types); reading it could "
+            "run code from the file. Nothing in it was run: use a checkpoint from a source you trust"
+        )
 
 
 class SelectiveCheckpointError(RuntimeError):

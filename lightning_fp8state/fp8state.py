@@ -203,16 +203,36 @@ class Fp8State:
         self._check_owners = self._check_owners or bool(report.converted or report.attention)
         self.converted_layers.update(report.layers())  # the layer names their owners take
         if self._loaded_unchecked is not None:
-            unknown, self._loaded_unchecked = sorted(self._loaded_unchecked - self.converted_layers), None
-            if unknown:
+            saved, self._loaded_unchecked = self._loaded_unchecked, None
+            problem = self._owner_mismatch(saved)
+            if problem:
                 self._reset_state()
                 raise StateLoadError(
-                    "the quantizer state loaded before convert() belongs to a different model: it holds state "
-                    f"for layers {_few(unknown)} that this model does not have (converted here: "
-                    f"{_few(sorted(self.converted_layers))}). The loaded state was discarded; load a state "
-                    "saved from this model (convert first, then load: a mismatch is refused before anything changes)"
+                    f"the quantizer state loaded before convert() belongs to a different model: {problem}. "
+                    "The loaded state was discarded; load a state saved from this model (convert first, then "
+                    "load: a mismatch is refused before anything changes)"
                 )
         return model
+
+    def _owner_mismatch(self, saved_layers: set[str]) -> str | None:
+        """Why a saved state's owner layers do not fit the converted model (None when they do):
+        layers the model lacks, or converted layers the state has no owners for. A state saved
+        before its first event (no owners) fits any model."""
+        if not saved_layers or not self.converted_layers:
+            return None
+        unknown = sorted(saved_layers - self.converted_layers)
+        missing = sorted(self.converted_layers - saved_layers)
+        if unknown:
+            return (
+                f"it holds state for layers {_few(unknown)} that this model does not have (converted here: "
+                f"{_few(sorted(self.converted_layers))})"
+            )
+        if missing:
+            return (
+                f"it holds no state for the converted layers {_few(missing)} (saved: {_few(sorted(saved_layers))}); "
+                "a model with more layers than the one it was saved from"
+            )
+        return None
 
     def _reset_state(self) -> None:
         protocol, config = self._protocol, self.config
@@ -341,14 +361,9 @@ class Fp8State:
         owners, _, _ = StateBank.validate_state_dict(sd["bank"], self.bank.history_len)
         saved_layers = {o.layer for o in owners} - {"*"}
         fresh = len(self.bank) == 0
-        if fresh and self.converted_layers:
-            unknown = sorted(saved_layers - self.converted_layers)
-            if unknown:
-                raise StateLoadError(
-                    "saved quantizer state belongs to a different model: it holds state for layers "
-                    f"{_few(unknown)} that this model does not have (converted here: "
-                    f"{_few(sorted(self.converted_layers))})"
-                )
+        problem = self._owner_mismatch(saved_layers) if self.config.ownership != "per_model" else None
+        if problem:
+            raise StateLoadError(f"saved quantizer state belongs to a different model: {problem}")
         self.bank.load_state_dict(sd["bank"])  # validates fully before changing anything
         self._loaded_unchecked = saved_layers if fresh and not self.converted_layers else None
         self.clock.load_state_dict(sd["clock"])

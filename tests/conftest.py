@@ -105,3 +105,25 @@ def fresh_state():
         return f8s.Fp8State(f8s.QuantConfig(**kw))
 
     return make
+
+
+def skip_reasons(skipped) -> list[tuple[int, str]]:
+    """Skipped test reports grouped by reason: ``(count, reason)``, the most frequent first."""
+    from collections import Counter
+
+    reasons = Counter()
+    for report in skipped:
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    return [(n, reason) for reason, n in reasons.most_common()]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Skips as one line per reason with its count (``-rfE`` lists failures and errors only)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    terminalreporter.section(f"{len(skipped)} skipped, by reason", sep="-")
+    for n, reason in skip_reasons(skipped):
+        terminalreporter.line(f"{n:5d}  {reason}")

@@ -10,6 +10,7 @@ type, value out of range, missing file — is a ``ConfigError`` whose message na
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -22,11 +23,20 @@ from ..errors import ConfigError
 from ..shipped import shipped_dir
 from .schema import RunCfg
 
-__all__ = ["CONFIGS_DIR", "DEFAULT_RECIPE", "RECIPES_DIR", "load_config", "resolve_recipe", "validate"]
+__all__ = [
+    "CONFIGS_DIR",
+    "DEFAULT_RECIPE",
+    "RECIPES_DIR",
+    "load_config",
+    "require_run_name",
+    "resolve_recipe",
+    "validate",
+]
 
 CONFIGS_DIR = shipped_dir("configs")
 RECIPES_DIR = shipped_dir("recipes")
 DEFAULT_RECIPE = "tiny_gpt_cpu"
+_SECTIONS = tuple(f.name for f in fields(RunCfg))
 
 
 def resolve_recipe(recipe: str | None) -> Path:
@@ -51,6 +61,11 @@ def _load_yaml(path: Path) -> DictConfig:
         raise ConfigError(f"{path}: cannot be read ({exc.strerror})") from exc
     if not isinstance(node, DictConfig):
         raise ConfigError(f"{path}: expected a mapping at the top level")
+    if len(node) == 0:  # an empty file would train the library defaults under the default name
+        raise ConfigError(
+            f"{path}: the recipe is empty: expected a mapping of sections ({', '.join(_SECTIONS)}), "
+            "at least name: ...; or run a packaged recipe (e.g. tiny_gpt_cpu)"
+        )
     return node
 
 
@@ -59,7 +74,25 @@ def _merge(base: DictConfig, other, origin: str) -> DictConfig:
         return OmegaConf.merge(base, other)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
+        if key != "?" and not _is_known(base, key):
+            raise ConfigError(_unknown_key(base, key, f"{origin}: key {key!r}")) from exc
         raise ConfigError(f"{origin}: key {key!r}: {_reason(exc)}") from exc
+
+
+def _unknown_key(cfg: DictConfig, key: str, where: str) -> str:
+    """An unknown key as one line: the valid keys of the section it names, the nearest first."""
+    node, section = cfg, []
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or part not in node:
+            break
+        node, section = node[part], [*section, part]
+    if not isinstance(node, DictConfig):  # a key below a value (trainer.lr.x)
+        return f"{where}: unknown key: {'.'.join(section)} is a value, not a section"
+    prefix = ".".join(section) + "." if section else ""
+    valid = [f"{prefix}{k}" for k in node.keys()]
+    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f" (nearest: {near[0]!r})" if near else ""
+    return f"{where}: unknown key{hint}; the keys of {'.'.join(section) or 'the top level'} are: {', '.join(valid)}"
 
 
 def _reason(exc: Exception) -> str:
@@ -93,7 +126,7 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None) -
     for item in overrides or []:
         key, _ = _parse_override(item)
         if not _is_known(cfg, key):
-            raise ConfigError(f"override {key!r}: unknown key (sections: {list(cfg.keys())})")
+            raise ConfigError(_unknown_key(cfg, key, f"override {key!r}"))
         try:
             dotted = OmegaConf.from_dotlist([item])
         except OmegaConfBaseException as exc:
@@ -129,6 +162,7 @@ def _is_known(cfg: DictConfig, key: str) -> bool:
 def validate(cfg: DictConfig) -> None:
     """Build every section's dataclass from ``cfg``, so that each checks its own choices and
     bounds (``__post_init__``; ``QuantConfig`` for ``quant``); raise ConfigError naming the key."""
+    require_run_name(cfg.name)
     for f in fields(RunCfg):
         if not is_dataclass(f.default_factory):
             continue
@@ -139,6 +173,16 @@ def validate(cfg: DictConfig) -> None:
                 f.default_factory(**OmegaConf.to_container(cfg[f.name], resolve=True))
         except ConfigError as exc:
             raise ConfigError(f"{f.name}.{exc}") from exc
+
+
+def require_run_name(name: object) -> None:
+    """A run name is one path component: the run directory is ``out_dir/name``, never elsewhere."""
+    ok = isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+    if not ok:
+        raise ConfigError(
+            f"name={name!r} is not allowed: expected a single path component (no '/', '\\', '.' or '..'); "
+            "the run directory is out_dir/name, so choose the folder with out_dir=..."
+        )
 
 
 def quant_config(cfg: DictConfig) -> QuantConfig:

@@ -1,19 +1,25 @@
 """The ``fp8state`` command: ``train``, ``audit`` and ``report``.
 
 Bad input (an unknown key, a wrong type, an out-of-range or non-finite value, a missing file,
-a YAML syntax error, a resume that cannot be validated, a GPU recipe without a GPU) exits with
-code 2 and one line naming the key or path and what is allowed; no traceback. A bare
+a YAML syntax error, a resume that cannot be validated, a checkpoint refused at load, a GPU recipe
+without a GPU) exits with code 2 and one line naming the key or path and what is allowed; no
+traceback. A full disk (a checkpoint or a run file that cannot be written) exits with code 3 and
+one line naming the file and the space it needs; every file saved before is intact. A bare
 ``fp8state`` prints the usage.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
+from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DiskFullError, StateLoadError
 
-__all__ = ["main"]
+__all__ = ["EXIT_DISK_FULL", "main"]
+
+EXIT_DISK_FULL = 3  # a file could not be written for lack of space; what was saved before is intact
 
 
 class _Parser(argparse.ArgumentParser):
@@ -109,22 +115,54 @@ def _yaml_error(exc) -> str:
     return f"{where}: not valid YAML ({problem}); fix the file's syntax"
 
 
+def _disk_full(exc: OSError) -> str:
+    """A full disk as one line: the file, the space needed and free (DiskFullError), and how
+    to continue the run once there is room."""
+    path = getattr(exc, "path", None) or exc.filename
+    text = str(exc) if isinstance(exc, DiskFullError) else f"no space left to write {path or 'a file'} ({exc.strerror})"
+    if path is not None and Path(path).parent.name == "checkpoints":
+        text += f": fp8state train --resume {Path(path).parent.parent}"
+    return text
+
+
+def _options_first(argv: list[str]) -> list[str]:
+    """``train``'s options moved before its positionals, so that overrides may stand on both
+    sides of ``--resume RUN_DIR`` (argparse takes no positional after an option's value)."""
+    if not argv or argv[0] != "train":
+        return argv
+    options, rest, i = [], [], 1
+    while i < len(argv):
+        item = argv[i]
+        if item == "--resume" and i + 1 < len(argv):
+            options += argv[i : i + 2]
+            i += 2
+            continue
+        (options if item.startswith("--") else rest).append(item)
+        i += 1
+    return ["train", *options, *rest]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
     if not argv:  # a bare `fp8state`: say what it does and how to call it
         parser.print_help(sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_options_first(argv))
     from omegaconf.errors import OmegaConfBaseException  # noqa: PLC0415  (the CLI's own dependency)
     from yaml import YAMLError  # noqa: PLC0415
 
     try:
         return {"audit": _audit, "train": _train, "report": _report}[args.command](args)
-    except ConfigError as exc:
+    except (ConfigError, StateLoadError) as exc:  # StateLoadError: a checkpoint refused at load
         print(f"fp8state: error: {exc}", file=sys.stderr)
     except YAMLError as exc:
         print(f"fp8state: error: {_yaml_error(exc)}", file=sys.stderr)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"fp8state: error: {_disk_full(exc)}", file=sys.stderr)
+        return EXIT_DISK_FULL
     except OmegaConfBaseException as exc:  # a configuration error the checks above did not name
         key = getattr(exc, "full_key", None)
         print(f"fp8state: error: {f'key {key!r}: ' if key else ''}{str(exc).splitlines()[0]}", file=sys.stderr)

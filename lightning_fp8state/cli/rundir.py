@@ -26,7 +26,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..errors import ConfigError, RunDirectoryError
+from ..errors import ConfigError, RunDirectoryError, UntrustedCheckpointError
+from ..fp8state import Fp8State
+from ..state.checkpoint_files import check_checkpoint, deepspeed_safe_globals, load_checkpoint_file
 from .config import quant_config
 
 __all__ = [
@@ -128,7 +130,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` in one rename (never half written)."""
     from ..lightning.checkpoint_io import write_atomic  # noqa: PLC0415  (Lightning: imported only when writing)
 
-    write_atomic(path, lambda f: f.write(text), binary=False)
+    write_atomic(path, lambda f: f.write(text), binary=False, nbytes=len(text.encode("utf-8")))
 
 
 def wandb_run_id(run_dir: Path, *, create: bool) -> str | None:
@@ -165,6 +167,7 @@ class ResumePlan:
     checkpoint: Path
     step: int
     notes: list[str] = field(default_factory=list)
+    saved_cfg: DictConfig | None = None  # the run's config.yaml as it was (before the overrides)
 
     @property
     def complete(self) -> bool:
@@ -197,7 +200,12 @@ def _checkpoint_candidates(run_dir: Path) -> list[Path]:
 
 
 def _read_checkpoint(path: Path) -> dict:
-    """The checkpoint's contents (memory-mapped: tensors are not read), or RunDirectoryError."""
+    """The checkpoint's contents (memory-mapped: tensors are not read), or an error.
+
+    Every file a loader would unpickle (a DeepSpeed directory's shards, FSDP2's ``meta.pt`` and
+    DCP ``.metadata``) is read with ``weights_only=True`` and our allowlist first
+    (:func:`~lightning_fp8state.state.checkpoint_files.check_checkpoint`): a file that names
+    anything else raises UntrustedCheckpointError, and nothing in it has run."""
     target = path
     if path.is_dir() and (path / "meta.pt").is_file():  # FSDP2 (DCP): Lightning's state beside the shards
         target = path / "meta.pt"
@@ -208,12 +216,10 @@ def _read_checkpoint(path: Path) -> dict:
         target = shards[0]
     if target.stat().st_size == 0:
         raise ValueError("the file is empty")
-    try:
-        ckpt = torch.load(target, map_location="cpu", weights_only=False, mmap=True)
-    except RuntimeError as exc:
-        if "mmap" not in str(exc):
-            raise
-        ckpt = torch.load(target, map_location="cpu", weights_only=False)  # legacy (non-zip) format
+    if path.is_dir():
+        check_checkpoint(path)  # every shard, before DeepSpeed's engine or DCP unpickles one
+    allowed = deepspeed_safe_globals() if path.is_dir() and target.name != "meta.pt" else ()
+    ckpt = load_checkpoint_file(target, mmap=True, safe_globals=allowed)
     if not isinstance(ckpt, dict) or "global_step" not in ckpt:
         raise ValueError(f"not a Lightning checkpoint (no 'global_step'; got {type(ckpt).__name__})")
     return ckpt
@@ -225,8 +231,9 @@ def _reason(exc: BaseException) -> str:
 
 
 def _check_against_checkpoint(cfg: DictConfig, ckpt: dict, path: Path) -> None:
-    """The checkpoint was made by a run of this configuration: same quantizer state layout,
-    same world size, same model shapes."""
+    """The checkpoint was made by a run of this configuration: same quantizer state layout and
+    world size, exactly the model's weights (none missing, none extra, each of its shape), and
+    quantizer owners of exactly the layers this configuration converts."""
     entry = ckpt.get("fp8state")
     if isinstance(entry, dict) and entry.get("ranks"):
         world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
@@ -247,25 +254,67 @@ def _check_against_checkpoint(cfg: DictConfig, ckpt: dict, path: Path) -> None:
                 f"{path}: the quantizer state was made with another configuration ({'; '.join(diff)}); "
                 "resume with the configuration the run was started with"
             )
-    weights = ckpt.get("state_dict")
-    if isinstance(weights, dict):
-        from ..models import GPT  # noqa: PLC0415
-        from .audit import model_config  # noqa: PLC0415
+    weights = ckpt.get("state_dict")  # (DeepSpeed's shards hold the weights in their own layout)
+    from ..models import GPT  # noqa: PLC0415
+    from .audit import model_config  # noqa: PLC0415
 
-        with torch.device("meta"):
-            expected = {f"model.{k}": tuple(v.shape) for k, v in GPT(model_config(cfg)).state_dict().items()}
-        missing = sorted(set(expected) - set(weights))
-        wrong = sorted(k for k in expected if k in weights and tuple(weights[k].shape) != expected[k])
-        if missing or wrong:
+    with torch.device("meta"):
+        model = GPT(model_config(cfg))
+    if isinstance(weights, dict) and weights:
+        _check_weights(path, {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}, weights)
+    if isinstance(entry, dict) and entry.get("ranks"):
+        state = Fp8State(quant_config(cfg))
+        state.convert(model)
+        _check_owners(path, {f"model.{name}" for name in state.converted_layers}, entry["ranks"], state)
+
+
+def _check_weights(path: Path, expected: dict[str, tuple], weights: dict) -> None:
+    """Exactly the model's weights: none missing, none extra, each of its shape."""
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    wrong = sorted(
+        k for k in expected if k in weights and hasattr(weights[k], "shape") and tuple(weights[k].shape) != expected[k]
+    )
+    if not (missing or extra or wrong):
+        return
+    if missing:
+        detail = f"missing {_few(missing)}"
+    elif extra:
+        detail = f"extra {_few(extra)} that this configuration's model does not have"
+    else:
+        detail = f"{wrong[0]}: checkpoint {tuple(weights[wrong[0]].shape)}, config {expected[wrong[0]]}"
+    raise RunDirectoryError(
+        f"{path}: the model weights do not fit this configuration's model ({detail}); "
+        "resume with the model.* settings the run was started with"
+    )
+
+
+def _check_owners(path: Path, layers: set[str], ranks: dict, state: Fp8State) -> None:
+    """The quantizer state of every rank belongs to exactly the layers this configuration converts."""
+    if not state.config.quantized or state.config.ownership == "per_model":
+        return
+    for rank, sd in ranks.items():
+        try:
+            saved = {o[0] for o in sd["bank"]["owners"]} - {"*"}
+        except (KeyError, TypeError, IndexError) as exc:
+            raise RunDirectoryError(f"{path}: the quantizer state of rank {rank} is corrupt ({exc!r})") from None
+        if not saved:
+            continue  # saved before the first step: no owner registered yet
+        unknown, missing = sorted(saved - layers), sorted(layers - saved)
+        if unknown or missing:
             detail = (
-                f"missing {missing[:3]}"
-                if missing
-                else f"{wrong[0]}: checkpoint {tuple(weights[wrong[0]].shape)}, config {expected[wrong[0]]}"
+                f"owners of layers {_few(unknown)} that this configuration's model does not convert"
+                if unknown
+                else f"no owners for the converted layers {_few(missing)}"
             )
             raise RunDirectoryError(
-                f"{path}: the model weights do not fit this configuration's model ({detail}); "
-                "resume with the model.* settings the run was started with"
+                f"{path}: the quantizer state of rank {rank} does not fit this configuration ({detail}); "
+                "resume with the model.* and quant.* settings the run was started with"
             )
+
+
+def _few(names: list[str], n: int = 3) -> str:
+    return f"{names[:n]}{f' and {len(names) - n} more' if len(names) > n else ''}"
 
 
 def _select_checkpoint(cfg: DictConfig, run_dir: Path, resume: str) -> tuple[Path, dict, list[str]]:
@@ -279,6 +328,8 @@ def _select_checkpoint(cfg: DictConfig, run_dir: Path, resume: str) -> tuple[Pat
     for path in candidates:
         try:
             ckpt = _read_checkpoint(path)
+        except UntrustedCheckpointError as exc:  # refused, not "corrupt": never fall back past it
+            raise RunDirectoryError(f"--resume {resume!r}: {exc}") from None
         except Exception as exc:  # noqa: BLE001  (any failure to read is "corrupt": say which and why)
             bad.append(f"{path} is not a readable checkpoint ({_reason(exc)})")
             continue
@@ -328,5 +379,10 @@ def plan_resume(resume: str, recipe: str | None, overrides: list[str]) -> Resume
             f"(in {saved_path}); a resume continues the run as it was configured and may change only "
             f"{', '.join(RESUMABLE_KEYS)}. Start a new run (without --resume) to change {k}"
         )
+    asked = any(item.split("=", 1)[0].strip() == "trainer.schedule_steps" for item in overrides)
+    if not asked and not cfg.trainer.schedule_steps and cfg.trainer.max_steps != saved.trainer.max_steps:
+        # a longer (or shorter) resume keeps the learning-rate curve the run was on; the user
+        # re-stretches it only by asking (trainer.schedule_steps=N)
+        cfg.trainer.schedule_steps = int(saved.trainer.schedule_steps or saved.trainer.max_steps)
     path, ckpt, notes = _select_checkpoint(cfg, run_dir, resume)
-    return ResumePlan(cfg=cfg, checkpoint=path, step=int(ckpt["global_step"]), notes=notes)
+    return ResumePlan(cfg=cfg, checkpoint=path, step=int(ckpt["global_step"]), notes=notes, saved_cfg=saved)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DiskFullError
 from ..models import GPT, ResumableLoader, make_dataset
 from ..ops import cuda as cuda_ext
 from .audit import model_config
@@ -38,7 +38,7 @@ from .rundir import (
     write_text_atomic,
 )
 
-__all__ = ["provenance", "run_training"]
+__all__ = ["lr_factor", "provenance", "run_training", "set_cpu_threads"]
 
 
 def _git_commit() -> str:
@@ -73,6 +73,18 @@ def provenance() -> dict:
         "cuda_extension": cuda_ext.extension_info(),
         "command": sys.argv,
     }
+
+
+def lr_factor(cfg: DictConfig, step: int) -> float:
+    """The learning rate of optimizer step ``step + 1`` as a fraction of ``trainer.lr``: linear
+    warm-up, then cosine to 10% over ``trainer.schedule_steps`` (0: ``trainer.max_steps``)."""
+    t = cfg.trainer
+    warm = max(1, t.warmup_steps)
+    total = t.schedule_steps or t.max_steps
+    if step < warm:
+        return (step + 1) / warm
+    frac = min(1.0, (step - warm) / max(1, total - warm))
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * frac))
 
 
 def _module_and_data(cfg: DictConfig):
@@ -111,16 +123,7 @@ def _module_and_data(cfg: DictConfig):
             # fused: one kernel per step, and the telemetry's non-finite guard skips on the device
             # (no host sync); sharded (FSDP2) and DeepSpeed-managed parameters keep the default
             opt = torch.optim.AdamW(self.parameters(), lr=t.lr, weight_decay=t.weight_decay, fused=fused_optimizer(cfg))
-            warm = max(1, t.warmup_steps)
-            total = t.schedule_steps or t.max_steps
-
-            def lr_at(step: int) -> float:  # linear warm-up, then cosine to 10%
-                if step < warm:
-                    return (step + 1) / warm
-                frac = min(1.0, (step - warm) / max(1, total - warm))
-                return 0.1 + 0.45 * (1 + math.cos(math.pi * frac))
-
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(cfg, step))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
         def on_load_checkpoint(self, checkpoint):
@@ -343,10 +346,13 @@ def _shared_run_dir_callback(run_dir: Path, telemetry, checkpoint):
     return SharedRunDir()
 
 
-def _write_run_files(run_dir: Path, cfg: DictConfig, plan=None) -> None:
-    """``config.yaml`` and ``provenance.json``, each replaced in one rename. A resumed run's
-    provenance keeps what started the run (``started_as``) and says where it resumed."""
+def _write_run_files(run_dir: Path, cfg: DictConfig, plan=None, conversion: dict | None = None) -> None:
+    """``config.yaml``, ``provenance.json`` (and ``conversion.json`` when given), each replaced
+    in one rename. A resumed run's provenance keeps what started the run (``started_as``) and
+    says where it resumed."""
     write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    if conversion is not None:
+        write_text_atomic(run_dir / "conversion.json", json.dumps(conversion, indent=1))
     doc = provenance()
     try:
         prior = json.loads((run_dir / "provenance.json").read_text(encoding="utf-8"))
@@ -361,12 +367,53 @@ def _write_run_files(run_dir: Path, cfg: DictConfig, plan=None) -> None:
     write_text_atomic(run_dir / "provenance.json", json.dumps(doc, indent=1, default=str))
 
 
+def _run_files_callback(run_dir: Path, cfg: DictConfig, plan, fp8_callback):
+    """A callback that writes the run's files at fit start: after a resume's checkpoint has been
+    loaded (a load that fails leaves the directory as it was), before the first step."""
+    from lightning.pytorch.callbacks import Callback
+
+    class RunFiles(Callback):
+        def on_fit_start(self, trainer, pl_module) -> None:
+            if trainer.is_global_zero:
+                _write_run_files(run_dir, cfg, plan, conversion=fp8_callback.conversion.to_dict())
+                if plan is not None:
+                    _stale_temporaries(run_dir)
+
+    return RunFiles()
+
+
 def _stale_temporaries(run_dir: Path) -> None:
     """Remove what saves killed mid-write left behind (``.last.ckpt.XXXX.tmp``)."""
     from ..lightning.checkpoint_io import TMP_SUFFIX
 
     for tmp in (run_dir / "checkpoints").glob(f".*{TMP_SUFFIX}"):
         tmp.unlink(missing_ok=True)
+
+
+def _print_resumed_lr(cfg: DictConfig, plan) -> None:
+    """Say the learning rate the resume continues with, and what it was on the run's schedule."""
+    t = cfg.trainer
+    before = t.lr * lr_factor(plan.saved_cfg, plan.step)
+    after = t.lr * lr_factor(cfg, plan.step)
+    total = t.schedule_steps or t.max_steps
+    if math.isclose(before, after, rel_tol=1e-9):
+        print(f"fp8state: learning rate at step {plan.step + 1}: {after:.3g}, on the run's schedule of {total} steps")
+    else:
+        print(
+            f"fp8state: learning rate at step {plan.step + 1}: {before:.3g} on the run's schedule, {after:.3g} on "
+            f"the schedule of trainer.schedule_steps={total} (re-stretched, as asked)"
+        )
+
+
+def set_cpu_threads() -> int:
+    """Torch's intra-op threads: the cores this process may run on (``os.sched_getaffinity``: a
+    container's or ``taskset``'s share), not the machine's count; ``OMP_NUM_THREADS`` wins when
+    set. DataLoader workers run one thread each (torch sets that in every worker). Returns it."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores))
+    return torch.get_num_threads()
 
 
 def run_training(recipe: str | None, overrides: list[str], *, resume: str | None = None, verbose: bool = False) -> int:
@@ -383,6 +430,7 @@ def run_training(recipe: str | None, overrides: list[str], *, resume: str | None
     require_compile_strategy(cfg)
     require_cuda_graphs_setup(cfg)
     require_accelerator(cfg, recipe)
+    set_cpu_threads()
     if plan is not None:
         run_dir = Path(resume)
         if plan.complete:
@@ -396,6 +444,7 @@ def run_training(recipe: str | None, overrides: list[str], *, resume: str | None
         if rank == 0:
             for note in plan.notes:
                 print(f"fp8state: warning: {note}", file=sys.stderr)
+            _print_resumed_lr(cfg, plan)
     elif rank == 0:
         run_dir = claim_run_dir(cfg.out_dir, cfg.name)
     else:  # a launched rank: rank 0's directory (the broadcast in SharedRunDir confirms it)
@@ -420,19 +469,40 @@ def run_training(recipe: str | None, overrides: list[str], *, resume: str | None
             lock.close()
 
 
+class _NoLitLoggerTip:
+    """Drops Lightning's "Tip: ... try installing litlogger" advertisement (one INFO record of
+    its rank_zero logger on every run); every other record of that logger passes."""
+
+    def filter(self, record) -> bool:
+        return "litlogger" not in record.getMessage()
+
+
+def quiet_lightning() -> None:
+    """The noise of every run, silenced where it comes from: Lightning's litlogger tip (a
+    filter on that one record) and Lightning's use of torch's deprecated ``LeafSpec`` (that
+    one message from that one module); W&B's "anonymous" warning is fixed in ``wandb_logger``."""
+    import logging
+
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _NoLitLoggerTip) for f in rank_zero.filters):
+        rank_zero.addFilter(_NoLitLoggerTip())
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+
+
 def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = False) -> int:
     os.environ.setdefault("WANDB_SILENT", "true")
+    quiet_lightning()
     import lightning.pytorch as pl
     from lightning.fabric.utilities.exceptions import MisconfigurationException
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from ..lightning import AtomicCheckpointIO, Fp8StateCallback, TelemetryCallback, wandb_logger
+    from ..lightning.checkpoint_io import RunCheckpoint
 
     pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
-    if rank == 0:
-        _write_run_files(run_dir, cfg, plan)
-        if plan is not None:
-            _stale_temporaries(run_dir)
     loggers = []
     if cfg.telemetry.wandb != "disabled":
         run_id = wandb_run_id(run_dir, create=rank == 0)
@@ -458,7 +528,7 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
         apply_clipping=clip_here,
         saturation=not t.cuda_graphs,  # the saturation count runs Python per call: a replay does not
     )
-    checkpoint = ModelCheckpoint(
+    checkpoint = RunCheckpoint(  # ModelCheckpoint that still prunes when the run directory moved
         dirpath=run_dir / "checkpoints",
         filename="{step}",
         every_n_train_steps=t.checkpoint_every_n_steps,
@@ -468,6 +538,7 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
         save_last=True,
         enable_version_counter=False,  # a resume rewrites last.ckpt / step=N.ckpt (atomically), never last-v1.ckpt
     )
+    fp8 = Fp8StateCallback(config=quant_config(cfg), audit=cfg.telemetry.audit, verbose=verbose)
     # DeepSpeed and FSDP2 write their own (sharded) checkpoint directories
     plugins = [] if cfg.strategy.name in ("fp8state_deepspeed", "fp8state_fsdp") else [AtomicCheckpointIO()]
     try:
@@ -488,9 +559,8 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
             plugins=plugins,
             callbacks=[
                 _shared_run_dir_callback(run_dir, telemetry, checkpoint),
-                Fp8StateCallback(
-                    config=quant_config(cfg), audit=cfg.telemetry.audit, verbose=verbose, report_dir=run_dir
-                ),
+                fp8,
+                _run_files_callback(run_dir, cfg, plan, fp8),  # conversion.json is written there
                 telemetry,
                 checkpoint,
                 _progress_bar(),
@@ -529,7 +599,10 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
             file=sys.stderr,
         )
         return 130
-    _write_run_files(run_dir, cfg)  # again: the CUDA extension (and its hash) is known only now
+    try:
+        _write_run_files(run_dir, cfg)  # again: the CUDA extension (and its hash) is known only now
+    except DiskFullError as exc:  # the run itself is saved: say what is stale, do not fail it
+        print(f"fp8state: warning: {exc}; the run's files keep what they said at its start", file=sys.stderr)
     loss = trainer.callback_metrics.get("train/loss")
     print(f"run directory: {run_dir}")
     text = f"steps: {trainer.global_step}"

@@ -1,5 +1,8 @@
 """AtomicCheckpointIO: Lightning checkpoints written to a temporary file, then renamed.
 
+Reads are ``torch.load(weights_only=True)`` (``state/checkpoint_files.py``): a checkpoint that
+names any other type is refused before anything in it runs.
+
 A checkpoint file is either the old one or the new one, never a torn mix: a kill, a crash or
 a full disk during a save leaves the previous file in place. Lightning's own ``_atomic_save``
 stages the file through fsspec's transaction, whose temporary file lives in the system's
@@ -11,18 +14,44 @@ copy onto the target, which is not atomic. Here the temporary file sits next to 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-__all__ = ["TMP_SUFFIX", "AtomicCheckpointIO", "write_atomic"]
+from ..errors import DiskFullError
+from ..state.checkpoint_files import load_checkpoint_file
+
+__all__ = ["TMP_SUFFIX", "AtomicCheckpointIO", "RunCheckpoint", "checkpoint_nbytes", "write_atomic"]
 
 TMP_SUFFIX = ".tmp"  # what a save interrupted by SIGKILL may leave behind: `.NAME.XXXX.tmp`
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def checkpoint_nbytes(obj: Any) -> int:
+    """About how many bytes ``torch.save(obj)`` writes: the tensors' storages (each once)."""
+    seen: set[int] = set()
+    total = 0
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            if storage.data_ptr() not in seen or storage.data_ptr() == 0:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total + 64 * 1024  # the pickled structure and the zip records
 
 
 def _fsync_dir(path: Path) -> None:
@@ -34,9 +63,14 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def write_atomic(path: str | os.PathLike, write, *, binary: bool = True) -> None:
+def write_atomic(path: str | os.PathLike, write, *, binary: bool = True, nbytes: int | None = None) -> None:
     """Call ``write(file)`` on a temporary file next to ``path``, flush it to disk, then rename
-    it onto ``path``. On any error the temporary file is removed and ``path`` is untouched."""
+    it onto ``path``. On any error the temporary file is removed and ``path`` is untouched.
+
+    Raises:
+        DiskFullError: the disk (or quota) is full; it names ``path``, ``nbytes`` (what the
+            write needs, when the caller knows) and the space free there.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
@@ -46,9 +80,14 @@ def write_atomic(path: str | os.PathLike, write, *, binary: bool = True) -> None
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and not isinstance(exc, DiskFullError) and exc.errno in DISK_FULL:
+            free = None
+            with contextlib.suppress(OSError):
+                free = shutil.disk_usage(path.parent).free
+            raise DiskFullError(path, nbytes, free, exc) from None
         raise
     _fsync_dir(path.parent)
 
@@ -68,4 +107,52 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 "AtomicCheckpointIO.save_checkpoint takes no storage_options, got "
                 f"{storage_options!r}: pass a custom CheckpointIO for those"
             )
-        write_atomic(path, lambda f: torch.save(checkpoint, f))
+        write_atomic(path, lambda f: torch.save(checkpoint, f), nbytes=checkpoint_nbytes(checkpoint))
+
+    @override
+    def load_checkpoint(
+        self, path, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Always ``weights_only=True`` with our allowlist, whatever the caller asks: a run
+        directory may come from someone else (UntrustedCheckpointError names a refused type)."""
+        if not Path(path).exists():
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        return load_checkpoint_file(path, map_location=map_location or (lambda storage, loc: storage))
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint(filename="{step}", monitor="step", mode="max")`` that keeps pruning after a
+    resume, whatever the directory is called and whatever the resume changed.
+
+    Lightning restores which checkpoints it kept (``best_k_models``) only when the saved
+    ``dirpath`` string equals the current one, and only under a callback state key that holds
+    ``every_n_train_steps``: resumed through an absolute path, from a copied run directory, or
+    with another ``trainer.checkpoint_every_n_steps``, it forgot them and never removed the
+    older ``step=N.ckpt`` again. Here the kept set is read from the directory itself when
+    training starts: the ``save_top_k`` newest ``step=N.ckpt`` are kept, older ones removed.
+    """
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # the kept set comes from the directory (on_train_start): no "dirpath has changed" warning
+        super().load_state_dict(dict(state_dict, dirpath=self.dirpath))
+
+    @override
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        if self.dirpath is None or self.save_top_k < 1 or self.monitor != "step":
+            return
+        found = []
+        for path in Path(self.dirpath).glob("step=*.ckpt"):
+            step = path.name[len("step=") : -len(".ckpt")]
+            if step.isdigit():
+                found.append((int(step), path))
+        found.sort(reverse=True)
+        keep, older = found[: self.save_top_k], found[self.save_top_k :]
+        if trainer.is_global_zero:
+            for _, path in older:
+                trainer.strategy.remove_checkpoint(path)
+        self.best_k_models = {str(path): torch.tensor(step) for step, path in keep}
+        if keep:
+            self.best_model_path, self.best_model_score = str(keep[0][1]), torch.tensor(keep[0][0])
+            self.kth_best_model_path, self.kth_value = str(keep[-1][1]), torch.tensor(keep[-1][0])

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_load, _is_sharded_checkpoint
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.init import _materialize_distributed_module
@@ -37,6 +36,7 @@ from typing_extensions import override
 from ..errors import StateLoadError
 from ..nn import Fp8Linear
 from ..nn.fsdp import enable_fp8_all_gather, fp8_all_gather_problem, gathered_layers, plain_shard
+from ..state.checkpoint_files import check_checkpoint, load_checkpoint_file
 from .callback import CHECKPOINT_KEY, Fp8StateCallback, check_resume_world_size
 from .contract import Fp8StateStrategyContract
 from .strategies import _require_callback
@@ -253,7 +253,10 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
                 f"{str(path)!r} is not a sharded checkpoint (a directory written by torch distributed checkpoint): "
                 f"strategy '{self.strategy_name}' resumes from the checkpoints it writes"
             )
-        metadata = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        # DCP unpickles .metadata itself: every file is read the safe way first (refused if it
+        # names a type outside our allowlist), and meta.pt is read weights_only whatever is asked
+        check_checkpoint(path, deepspeed=False)
+        metadata = load_checkpoint_file(path / _METADATA_FILENAME, map_location="cpu")
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         entry = metadata.get(CHECKPOINT_KEY)
         if isinstance(entry, dict) and "world_size" in entry:

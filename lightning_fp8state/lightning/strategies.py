@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from ..errors import StateLoadError
+from ..state.checkpoint_files import check_checkpoint
 from .callback import Fp8StateCallback
 from .contract import Fp8StateStrategyContract
 from .deepspeed_accumulation import (
@@ -264,6 +265,7 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        check_checkpoint(checkpoint_path, deepspeed=True)  # DeepSpeed's engine unpickles: refuse foreign code first
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         entry = checkpoint.get(ACCUMULATION_KEY)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING

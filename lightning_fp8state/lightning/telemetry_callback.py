@@ -41,7 +41,10 @@ def wandb_logger(save_dir: str | os.PathLike, *, project: str = "lightning_fp8st
     if rank_zero_only.rank == 0:  # W&B writes on global rank 0 only: other ranks create nothing
         os.makedirs(save_dir, exist_ok=True)
     mode = kwargs.pop("mode", "online" if online else "offline")
-    return WandbLogger(save_dir=str(save_dir), project=project, offline=mode == "offline", mode=mode, **kwargs)
+    logger = WandbLogger(save_dir=str(save_dir), project=project, offline=mode == "offline", mode=mode, **kwargs)
+    if logger._wandb_init.get("anonymous") is None:  # Lightning passes anonymous=None, which W&B
+        logger._wandb_init.pop("anonymous", None)  # warns about on every run ("has no effect")
+    return logger
 
 
 class LightningLoggerSink:

@@ -34,7 +34,10 @@ class LogicalClock:
         if self.last is not None and event <= self.last:
             raise StateTransitionError(
                 f"event (step={step}, microbatch={microbatch}) is not after the last one {self.last}: "
-                "logical events only move forward (a repeated event would commit twice)"
+                "logical events only move forward (a repeated event would commit twice). After "
+                f"load_state_dict, continue the step numbers from the saved clock: the next step is "
+                f"{self.last[0] + 1} (e.g. `for step in range({self.last[0] + 1}, n)`), or a later "
+                f"microbatch of step {self.last[0]}; `state.step()` with no step number does this"
             )
         self.event = event
         return event

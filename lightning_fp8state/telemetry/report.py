@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
 from .sinks import JSONL_NAME, read_telemetry
 
 __all__ = [
@@ -332,6 +333,12 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     jsonl = find_jsonl(run_dir)
     log = read_telemetry(jsonl)  # torn / garbage lines skipped; rows a resume re-ran superseded
     rows = log.rows
+    if not rows:  # before anything is created: a file that is not telemetry gets no report/ beside it
+        skipped = f"; {len(log.bad_lines)} line(s) that are not rows, first {log.bad_lines[0]}" if log.bad_lines else ""
+        raise ConfigError(
+            f"{jsonl}: not a telemetry file: no row with a numeric 'step'{skipped}. Expected the "
+            "telemetry.jsonl that fp8state train (TelemetryCallback, TrainingTelemetry) writes"
+        )
     out = Path(out_dir) if out_dir is not None else jsonl.parent / "report"
     out.mkdir(parents=True, exist_ok=True)
     report = TelemetryReport(jsonl=jsonl, rows=len(rows), warnings=log.warnings(), superseded=log.superseded)

@@ -55,12 +55,25 @@ def decode_value(value: Any) -> Any:
     return value
 
 
+def _ends_mid_line(path: Path) -> bool:
+    """Whether the file's last byte is not a newline (a row cut off by a kill or a full disk)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except OSError:
+        return False
+
+
 class JsonlSink:
     """Appends one JSON object per optimizer step to ``path``; each write reaches the file
     before it returns.
 
     Append mode: a resumed run continues the same file (the report supersedes the rows a
-    resume re-runs). The file is opened on the first write, so constructing the sink creates
+    resume re-runs), on a new line when the file ends in a torn row. The file is opened on the first write, so constructing the sink creates
     nothing. Writes are unbuffered: a write that fails (a full disk) raises at once, and the
     next write starts on a new line, so a torn line stays one line that the reader skips.
     """
@@ -76,6 +89,7 @@ class JsonlSink:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115  (kept open for the run)
+            self._torn = self._torn or _ends_mid_line(self.path)  # a kill left a torn last line
         text = "".join(json.dumps({k: encode_value(v) for k, v in row.items()}, allow_nan=False) + "\n" for row in rows)
         data = (b"\n" if self._torn else b"") + text.encode("utf-8")
         self._torn = True  # until the whole chunk is written

@@ -559,3 +559,308 @@ def test_a_fresh_state_refuses_the_state_of_another_model():
     state_d.load_state_dict(saved)
     model_d = state_d.convert(make_stack(n=4))
     run_events(state_d, model_d, event_inputs(3)[2:], step0=2)
+
+
+# -- untrusted checkpoints (issue 30) -----------------------------------------------------
+class PlantedCall:
+    """Pickles as a call of ``os.system`` that creates ``marker``: what a hostile run directory
+    would plant in a checkpoint. Loading it with pickle runs the command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _plant(run: Path, kind: str, marker: Path) -> Path:
+    """Replace the run's checkpoints by one of ``kind`` whose file ``planted`` carries the call;
+    config.yaml names the strategy that writes that kind (on a GPU, refused here after it)."""
+    ckpts = run / "checkpoints"
+    saved = torch.load(ckpts / "last.ckpt", weights_only=True)
+    shutil.rmtree(ckpts)
+    ckpts.mkdir()
+    if kind == "lightning":
+        target = ckpts / "last.ckpt"
+        torch.save({**saved, "callbacks": {**saved["callbacks"], "x": PlantedCall(marker)}}, target)
+        return target
+    cfg = run / "config.yaml"
+    strategy = "fp8state_deepspeed" if kind.startswith("deepspeed") else "fp8state_fsdp"
+    text = cfg.read_text().replace("name: auto", f"name: {strategy}").replace("accelerator: cpu", "accelerator: gpu")
+    cfg.write_text(text)
+    last = ckpts / "last.ckpt"
+    if kind.startswith("deepspeed"):  # a directory of shards: DeepSpeed's engine unpickles each
+        shard_dir = last / "checkpoint"
+        shard_dir.mkdir(parents=True)
+        model = {**saved, "module": saved.pop("state_dict"), "ds_version": "0.19"}
+        optim = {"optimizer_state_dict": {"loss_scaler": 1.0}, "ds_version": "0.19"}
+        planted = "optim" if kind == "deepspeed_optim" else "model"
+        (model if planted == "model" else optim)["x"] = PlantedCall(marker)
+        torch.save(model, shard_dir / "mp_rank_00_model_states.pt")
+        torch.save(optim, shard_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        return (
+            shard_dir / f"{'mp_rank_00_model' if planted == 'model' else 'zero_pp_rank_0_mp_rank_00_optim'}_states.pt"
+        )
+    # FSDP2: torch distributed checkpoint's shards, .metadata (plain pickle) and Lightning's meta.pt
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"state_dict": saved.pop("state_dict")}, checkpoint_id=str(last))
+    if kind == "fsdp_meta":
+        saved["x"] = PlantedCall(marker)
+    torch.save(saved, last / "meta.pt")
+    if kind == "fsdp_dcp_metadata":
+        import pickle
+
+        (last / ".metadata").write_bytes(pickle.dumps(PlantedCall(marker)))
+    return last / ("meta.pt" if kind == "fsdp_meta" else ".metadata")
+
+
+@pytest.mark.parametrize("kind", ["lightning", "deepspeed", "deepspeed_optim", "fsdp_meta", "fsdp_dcp_metadata"])
+def test_a_checkpoint_carrying_a_pickled_call_is_refused_before_it_runs(finished_run, capsys, monkeypatch, kind):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    marker = finished_run.parent / "MARKER"
+    planted = _plant(finished_run, kind, marker)
+    before = snapshot(finished_run)
+    capsys.readouterr()
+    assert train("--resume", str(finished_run), "trainer.max_steps=30") == 2
+    assert not marker.exists(), "the planted call ran"
+    assert_one_clean_error(capsys.readouterr().err, str(planted), "refused to load", "posix.system")
+    assert snapshot(finished_run) == before
+
+
+def test_the_library_loaders_refuse_a_pickled_call_too(finished_run, tmp_path):
+    """AtomicCheckpointIO (Trainer.fit(ckpt_path=...)) and the FSDP2/DeepSpeed pre-check."""
+    from lightning_fp8state.lightning import AtomicCheckpointIO
+    from lightning_fp8state.state.checkpoint_files import check_checkpoint
+
+    marker = tmp_path / "MARKER"
+    good = AtomicCheckpointIO().load_checkpoint(finished_run / "checkpoints" / "step=10.ckpt")
+    assert good["global_step"] == 10
+    planted = _plant(finished_run, "lightning", marker)
+    with pytest.raises(f8s.UntrustedCheckpointError, match="posix.system"):
+        AtomicCheckpointIO().load_checkpoint(planted)
+    for kind in ("deepspeed_optim", "fsdp_dcp_metadata"):
+        run = tmp_path / kind
+        shutil.copytree(finished_run.parent / "tiny_gpt_cpu", run)
+        (run / "checkpoints" / "last.ckpt").unlink()
+        torch.save({"global_step": 1, "state_dict": {}, "callbacks": {}}, run / "checkpoints" / "last.ckpt")
+        planted = _plant(run, kind, marker)
+        with pytest.raises(f8s.UntrustedCheckpointError, match=re.escape(str(planted))):
+            check_checkpoint(run / "checkpoints" / "last.ckpt")
+    assert not marker.exists()
+
+
+# -- a hand-edited config.yaml, a load that fails (issue 30) ------------------------------
+@pytest.mark.parametrize(
+    ("edit", "needles"),
+    [
+        (("n_layers: 2", "n_layers: 1"), ["last.ckpt", "extra ['model.blocks.1.", "model.* settings"]),
+        (("- '*head'", "- '*head'\n  - '*.fc'"), ["last.ckpt", "quantizer state of rank 0", "blocks.0.fc"]),
+    ],
+)
+def test_a_hand_edited_config_is_refused_against_the_checkpoint_exactly(finished_run, capsys, edit, needles):
+    cfg = finished_run / "config.yaml"
+    assert edit[0] in cfg.read_text()
+    cfg.write_text(cfg.read_text().replace(*edit))
+    before = snapshot(finished_run)
+    capsys.readouterr()
+    assert train("--resume", str(finished_run), "trainer.max_steps=30") == 2
+    assert_one_clean_error(capsys.readouterr().err, *needles)
+    assert snapshot(finished_run) == before
+
+
+def test_the_run_files_are_rewritten_only_once_the_checkpoint_has_loaded(finished_run, capsys, monkeypatch):
+    from lightning_fp8state.lightning import Fp8StateCallback
+
+    def refuse(self, trainer, pl_module, checkpoint):
+        raise f8s.StateLoadError("the quantizer state is refused (injected)")
+
+    monkeypatch.setattr(Fp8StateCallback, "on_load_checkpoint", refuse)
+    before = snapshot(finished_run)
+    capsys.readouterr()
+    assert train("--resume", str(finished_run), "trainer.max_steps=30") == 2
+    assert_one_clean_error(capsys.readouterr().err, "refused (injected)")
+    after = snapshot(finished_run)
+    for name in ("config.yaml", "conversion.json", "provenance.json", "telemetry.jsonl"):
+        assert after[name] == before[name], name
+    assert {k for k in after if k.startswith("checkpoints")} == {k for k in before if k.startswith("checkpoints")}
+
+
+# -- a full disk (issue 30) ----------------------------------------------------------------
+def test_a_full_disk_at_a_checkpoint_save_is_one_line_and_keeps_the_last_good_checkpoint(run_root, capsys, monkeypatch):
+    """From step 15 on every write fails with ENOSPC (the telemetry's and every atomic write:
+    the step-20 checkpoint, the run files): exit 3, one line naming the file and the space it
+    needs, no traceback, and the step-10 checkpoint intact; the run resumes from it."""
+    full = {"since": None}
+    write, fsync = JsonlSink.write, os.fsync
+
+    def sink_write(self, rows):
+        if any(r["step"] >= 15 for r in rows) and "room" not in full:
+            full["since"] = full["since"] or rows[0]["step"]
+        if full["since"] is not None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(self, rows)
+
+    def disk_fsync(fd):
+        if full["since"] is not None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fsync(fd)
+
+    monkeypatch.setattr(JsonlSink, "write", sink_write)
+    monkeypatch.setattr(os, "fsync", disk_fsync)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the sink's failure warnings are tested above
+        code = train(*COMMON, "trainer.max_steps=20", "out_dir=runs")
+    err = capsys.readouterr().err
+    run = Path("runs") / "tiny_gpt_cpu"
+    assert code == 3, err[-3000:]
+    assert_one_clean_error(err, str(run / "checkpoints" / "step=20.ckpt"), "no space left", "needs about", "MiB")
+    assert f"then continue: fp8state train --resume {run}" in err
+    ckpts = run / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "step=10.ckpt"]  # no temporary left
+    assert torch.load(ckpts / "last.ckpt", weights_only=True)["global_step"] == 10
+    full["since"] = None
+    full["room"] = True
+    assert train("--resume", str(run), "trainer.max_steps=12") == 0  # room again: it continues
+
+
+def test_a_resume_after_a_torn_last_line_starts_on_a_new_line(tmp_path):
+    """A kill mid-write leaves a torn last row; the next sink (the resumed run) must not glue its
+    first row onto it, or that row is lost too and the report counts 49 of 50 steps."""
+    jsonl = tmp_path / "telemetry.jsonl"
+    _write(jsonl, _rows(range(1, 6)))
+    with open(jsonl, "ab") as f:
+        f.write(b'{"step": 6, "train/loss": 2.9')  # torn by a kill
+    _write(jsonl, _rows(range(6, 11)))  # the resumed run
+    log = read_telemetry(jsonl)
+    assert [r["step"] for r in log.rows] == list(range(1, 11))
+    assert [b.line for b in log.bad_lines] == [6]
+    assert write_report(tmp_path, show=False).rows == 10
+
+
+# -- the schedule on resume (issue 30) -------------------------------------------------------
+def _lrs(run: Path) -> dict[int, float]:
+    return {r["step"]: r["train/lr"] for r in read_telemetry(run / "telemetry.jsonl").rows}
+
+
+def test_a_longer_resume_keeps_the_lr_curve_unless_asked_to_restretch_it(finished_run, capsys):
+    """20 steps on their cosine, then --resume with trainer.max_steps=30: no LR jump larger than
+    one step's change on the run's own curve; trainer.schedule_steps= re-stretches, and says so."""
+    lr = _lrs(finished_run)
+    one_step = max(abs(lr[s + 1] - lr[s]) for s in range(1, 20))
+    capsys.readouterr()
+    assert train("--resume", str(finished_run), "trainer.max_steps=30", "telemetry.log_every_n_steps=1") == 0
+    out = capsys.readouterr().out
+    lr = _lrs(finished_run)
+    assert sorted(lr) == list(range(1, 31))
+    assert max(abs(lr[s + 1] - lr[s]) for s in range(19, 30)) <= one_step * (1 + 1e-6)
+    assert re.search(r"learning rate at step 21: \S+, on the run's schedule of 20 steps", out), out
+    # asked for: the schedule is re-stretched, and the resume says from what to what
+    assert train("--resume", str(finished_run), "trainer.max_steps=32", "trainer.schedule_steps=60") == 0
+    out = capsys.readouterr().out
+    m = re.search(
+        r"learning rate at step 31: (\S+) on the run's schedule, (\S+) on the schedule of "
+        r"trainer.schedule_steps=60",
+        out,
+    )
+    assert m is not None, out
+    lr = _lrs(finished_run)
+    assert abs(float(m.group(1)) - lr[30]) < 1e-3 * lr[30]  # the floor the run's curve had reached
+    assert lr[32] - lr[31] > 2 * one_step  # re-stretched: the jump the user asked for
+
+
+# -- pruning under another spelling of the run directory (issue 30) ------------------------
+def test_pruning_keeps_two_checkpoints_through_an_absolute_path_and_in_a_copied_run(run_root, finished_run):
+    # a copied run directory (finished_run was trained elsewhere), resumed by its relative path
+    resume = ["--resume", str(finished_run.relative_to(run_root)), "trainer.checkpoint_every_n_steps=5"]
+    assert train(*resume, "trainer.max_steps=30") == 0
+    assert {p.name for p in (finished_run / "checkpoints").iterdir()} == {"last.ckpt", "step=25.ckpt", "step=30.ckpt"}
+    # a run started with a relative out_dir, resumed through its absolute path
+    every2 = [*SMALL, "telemetry.wandb=disabled", "trainer.checkpoint_every_n_steps=2", "out_dir=fresh"]
+    assert train(*every2, "trainer.max_steps=4") == 0
+    run = (run_root / "fresh" / "tiny_gpt_cpu").resolve()
+    assert train("--resume", str(run), "trainer.max_steps=8") == 0
+    assert {p.name for p in (run / "checkpoints").iterdir()} == {"last.ckpt", "step=6.ckpt", "step=8.ckpt"}
+
+
+# -- bad inputs that slipped through or misled (issue 30) ------------------------------------
+@pytest.mark.parametrize(
+    ("args", "files", "needles"),
+    [
+        (["empty.yaml"], {"empty.yaml": ""}, ["empty.yaml", "the recipe is empty", "name:"]),
+        (["name=../x", "out_dir=runs"], {}, ["name='../x'", "single path component", "out_dir="]),
+        (["name=a/b", "out_dir=runs"], {}, ["name='a/b'", "single path component"]),
+        (["trainer.max_stepz=3"], {}, ["trainer.max_stepz", "nearest: 'trainer.max_steps'", "trainer.lr"]),
+        (["typo.yaml"], {"typo.yaml": "name: t\ntrainer: {max_stepz: 3}\n"}, ["nearest: 'trainer.max_steps'"]),
+        (["trainer.max_steps=3", "--resume", "nowhere", "trainer.lr=1"], {}, ["--resume 'nowhere'", "config.yaml"]),
+    ],
+    ids=["empty-recipe", "name-dotdot", "name-slash", "unknown-key", "unknown-key-in-yaml", "both-sides-of-resume"],
+)
+def test_bad_input_that_once_slipped_through_exits_2_naming_the_key(run_root, capsys, args, files, needles):
+    for name, text in files.items():
+        (run_root / name).write_text(text)
+    assert train(*args) == 2
+    assert_one_clean_error(capsys.readouterr().err, *needles)
+    assert sorted(p.name for p in run_root.iterdir()) == sorted(files)  # nothing created, here or above
+
+
+def test_report_of_a_file_that_is_not_telemetry_exits_2_and_creates_nothing(tmp_path, capsys):
+    other = tmp_path / "notes.txt"
+    other.write_text("hello\nworld\n")
+    assert main(["report", str(other)]) == 2
+    assert_one_clean_error(capsys.readouterr().err, str(other), "not a telemetry file", "telemetry.jsonl")
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+# -- threads (issue 30) ----------------------------------------------------------------------
+def test_the_cli_takes_its_threads_from_the_cores_it_may_use(monkeypatch):
+    from lightning_fp8state.cli.train import set_cpu_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the machine's count: not what this process may use
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    try:
+        assert set_cpu_threads() == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+# -- quiet runs (issue 30) -------------------------------------------------------------------
+def test_a_run_prints_none_of_the_three_noises(run_root, capfd, caplog):
+    """Lightning's litlogger tip, W&B's "anonymous setting has no effect", torch's LeafSpec
+    deprecation via Lightning: each silenced where it comes from (W&B offline, as by default)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert train(*SMALL, "trainer.max_steps=2", "out_dir=runs") == 0
+    out, err = capfd.readouterr()
+    text = out + err + caplog.text + "\n".join(str(w.message) for w in caught)
+    for noise in ("litlogger", "anonymous setting", "LeafSpec"):
+        assert noise not in text, noise
+    assert "run directory:" in out  # the run's own output is still there
+
+
+def test_skips_are_summed_up_by_reason_not_listed_one_by_one():
+    from types import SimpleNamespace
+
+    import tests.conftest as conftest
+
+    def skip(reason):
+        return SimpleNamespace(longrepr=("test_x.py", 1, f"Skipped: {reason}"))
+
+    lines, sections = [], []
+    reporter = SimpleNamespace(
+        stats={"skipped": [skip("needs a CUDA GPU")] * 3 + [skip("needs 2 GPUs")]},
+        section=lambda title, sep="=": sections.append(title),
+        line=lines.append,
+    )
+    conftest.pytest_terminal_summary(reporter, 0, None)
+    assert sections == ["4 skipped, by reason"]
+    assert [line.split() for line in lines] == [["3", "needs", "a", "CUDA", "GPU"], ["1", "needs", "2", "GPUs"]]
+    import tomllib
+
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    report_chars = addopts.split("-r", 1)[1].split()[0]
+    assert not set(report_chars) & set("saA")  # no SKIPPED line per test (-ra listed ~112 of them)

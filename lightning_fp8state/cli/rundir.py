@@ -51,6 +51,7 @@ WANDB_ID_FILE = "wandb_run_id"
 # data position and learning rate the optimizer state restores), so it is refused.
 RESUMABLE_KEYS = (
     "trainer.max_steps",
+    "trainer.cpu_threads",
     "trainer.schedule_steps",
     "trainer.checkpoint_every_n_steps",
     "telemetry.log_every_n_steps",

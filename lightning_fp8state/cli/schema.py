@@ -144,6 +144,10 @@ class TrainerCfg:
     # lightning_fp8state.lightning.GraphedTrainingStep): one GPU, strategy auto, no accumulation
     cuda_graphs: bool = False
     cuda_graphs_warmup: int = 3  # eager steps before the capture (at least 1)
+    # torch's intra-op threads on the CPU: 0 = the cores this process may use (os.sched_getaffinity;
+    # OMP_NUM_THREADS wins when set). A small model gains nothing from more threads and, beside
+    # another run on the same cores, loses most of its speed to them (the tiny recipe sets 1)
+    cpu_threads: int = 0
 
     def __post_init__(self) -> None:
         require_choice("accelerator", self.accelerator, ACCELERATORS)
@@ -158,6 +162,7 @@ class TrainerCfg:
         require_bool("compile", self.compile)
         require_bool("cuda_graphs", self.cuda_graphs)
         require_int("cuda_graphs_warmup", self.cuda_graphs_warmup, 1)
+        require_int("cpu_threads", self.cpu_threads, 0)
 
 
 @dataclass

@@ -405,14 +405,17 @@ def _print_resumed_lr(cfg: DictConfig, plan) -> None:
         )
 
 
-def set_cpu_threads() -> int:
-    """Torch's intra-op threads: the cores this process may run on (``os.sched_getaffinity``: a
-    container's or ``taskset``'s share), not the machine's count; ``OMP_NUM_THREADS`` wins when
-    set. DataLoader workers run one thread each (torch sets that in every worker). Returns it."""
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        return torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, cores))
+def set_cpu_threads(cfg: DictConfig | None = None) -> int:
+    """Torch's intra-op threads: ``trainer.cpu_threads`` when set, else ``OMP_NUM_THREADS`` when
+    set, else the cores this process may run on (``os.sched_getaffinity``: a container's or
+    ``taskset``'s share), not the machine's count. DataLoader workers run one thread each (torch
+    sets that in every worker). Returns the count in force."""
+    wanted = int(cfg.trainer.cpu_threads) if cfg is not None else 0
+    if wanted == 0:
+        if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            return torch.get_num_threads()
+        wanted = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, wanted))
     return torch.get_num_threads()
 
 
@@ -430,7 +433,15 @@ def run_training(recipe: str | None, overrides: list[str], *, resume: str | None
     require_compile_strategy(cfg)
     require_cuda_graphs_setup(cfg)
     require_accelerator(cfg, recipe)
-    set_cpu_threads()
+    threads = torch.get_num_threads()  # the caller's, put back when the run ends (main() in a process of its own)
+    set_cpu_threads(cfg)
+    try:
+        return _run_validated(cfg, plan, recipe, rank, resume, verbose=verbose)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_validated(cfg: DictConfig, plan, recipe: str | None, rank: int, resume: str | None, *, verbose: bool) -> int:
     if plan is not None:
         run_dir = Path(resume)
         if plan.complete:

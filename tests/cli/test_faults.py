@@ -828,6 +828,30 @@ def test_the_cli_takes_its_threads_from_the_cores_it_may_use(monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_trainer_cpu_threads_is_used_for_the_run_and_the_callers_count_comes_back(run_root, monkeypatch):
+    """The tiny recipe runs on one thread (``trainer.cpu_threads: 1``: its GEMMs are too small to
+    gain from more, and beside another run on the same cores extra threads cost most of its
+    speed); ``0`` takes the cores this process may use. An in-process caller gets its own count
+    back when the run ends. A negative count is refused by key."""
+    import lightning.pytorch as pl
+
+    from lightning_fp8state.cli import train as cli_train
+
+    seen = []
+    monkeypatch.setattr(pl.Trainer, "fit", lambda self, *a, **k: seen.append(torch.get_num_threads()))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        cli_train.run_training(None, [*SMALL, "trainer.max_steps=1", "out_dir=a", "telemetry.wandb=disabled"])
+        cli_train.run_training(None, [*SMALL, "trainer.cpu_threads=0", "out_dir=b", "telemetry.wandb=disabled"])
+        assert seen == [1, 3] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert main(["train", "trainer.cpu_threads=-1"]) == 2
+
+
 # -- quiet runs (issue 30) -------------------------------------------------------------------
 def test_a_run_prints_none_of_the_three_noises(run_root, capfd, caplog):
     """Lightning's litlogger tip, W&B's "anonymous setting has no effect", torch's LeafSpec

@@ -319,6 +319,12 @@ class Fp8State:
         if version == 1:
             for key in _ADDED_IN_V2:
                 saved_cfg.setdefault(key, _DEFAULTS[key])
+        saved_recipe = saved_cfg.get("recipe")
+        if saved_recipe != self.config.recipe:
+            raise StateLoadError(
+                f"saved quantizer state was made with recipe {saved_recipe!r}, this run uses recipe "
+                f"{self.config.recipe!r}: resume with quant.recipe={saved_recipe}, or start a new run"
+            )
         diff = {
             k: (saved_cfg.get(k), getattr(self.config, k))
             for k in _STATE_DEFINING

@@ -15,7 +15,7 @@ from .errors import ConversionWarning, StateLoadError, StateTransitionError
 from .nn import ConversionReport, convert_model
 from .protocol import QuantProtocol
 from .recompute import ENGINES, bind_event_engine, unbind_event_engine
-from .state import Ledger, LogicalClock, StateBank
+from .state import StateBank
 
 __all__ = ["STATE_FORMAT_VERSION", "Fp8State"]
 
@@ -205,7 +205,7 @@ class Fp8State:
         if self._loaded_unchecked is not None:
             unknown, self._loaded_unchecked = sorted(self._loaded_unchecked - self.converted_layers), None
             if unknown:
-                self._reset_state()
+                self._protocol.reset()
                 raise StateLoadError(
                     "the quantizer state loaded before convert() belongs to a different model: it holds state "
                     f"for layers {_few(unknown)} that this model does not have (converted here: "
@@ -213,12 +213,6 @@ class Fp8State:
                     "saved from this model (convert first, then load: a mismatch is refused before anything changes)"
                 )
         return model
-
-    def _reset_state(self) -> None:
-        protocol, config = self._protocol, self.config
-        protocol.bank = StateBank(config.history_len)
-        protocol.clock = LogicalClock()
-        protocol.ledger = Ledger(strict=config.strict, window=config.ledger_window)
 
     def warn_unowned(self) -> list[str]:
         """Warn about converted layers that hold no quantizer owner: they never ran a training

@@ -110,9 +110,9 @@ class QuantProtocol:
         # the plug-in that answers every per-recipe question (encoders, GEMM, all-gather, telemetry)
         self.recipe: Recipe = recipe_for(config)
         self.rank = int(rank)
-        self.bank = StateBank(config.history_len)
-        self.clock = LogicalClock()
-        self.ledger = Ledger(strict=config.strict, window=config.ledger_window)
+        self._open: _OpenEvent | None = None
+        self._lock = threading.RLock()
+        self.reset()  # the bank, clock and ledger (and the stateless owners), fresh
         self.guard = ConcurrencyGuard()
         self.stash = SnapshotStash()
         # Orders bank accesses across CUDA streams once a second stream enters (no-op otherwise).
@@ -127,21 +127,33 @@ class QuantProtocol:
                 f"amax_reduction names unknown role(s) {unknown}: expected roles from "
                 f"{sorted(FORWARD_ROLES | BACKWARD_ROLES)} or '*'"
             )
-        self._open: _OpenEvent | None = None
         self._streams: dict[tuple, int] = {}
         self._owner_keys: dict[tuple, object] = {}  # (layer, role, rank, stream, site) -> OwnerKey
         self._encoders: dict[str, object] = {}
         self._stateful: dict[str, bool] = {}  # role -> the recipe's answer (cached)
-        # Owners of stateless roles (their scale from each call's own tensor: no bank slot), in
-        # order of registration, each with its latest true-forward snapshot (telemetry reads it).
-        self._dynamic: dict = {}  # OwnerKey -> QuantSnapshot | None
         self._discard: dict[tuple, _Scratch] = {}  # (device, center width) -> recompute's scratch slot
         self._policy = policy
-        self._lock = threading.RLock()
         # Layers whose weight arrives quantized from an FP8 all-gather (FSDP2, nn/fsdp.py):
         # layer -> a callable giving its weight's device. Their weight owners are registered and the event's scales frozen
         # at begin_event, on the training stream, before any all-gather reads them.
         self.gathered_layers: dict[str, Callable[[], torch.device]] = {}
+
+    def reset(self) -> None:
+        """Forget every owner's state: a fresh bank, clock and ledger, as constructed (a state
+        that turned out to belong to another model is discarded this way).
+
+        Raises:
+            StateTransitionError: inside an open event.
+        """
+        if self._open is not None:
+            raise StateTransitionError(f"reset() inside event {self._open.event}: reset between events")
+        with self._lock:
+            self.bank = StateBank(self.config.history_len)
+            self.clock = LogicalClock()
+            self.ledger = Ledger(strict=self.config.strict, window=self.config.ledger_window)
+            # Owners of stateless roles (their scale from each call's own tensor: no bank slot), in
+            # order of registration, each with its latest true-forward snapshot (telemetry reads it).
+            self._dynamic: dict = {}  # OwnerKey -> QuantSnapshot | None
 
     # -- events --------------------------------------------------------------------
     def begin_event(self, step: int | None = None, microbatch: int = 0) -> Event:

@@ -805,6 +805,34 @@ class QuantProtocol:
             self._open.committed.add(owner)
         self.ledger.commit(event, [owner])
 
+    # -- the quantize-policy interface (defects.py: the seed's defects, for the audit) ----
+    # What a policy handed to the constructor may do in place of the rules. Public and stable:
+    # the policies use these and nothing private.
+    def observe(self, record: CallRecord, role: str, event: Event, *, recompute: bool) -> None:
+        """Count one call of ``role``'s owner in the ledger (an observation, or with
+        ``recompute`` a recompute's observation) and mark the owner observed in the event."""
+        self._observe(record, role, event, recompute=recompute)
+
+    def live_snapshot(self, record: CallRecord, role: str, event: Event) -> QuantSnapshot:
+        """A snapshot of ``role``'s owner holding a *copy* of its live (not frozen) state,
+        stamped with ``record``'s region and ordinal."""
+        owner, index = record.owners[role], record.indices[role]
+        return self._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=True)
+
+    def encode_record(self, record: CallRecord, role: str, x: torch.Tensor, snap: QuantSnapshot, prologue=None):
+        """Encode ``x`` with ``snap`` and record its amax into the owner's pending slot."""
+        return self._encode_record(record.indices[role], x, snap, role, prologue)
+
+    def encode_discard(self, x: torch.Tensor, snap: QuantSnapshot, role: str, prologue=None):
+        """Encode ``x`` with ``snap`` through the recording op, its statistics discarded
+        (recompute's encode: the same op sequence as the true forward, the bank untouched)."""
+        return self._encode_discard(x, snap, role, prologue)
+
+    def commit_now(self, record: CallRecord, role: str, event: Event) -> None:
+        """Commit ``role``'s owner at once (the rules commit in batches at :meth:`commit_forward`
+        and :meth:`end_event`)."""
+        self._commit_now(record.owners[role], record.indices[role], event)
+
     # -- audit ---------------------------------------------------------------------
     def _observe_operand(self, record: CallRecord, role: str, phase: Phase, data, snap: QuantSnapshot) -> None:
         """Hand one quantized operand (FP8 codes, or FP4 ``(packed, block_scales)``) and its

@@ -30,7 +30,7 @@ import time
 import torch
 
 import lightning_fp8state as f8s
-import lightning_fp8state.nn.linear_call as linear_call
+import lightning_fp8state.quant_recipes.delayed as delayed_recipe
 from lightning_fp8state import ops
 from lightning_fp8state.models import GPT, GPTConfig
 
@@ -62,7 +62,7 @@ def stub_kernels() -> None:
         torch.empty(x.shape[1], device=x.device) if needs[1] else None,
         torch.empty(x.shape[1], device=x.device) if needs[2] else None,
     )
-    linear_call.scaled_matmul = lambda a, b, da, db, out_dtype, backend="auto", bias=None: torch.empty(
+    delayed_recipe.scaled_matmul = lambda a, b, da, db, out_dtype, backend="auto", bias=None: torch.empty(
         a.shape[0], b.shape[1], dtype=out_dtype, device=a.device
     )
 

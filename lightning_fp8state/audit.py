@@ -182,6 +182,13 @@ def _bytes(t: torch.Tensor) -> bytes:
     return raw.numpy().tobytes()
 
 
+def _descale_key(descale: torch.Tensor):
+    """A per-tensor descale as its float; a per-row one (``fp8_rowwise``) as the sha256 of its bytes."""
+    if descale.numel() == 1:
+        return float(descale)
+    return hashlib.sha256(_bytes(descale.detach().to("cpu", copy=True).contiguous())).hexdigest()
+
+
 def _digest(output, snaps: dict) -> _Digest:
     tensors = [output] if isinstance(output, torch.Tensor) else list(output)
     hosts = [t.detach().to("cpu", copy=True).contiguous() for t in tensors]
@@ -189,7 +196,7 @@ def _digest(output, snaps: dict) -> _Digest:
     for host in hosts:
         sha.update(f"{host.dtype}{tuple(host.shape)}".encode())
         sha.update(_bytes(host))
-    descales = {role: float(s.descale) for role, s in snaps.items()}
+    descales = {role: _descale_key(s.descale) for role, s in snaps.items()}
     centers = {
         role: hashlib.sha256(_bytes(s.center.detach().cpu().contiguous())).hexdigest()
         for role, s in snaps.items()
@@ -238,10 +245,13 @@ def _operand_digest(data, snap) -> _Operand:
     for host in hosts:
         sha.update(f"{host.dtype}{tuple(host.shape)}".encode())
         sha.update(_bytes(host))
-    sha.update(f"{float(snap.descale)}{snap.owner}{snap.event}{snap.region}{snap.ordinal}".encode())
+    sha.update(f"{_descale_key(snap.descale)}{snap.owner}{snap.event}{snap.region}{snap.ordinal}".encode())
     values = None
-    if len(hosts) == 1 and hosts[0].dtype.is_floating_point:
-        values = hosts[0].to(torch.float32) * float(snap.descale)
+    first = hosts[0] if hosts else None
+    # FP8 codes decoded (a stateless role hands in its input after them, which the sha covers)
+    if first is not None and first.dtype.is_floating_point and (len(hosts) == 1 or first.element_size() == 1):
+        d = snap.descale
+        values = first.to(torch.float32) * (float(d) if d.numel() == 1 else d.detach().to("cpu", torch.float32))
     return _Operand(sha.hexdigest(), values)
 
 

@@ -25,17 +25,43 @@ __all__ = [
     "MARGIN_MAX",
     "MODES",
     "OWNERSHIP_SCOPES",
-    "RECIPES",
     "QuantConfig",
+    "recipe_modes",
+    "recipe_names",
+    "register_recipe_name",
     "require_bool",
     "require_choice",
     "require_int",
     "require_number",
 ]
 
-RECIPES = ("fp8_delayed", "bf16")
 # safe: the protocol. naive and naive_snapshot reproduce the seed's defects on purpose.
 MODES = ("safe", "naive", "naive_snapshot")
+# Recipe name -> the modes it allows, in registration order. Each recipe of
+# ``lightning_fp8state.quant_recipes`` registers its own name when that package is imported (the
+# package's ``__init__`` imports it first thing), so adding a recipe touches no list here.
+_RECIPE_MODES: dict[str, tuple[str, ...]] = {}
+
+
+def register_recipe_name(name: str, modes: tuple[str, ...]) -> None:
+    """Make ``quant.recipe=name`` valid, allowing ``modes`` (a subset of ``MODES``)."""
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise ConfigError(f"recipe {name!r}: modes {unknown} are not allowed: expected a subset of {list(MODES)}")
+    _RECIPE_MODES[name] = tuple(modes)
+
+
+def recipe_names() -> tuple[str, ...]:
+    """The registered recipe names (``fp8_delayed`` first)."""
+    return tuple(_RECIPE_MODES)
+
+
+def recipe_modes(name: str) -> tuple[str, ...]:
+    """The modes recipe ``name`` allows (``ConfigError`` naming the key for an unknown name)."""
+    require_choice("recipe", name, recipe_names())
+    return _RECIPE_MODES[name]
+
+
 AMAX_ALGOS = ("max", "most_recent")
 # Which OwnerKey fields tell owners apart. per_model exists only to reproduce the defect.
 OWNERSHIP_SCOPES = ("per_model", "per_layer", "per_layer_rank", "per_layer_rank_stream")
@@ -126,6 +152,10 @@ class QuantConfig:
     """
 
     # fp8_delayed: FP8 delayed scaling. bf16: no quantization at all (the control).
+    # fp8_current: per-tensor scales from each call's own amax (stateless). fp8_rowwise: one
+    # scale per row of the input and grad_output, per output channel of the weight (stateless);
+    # fp8_rowwise_gw_hp: the same, its weight-gradient GEMM in high precision. The recipes are
+    # lightning_fp8state.quant_recipes; recipe_names() lists them.
     recipe: str = "fp8_delayed"
     # Length of each owner's amax history (the window the scale is derived from).
     history_len: int = 16
@@ -185,8 +215,14 @@ class QuantConfig:
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        require_choice("recipe", self.recipe, RECIPES)
+        require_choice("recipe", self.recipe, recipe_names())
         require_choice("mode", self.mode, MODES)
+        if self.mode not in _RECIPE_MODES[self.recipe]:
+            raise ConfigError(
+                f"mode={self.mode!r} is not allowed with recipe={self.recipe!r}: expected one of "
+                f"{list(_RECIPE_MODES[self.recipe])} (the naive modes reproduce the defects of delayed "
+                "scaling, whose state this recipe does not hold)"
+            )
         require_choice("amax_algo", self.amax_algo, AMAX_ALGOS)
         require_choice("initial_scale", self.initial_scale, INITIAL_SCALES)
         require_choice("ownership", self.ownership, OWNERSHIP_SCOPES)

@@ -25,15 +25,14 @@ class NaiveTiming:
     """``mode="naive"``: the seed's defective timing (see the module doc)."""
 
     def quantize(self, protocol, record, role, x, phase, event, prologue=None):
-        owner, index = record.owners[role], record.indices[role]
         recompute = phase is Phase.RECOMPUTE
-        protocol._observe(record, role, event, recompute=recompute)
-        live = hidden(protocol._live_snapshot, owner, index, event, record.region, record.ordinal, role, copy=True)
-        q = protocol._encode_record(index, x, live, role, prologue)
-        hidden(protocol._commit_now, owner, index, event)
+        protocol.observe(record, role, event, recompute=recompute)
+        live = hidden(protocol.live_snapshot, record, role, event)
+        q = protocol.encode_record(record, role, x, live, prologue)
+        hidden(protocol.commit_now, record, role, event)
         # the consumer gets the live descale (and center), already advanced for the next call
         # (copies only so that GEMMs get aligned scale pointers; the values are the defect's)
-        return q, hidden(protocol._live_snapshot, owner, index, event, record.region, record.ordinal, role, copy=True)
+        return q, hidden(protocol.live_snapshot, record, role, event)
 
 
 class OwnerSnapshot:
@@ -44,7 +43,7 @@ class OwnerSnapshot:
         self._snapshots: dict = {}  # OwnerKey -> the owner's latest snapshot in the event
 
     def quantize(self, protocol, record, role, x, phase, event, prologue=None):
-        owner, index = record.owners[role], record.indices[role]
+        owner = record.owners[role]
         if event != self._event:
             self._event, self._snapshots = event, {}
         if phase is Phase.RECOMPUTE:
@@ -52,12 +51,12 @@ class OwnerSnapshot:
             if snap is None:
                 raise StateTransitionError(f"{owner} is being recomputed in event {event} but ran no true forward")
             protocol.ledger.recompute_read(event, owner)
-            return protocol._encode_discard(x, snap, role, prologue), snap
-        protocol._observe(record, role, event, recompute=False)
-        snap = hidden(protocol._live_snapshot, owner, index, event, record.region, record.ordinal, role, copy=True)
+            return protocol.encode_discard(x, snap, role, prologue), snap
+        protocol.observe(record, role, event, recompute=False)
+        snap = hidden(protocol.live_snapshot, record, role, event)
         self._snapshots[owner] = snap
-        q = protocol._encode_record(index, x, snap, role, prologue)
-        hidden(protocol._commit_now, owner, index, event)
+        q = protocol.encode_record(record, role, x, snap, prologue)
+        hidden(protocol.commit_now, record, role, event)
         return q, snap
 
 

@@ -15,7 +15,7 @@ from .errors import ConversionWarning, StateLoadError, StateTransitionError
 from .nn import ConversionReport, convert_model
 from .protocol import QuantProtocol
 from .recompute import ENGINES, bind_event_engine, unbind_event_engine
-from .state import Ledger, LogicalClock, StateBank
+from .state import StateBank
 
 __all__ = ["STATE_FORMAT_VERSION", "Fp8State"]
 
@@ -206,7 +206,7 @@ class Fp8State:
             saved, self._loaded_unchecked = self._loaded_unchecked, None
             problem = self._owner_mismatch(saved)
             if problem:
-                self._reset_state()
+                self._protocol.reset()
                 raise StateLoadError(
                     f"the quantizer state loaded before convert() belongs to a different model: {problem}. "
                     "The loaded state was discarded; load a state saved from this model (convert first, then "
@@ -233,12 +233,6 @@ class Fp8State:
                 "a model with more layers than the one it was saved from"
             )
         return None
-
-    def _reset_state(self) -> None:
-        protocol, config = self._protocol, self.config
-        protocol.bank = StateBank(config.history_len)
-        protocol.clock = LogicalClock()
-        protocol.ledger = Ledger(strict=config.strict, window=config.ledger_window)
 
     def warn_unowned(self) -> list[str]:
         """Warn about converted layers that hold no quantizer owner: they never ran a training
@@ -339,6 +333,12 @@ class Fp8State:
         if version == 1:
             for key in _ADDED_IN_V2:
                 saved_cfg.setdefault(key, _DEFAULTS[key])
+        saved_recipe = saved_cfg.get("recipe")
+        if saved_recipe != self.config.recipe:
+            raise StateLoadError(
+                f"saved quantizer state was made with recipe {saved_recipe!r}, this run uses recipe "
+                f"{self.config.recipe!r}: resume with quant.recipe={saved_recipe}, or start a new run"
+            )
         diff = {
             k: (saved_cfg.get(k), getattr(self.config, k))
             for k in _STATE_DEFINING

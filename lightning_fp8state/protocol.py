@@ -13,8 +13,8 @@ consumes with :meth:`QuantProtocol.check_consumer`:
 6. Stamps: snapshots carry (event, owner, region, ordinal); consumers check them.
 
 This module decides only *which* snapshot a call uses and *whether* it records; *how* a
-role's tensor is encoded is its encoder's (:mod:`lightning_fp8state.encoders`: FP8 with an
-optional fused prologue, packed FP4, centered FP4). The seed's defects, reproduced on
+role's tensor is encoded is its encoder's, and which encoder a role has is the recipe's
+(:mod:`lightning_fp8state.quant_recipes`, the one ``config.recipe`` names: ``self.recipe``). The seed's defects, reproduced on
 purpose for the audit (``mode="naive"`` / ``"naive_snapshot"``), are quantize policies in
 :mod:`lightning_fp8state.defects`, handed in by the facade; this module does not import them.
 """
@@ -24,15 +24,16 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .config import QuantConfig
-from .encoders import Prologue, encoder_for
+from .encoders import Prologue
 from .errors import ConfigError, StaleSnapshotError, StateTransitionError
+from .quant_recipes import Recipe, recipe_for
 from .recompute import CallRecord, Phase, SnapshotStash, current_frame, in_backward
 from .sac import outside_selective_checkpoint
 from .state import (
@@ -106,10 +107,12 @@ class QuantProtocol:
         if not isinstance(config, QuantConfig):
             raise TypeError(f"config: expected a QuantConfig, got {type(config).__name__}")
         self.config = config
+        # the plug-in that answers every per-recipe question (encoders, GEMM, all-gather, telemetry)
+        self.recipe: Recipe = recipe_for(config)
         self.rank = int(rank)
-        self.bank = StateBank(config.history_len)
-        self.clock = LogicalClock()
-        self.ledger = Ledger(strict=config.strict, window=config.ledger_window)
+        self._open: _OpenEvent | None = None
+        self._lock = threading.RLock()
+        self.reset()  # the bank, clock and ledger (and the stateless owners), fresh
         self.guard = ConcurrencyGuard()
         self.stash = SnapshotStash()
         # Orders bank accesses across CUDA streams once a second stream enters (no-op otherwise).
@@ -124,17 +127,33 @@ class QuantProtocol:
                 f"amax_reduction names unknown role(s) {unknown}: expected roles from "
                 f"{sorted(FORWARD_ROLES | BACKWARD_ROLES)} or '*'"
             )
-        self._open: _OpenEvent | None = None
         self._streams: dict[tuple, int] = {}
         self._owner_keys: dict[tuple, object] = {}  # (layer, role, rank, stream, site) -> OwnerKey
         self._encoders: dict[str, object] = {}
+        self._stateful: dict[str, bool] = {}  # role -> the recipe's answer (cached)
         self._discard: dict[tuple, _Scratch] = {}  # (device, center width) -> recompute's scratch slot
         self._policy = policy
-        self._lock = threading.RLock()
         # Layers whose weight arrives quantized from an FP8 all-gather (FSDP2, nn/fsdp.py):
         # layer -> a callable giving its weight's device. Their weight owners are registered and the event's scales frozen
         # at begin_event, on the training stream, before any all-gather reads them.
         self.gathered_layers: dict[str, Callable[[], torch.device]] = {}
+
+    def reset(self) -> None:
+        """Forget every owner's state: a fresh bank, clock and ledger, as constructed (a state
+        that turned out to belong to another model is discarded this way).
+
+        Raises:
+            StateTransitionError: inside an open event.
+        """
+        if self._open is not None:
+            raise StateTransitionError(f"reset() inside event {self._open.event}: reset between events")
+        with self._lock:
+            self.bank = StateBank(self.config.history_len)
+            self.clock = LogicalClock()
+            self.ledger = Ledger(strict=self.config.strict, window=self.config.ledger_window)
+            # Owners of stateless roles (their scale from each call's own tensor: no bank slot), in
+            # order of registration, each with its latest true-forward snapshot (telemetry reads it).
+            self._dynamic: dict = {}  # OwnerKey -> QuantSnapshot | None
 
     # -- events --------------------------------------------------------------------
     def begin_event(self, step: int | None = None, microbatch: int = 0) -> Event:
@@ -176,7 +195,7 @@ class QuantProtocol:
         without an initialized process group of more than one rank, under the bf16 recipe,
         or when no role reduces.
         """
-        roles = FORWARD_ROLES | BACKWARD_ROLES
+        roles = {r for r in FORWARD_ROLES | BACKWARD_ROLES if self.recipe.stateful(r)}  # stateless: nothing pends
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
             return False
         if not self.config.quantized or not any(self.config.reduction_of(r) == "data_parallel" for r in roles):
@@ -194,7 +213,8 @@ class QuantProtocol:
     def _commit(self, ev: _OpenEvent, phases: set[str], *, reduce_phases: set[str]) -> None:
         with self._lock:
             owners = [o for o in ev.observed if o not in ev.committed and role_phase(o.role) in phases]
-            indices = tuple(ev.observed[o] for o in owners)
+            # a stateless owner (index -1) commits in the ledger only: it has no bank state
+            indices = tuple(i for i in (ev.observed[o] for o in owners) if i >= 0)
             # The collective runs whenever a role of ``reduce_phases`` reduces, even with
             # nothing to commit here: every rank must reach it at the same points.
             self.stream_order.structural(self.bank.device)
@@ -202,7 +222,8 @@ class QuantProtocol:
                 self.amax_reducer.reduce(self.bank, indices)
             if not owners:
                 return
-            self.bank.commit(indices, self.config.amax_algo, self.config.margin, self.config.attn_center_momentum)
+            if indices:
+                self.bank.commit(indices, self.config.amax_algo, self.config.margin, self.config.attn_center_momentum)
             ev.committed.update(owners)
             self.guard.release(owners)
             self.ledger.commit(ev.event, owners)
@@ -223,7 +244,7 @@ class QuantProtocol:
         if ev is None:
             return
         with self._lock:
-            pending = tuple(i for o, i in ev.observed.items() if o not in ev.committed)
+            pending = tuple(i for o, i in ev.observed.items() if o not in ev.committed and i >= 0)
             if pending:
                 self.stream_order.structural(self.bank.device)
             self.bank.discard_pending(pending)
@@ -243,6 +264,24 @@ class QuantProtocol:
     def event(self) -> Event | None:
         return self.clock.event
 
+    def owners(self) -> list:
+        """Every owner registered so far: the bank's (delayed state), in bank order, then the
+        stateless roles' owners (a recipe whose scale comes from each call's own tensor)."""
+        return [*self.bank.owners, *self._dynamic]
+
+    def stateful(self, role: str) -> bool:
+        """Whether ``role``'s scale is delayed state in the bank (the recipe's answer)."""
+        known = self._stateful.get(role)
+        if known is None:
+            known = self._stateful[role] = self.recipe.stateful(role)
+        return known
+
+    def dynamic_snapshots(self) -> dict:
+        """Stateless owner -> its latest true-forward snapshot (scale, descale and amax of that
+        call), for telemetry; owners not yet called in a true forward are left out."""
+        with self._lock:
+            return {o: s for o, s in self._dynamic.items() if s is not None}
+
     # -- per-block CUDA graphs (block_graphs.py) ------------------------------------
     def freeze_event(self, device: torch.device) -> FrozenScales:
         """Take the open event's frozen scales now (eagerly), if no call took them yet."""
@@ -258,6 +297,12 @@ class QuantProtocol:
         ``since`` (taken before the capture): the calls captured in CUDA graphs, for
         :meth:`replay_template` to repeat in later events without Python per call."""
         ev = self._require_open("graph_template()")
+        if self._dynamic:
+            raise StateTransitionError(
+                f"CUDA graphs capture the quantizer's host work for delayed state only; recipe "
+                f"{self.config.recipe!r} derives scales per call (stateless owners such as "
+                f"{next(iter(self._dynamic))}): run it eagerly (no GraphedStep / GraphedBlocks)"
+            )
         with self._lock:
             records = {}
             for o, r in self.ledger.event(ev.event).items():
@@ -327,10 +372,10 @@ class QuantProtocol:
         return n
 
     def encoder(self, role: str):
-        """The encoder of ``role`` (:mod:`lightning_fp8state.encoders`), fixed by the config."""
+        """The encoder of ``role``: the recipe's (:meth:`Recipe.encoder`), fixed by the config."""
         enc = self._encoders.get(role)
         if enc is None:
-            enc = self._encoders[role] = encoder_for(self.config, role)
+            enc = self._encoders[role] = self.recipe.encoder(role)
         return enc
 
     def enter_call(
@@ -387,6 +432,10 @@ class QuantProtocol:
             owner = self._owner_keys.get(key)
             if owner is None:  # one key object per entrant: dict lookups hit on identity
                 owner = self._owner_keys[key] = scoped_owner(self.config.ownership, *key)
+            if not self.stateful(role):  # no bank slot: its scale comes from each call's tensor
+                owners[role], indices[role] = owner, -1
+                self._dynamic.setdefault(owner, None)
+                continue
             width = 0
             encoder = self.encoder(role)
             if encoder.centered:
@@ -427,16 +476,21 @@ class QuantProtocol:
             owners, indices = (
                 self._owners(layer, roles, device, stream, site, channels) if self.config.quantized else ({}, {})
             )
-            if ev.frozen is None or ev.frozen.version != self.bank.version:
+            banked = any(i >= 0 for i in indices.values())
+            if banked and (ev.frozen is None or ev.frozen.version != self.bank.version):
                 self.stream_order.structural(device)
                 ev.frozen = self.bank.freeze()
             frozen = ev.frozen
-            widths = {role: self.bank.center_width[i] for role, i in indices.items()}
-        self.stream_order.use(device, frozen.scales)
+            widths = {role: self.bank.center_width[i] for role, i in indices.items() if i >= 0}
+        if banked:
+            self.stream_order.use(device, frozen.scales)
         region = frame.key if frame is not None else None
         snapshots = {}
         for role, owner in owners.items():
             i = indices[role]
+            if i < 0:  # stateless: stamps now, the scale at the quantize (from its own tensor)
+                snapshots[role] = self._snapshot(owner, role, None, None, None, ev.event, region, ordinal)
+                continue
             center = frozen.center(i, widths[role]) if widths[role] else None
             snapshots[role] = self._snapshot(
                 owner, role, frozen.scale(i), frozen.descale(i), center, ev.event, region, ordinal
@@ -456,6 +510,8 @@ class QuantProtocol:
         return CallRecord(None, layer, 0, region, 0, stream, ident, owners, indices, snapshots)
 
     def _live_snapshot(self, owner, index, event, region, ordinal, role, *, copy: bool = True) -> QuantSnapshot:
+        if index < 0:  # stateless: no live state, the scale comes at the quantize
+            return self._snapshot(owner, role, None, None, None, event, region, ordinal)
         bank = self.bank
         width = bank.center_width[index]
         scale, descale = bank.scale[index], bank.descale[index]
@@ -481,7 +537,9 @@ class QuantProtocol:
         q, snap = self._quantize(record, role, x, phase, prologue)
         record.used[role] = snap
         if self.auditors:  # the quantized operand itself: early stop may never produce the output
-            self._observe_operand(record, role, phase, q, snap)
+            # a stateless scale is re-derived by the recompute from its own input: exact only if
+            # that input is bitwise the true forward's, so the auditors compare the input too
+            self._observe_operand(record, role, phase, q if self.stateful(role) else (q, x), snap)
         return q, snap
 
     def check_consumer(self, record: CallRecord, role: str, snap: QuantSnapshot) -> QuantSnapshot:
@@ -666,12 +724,16 @@ class QuantProtocol:
         owner = record.owners[role]
         index = record.indices[role]
         if phase is Phase.INFERENCE:
+            if index < 0:
+                return self._quantize_dynamic(record, role, x, phase, None, prologue)
             snap = record.snapshots[role]  # a private copy of the live state
             if self._policy is None:
                 self._calibrate_first_use(None, index, x, snap, role, prologue)
             return self._encode(x, snap, role, prologue), snap
         ev = self._open
         event = (ev if ev is not None else self._require_open(f"quantizing {owner}")).event
+        if index < 0:
+            return self._quantize_dynamic(record, role, x, phase, event, prologue)
         if self._policy is not None:
             return self._policy.quantize(self, record, role, x, phase, event, prologue)
         snap = record.snapshots[role]
@@ -682,6 +744,27 @@ class QuantProtocol:
         if index in self.bank.fresh:  # the first event only; its ops are unseen by SAC
             outside_selective_checkpoint(self._calibrate_first_use, ev.calibrated, index, x, snap, role, prologue)
         return self._encode_record(index, x, snap, role, prologue), snap
+
+    def _quantize_dynamic(self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase, event, stage=None):
+        """A stateless role: the recipe's encoder derives the scale from ``x`` itself and returns
+        it with the data; the snapshot is the record's stamps with that scale, descale and amax.
+        The ledger counts the call (an observation, or a recompute's read); nothing is recorded
+        into the bank, so a recompute is read-only by construction (the rules 4 and 5 hold
+        trivially), and it is exact when its input is bitwise the true forward's (audited)."""
+        owner = record.owners[role]
+        if phase is Phase.RECOMPUTE:
+            self.ledger.recompute_read(event, owner)
+        elif phase is Phase.FORWARD:
+            self._observe(record, role, event, recompute=False)
+        if stage is not None and isinstance(stage, Prologue):  # a recipe that does not fuse it
+            x = stage.apply(x)
+            stage = None
+        data, scale, descale, amax = self.encoder(role).encode_dynamic(x, stage)
+        snap = replace(record.snapshots[role], scale=scale, descale=descale, amax=amax)
+        if phase is Phase.FORWARD:
+            with self._lock:
+                self._dynamic[owner] = snap
+        return data, snap
 
     def _calibrate_first_use(
         self, calibrated: set | None, index: int, x: torch.Tensor, snap: QuantSnapshot, role: str, prologue=None
@@ -721,6 +804,34 @@ class QuantProtocol:
             self.bank.commit((index,), self.config.amax_algo, self.config.margin, self.config.attn_center_momentum)
             self._open.committed.add(owner)
         self.ledger.commit(event, [owner])
+
+    # -- the quantize-policy interface (defects.py: the seed's defects, for the audit) ----
+    # What a policy handed to the constructor may do in place of the rules. Public and stable:
+    # the policies use these and nothing private.
+    def observe(self, record: CallRecord, role: str, event: Event, *, recompute: bool) -> None:
+        """Count one call of ``role``'s owner in the ledger (an observation, or with
+        ``recompute`` a recompute's observation) and mark the owner observed in the event."""
+        self._observe(record, role, event, recompute=recompute)
+
+    def live_snapshot(self, record: CallRecord, role: str, event: Event) -> QuantSnapshot:
+        """A snapshot of ``role``'s owner holding a *copy* of its live (not frozen) state,
+        stamped with ``record``'s region and ordinal."""
+        owner, index = record.owners[role], record.indices[role]
+        return self._live_snapshot(owner, index, event, record.region, record.ordinal, role, copy=True)
+
+    def encode_record(self, record: CallRecord, role: str, x: torch.Tensor, snap: QuantSnapshot, prologue=None):
+        """Encode ``x`` with ``snap`` and record its amax into the owner's pending slot."""
+        return self._encode_record(record.indices[role], x, snap, role, prologue)
+
+    def encode_discard(self, x: torch.Tensor, snap: QuantSnapshot, role: str, prologue=None):
+        """Encode ``x`` with ``snap`` through the recording op, its statistics discarded
+        (recompute's encode: the same op sequence as the true forward, the bank untouched)."""
+        return self._encode_discard(x, snap, role, prologue)
+
+    def commit_now(self, record: CallRecord, role: str, event: Event) -> None:
+        """Commit ``role``'s owner at once (the rules commit in batches at :meth:`commit_forward`
+        and :meth:`end_event`)."""
+        self._commit_now(record.owners[role], record.indices[role], event)
 
     # -- audit ---------------------------------------------------------------------
     def _observe_operand(self, record: CallRecord, role: str, phase: Phase, data, snap: QuantSnapshot) -> None:

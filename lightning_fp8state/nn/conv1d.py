@@ -60,7 +60,7 @@ class Fp8Conv1D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # under torch.compile: Fp8Linear's op on the weight view (nn/linear_call.py), no graph break
         if torch.compiler.is_compiling():
-            if self.protocol.config.quantized:
+            if self.protocol.config.quantized and self.protocol.recipe.compiled_op:
                 return fp8_linear_op(self, x, self.weight.t(), self.bias, None, None)
             return self._forward_outside_graph(x)
         return self._forward(x)

@@ -144,9 +144,9 @@ class ConversionReport:
 
     def unowned(self, protocol: QuantProtocol) -> list[str]:
         """Converted layers (and attention quantizers) that hold no quantizer owner in
-        ``protocol``'s bank: they never ran a training forward through the protocol. Meaningful
+        ``protocol`` (its bank's, or a stateless recipe's): they never ran a training forward through the protocol. Meaningful
         after the first event, under a quantized recipe and per-layer ownership."""
-        layers = {o.layer for o in protocol.bank.owners}
+        layers = {o.layer for o in getattr(protocol, "protocol", protocol).owners()}
         return [
             n for n in (*self.converted, *self.attention) if not layers.intersection(self.owner_layers.get(n, (n,)))
         ]

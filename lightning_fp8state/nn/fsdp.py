@@ -29,6 +29,7 @@ from torch import nn
 
 from ..config import QuantConfig
 from ..errors import ConfigError
+from ..quant_recipes import recipe_for
 from .linear import Fp8Linear
 
 __all__ = [
@@ -183,7 +184,11 @@ class Fp8GatheredWeight(torch.Tensor):
 
 
 def fp8_all_gather_problem(config: QuantConfig) -> str | None:
-    """Why ``config`` cannot gather weights in FP8 at the delayed scale (``None``: it can)."""
+    """Why ``config`` cannot gather weights in FP8 at the delayed scale (``None``: it can). The
+    recipe is asked first (:meth:`~lightning_fp8state.quant_recipes.Recipe.all_gather_problem`)."""
+    problem = recipe_for(config).all_gather_problem()
+    if problem is not None:
+        return problem
     if config.mode != "safe":
         return f"QuantConfig.mode={config.mode!r}: FP8 all-gather needs mode='safe' (the naive modes are defects)"
     if config.ownership not in ("per_layer", "per_layer_rank"):

@@ -1,4 +1,5 @@
-"""Fp8Linear: nn.Linear whose input, weight and grad_output are delayed-scaled FP8 owners."""
+"""Fp8Linear: nn.Linear whose input, weight and grad_output are FP8 owners, quantized as the
+protocol's recipe says (:mod:`lightning_fp8state.quant_recipes`)."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ class Fp8Linear(nn.Linear):
         protocol = self.protocol
         config = protocol.config
         fused = self._prologue(prologue, norm)
-        if fused is not None and not (config.quantized and config.fuse_prologues):
+        if fused is not None and not (config.quantized and config.fuse_prologues and protocol.recipe.fuses_prologues):
             x = norm(x) if prologue == "layer_norm" else F.gelu(x)  # the same op, unfused
             fused = None
         roles = LINEAR_ROLES if config.quantized else ()
@@ -108,7 +109,8 @@ class Fp8Linear(nn.Linear):
         protocol.observe_output(record, phase, out, record.used)
         return out
 
-    # what the compiled path does not express as its op (no quantization, FSDP2 FP8 all-gathers):
+    # what the compiled path does not express as its op (no quantization, a recipe whose call is not
+    # the op, FSDP2 FP8 all-gathers):
     # a graph break, the call run eagerly
     _forward_outside_graph = torch.compiler.disable(_forward)
 
@@ -117,7 +119,7 @@ class Fp8Linear(nn.Linear):
         config = protocol.config
         kind = self._prologue_kind(prologue, norm)
         # (reads no per-module value but the key tensor: the blocks of a model share one graph)
-        if not config.quantized or protocol.gathered_layers:
+        if not (config.quantized and protocol.recipe.compiled_op) or protocol.gathered_layers:
             return self._forward_outside_graph(x, prologue, norm)
         if kind is not None and not config.fuse_prologues:
             x = norm(x) if kind == "layer_norm" else F.gelu(x)  # the same op, unfused

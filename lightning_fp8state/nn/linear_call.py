@@ -30,19 +30,16 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..encoders import CastTranspose, Prologue, role_format
+from ..encoders import Prologue, role_format
 from ..formats import fp8_format
 from ..ops.library import LIB
 from ..protocol import QuantProtocol, take_kept
 from ..recompute import Phase
 from ..sac import outside_selective_checkpoint
-from .gemm import _mm_device, scaled_matmul
 
 __all__ = ["LINEAR_ROLES", "fp8_linear_op", "module_of", "op_key"]
 
 LINEAR_ROLES = ("input", "weight", "grad_output")
-# grad_output's stage (stateless: one of each, shared): with and without the bias gradient
-_CAST_TRANSPOSE = {True: CastTranspose(True), False: CastTranspose(False)}
 # index -> module: torch.compile's op names its module by index (op_key)
 _MODULES: list[weakref.ref] = []
 
@@ -75,8 +72,11 @@ class _Call(NamedTuple):
 
 
 def _linear_forward(x, weight, bias, protocol: QuantProtocol, record, phase: Phase, out_dtype, backend, prologue):
-    """The quantized call: ``(y, saved tensors, _Call)``. ``saved`` is ``(xq, wq)``, and with a
-    prologue also its input and its statistics (as the unfused op would keep them)."""
+    """The quantized call: ``(y, saved tensors, _Call)``. ``saved`` is what the recipe keeps of
+    input and weight (``(xq, wq)``: their codes, for per-tensor recipes), and with a prologue
+    also its input and its statistics (as the unfused op would keep them). The GEMMs are the
+    recipe's (:mod:`lightning_fp8state.quant_recipes`)."""
+    recipe = protocol.recipe
     x2 = x.reshape(-1, x.shape[-1])
     xq, sx = protocol.quantize(record, "input", x2, phase, prologue)
     gathered = getattr(weight, "fp8", None)  # an FSDP2 FP8 all-gather's codes (nn/fsdp.py)
@@ -87,10 +87,11 @@ def _linear_forward(x, weight, bias, protocol: QuantProtocol, record, phase: Pha
     if phase is not Phase.INFERENCE:
         protocol.check_consumer(record, "input", sx)
         protocol.check_consumer(record, "weight", sw)
-    y = scaled_matmul(
-        xq, wq.t(), sx.descale, sw.descale, out_dtype, backend, _gemm_bias(bias, out_dtype, backend, record, phase)
+    y = recipe.linear_gemm(
+        xq, wq, sx, sw, out_dtype, backend, _gemm_bias(recipe, bias, out_dtype, backend, record, phase)
     )
-    saved = (xq, wq) if prologue is None else (xq, wq, x2, *(prologue.stats or ()))
+    x_saved, w_saved = recipe.saved_for_backward(xq, wq, x2, weight)
+    saved = (x_saved, w_saved) if prologue is None else (x_saved, w_saved, x2, *(prologue.stats or ()))
     if prologue is not None:
         prologue.stats = None  # handed to the caller's save, not held twice
     bias_dtype = None if bias is None else bias.dtype
@@ -98,13 +99,13 @@ def _linear_forward(x, weight, bias, protocol: QuantProtocol, record, phase: Pha
     return y.reshape(*x.shape[:-1], y.shape[-1]), saved, call
 
 
-def _gemm_bias(bias, out_dtype, backend: str, record, phase: Phase):
+def _gemm_bias(recipe, bias, out_dtype, backend: str, record, phase: Phase):
     """The bias in the GEMM epilogue's dtype (the output's, when 16-bit), converted once per
     event: the recompute reuses the true forward's copy (one launch and allocation less a call).
     The conversion is unseen by SAC, which needs the recompute to issue the forward's ops."""
     if bias is None or bias.dtype == out_dtype or out_dtype not in (torch.bfloat16, torch.float16):
         return bias
-    if backend == "emulated" or not _mm_device(bias.device):  # the emulation adds it in float32
+    if not recipe.bias_in_epilogue(bias.device, backend):  # the GEMM adds it in float32
         return bias
     if phase is Phase.INFERENCE:
         return bias.to(out_dtype)
@@ -116,15 +117,19 @@ def _gemm_bias(bias, out_dtype, backend: str, record, phase: Phase):
 
 def _linear_backward(grad_out, saved, call: _Call, needs) -> tuple:
     """Gradients of ``(x, weight, bias, norm weight, norm bias)``; ``None`` where not needed."""
-    xq, wq, *prologue_saved = saved
+    x_saved, w_saved, *prologue_saved = saved
     sx, sw = call.snaps
     protocol, record, prologue = call.protocol, call.record, call.prologue
+    recipe = protocol.recipe
     g2 = grad_out.reshape(-1, grad_out.shape[-1])
     if not g2.is_contiguous():
         g2 = g2.contiguous()
     want_bias = call.bias_dtype is not None and needs[2]
-    # one read of grad_output (always an FP8 format): its codes, their transpose and the bias gradient
-    (gq, gq_t, g_sums), sg = protocol.quantize(record, "grad_output", g2, Phase.FORWARD, _CAST_TRANSPOSE[want_bias])
+    # grad_output's operands of both GEMMs (per-tensor recipes: its codes and their transpose,
+    # from one read of it) and the bias gradient
+    (gq, g_w, g_sums), sg = protocol.quantize(
+        record, "grad_output", g2, Phase.FORWARD, recipe.grad_output_stage(want_bias)
+    )
     for snap, role in ((sx, "input"), (sw, "weight"), (sg, "grad_output")):
         protocol.check_consumer(record, role, snap)
     grad_x = grad_w = grad_b = grad_nw = grad_nb = None
@@ -132,12 +137,12 @@ def _linear_backward(grad_out, saved, call: _Call, needs) -> tuple:
     # are freed before the input gradient (float32 where x is) and the prologue's backward
     # allocate theirs, so the two sets never coexist.
     if needs[1]:
-        grad_w = scaled_matmul(gq_t, xq, sg.descale, sx.descale, call.w_dtype, call.backend)
-    del gq_t
+        grad_w = recipe.grad_weight(g_w, x_saved, sg, sx, call.w_dtype, call.backend)
+    del g_w
     if want_bias:
         grad_b = g_sums.to(call.bias_dtype)
     if needs[0] or needs[3] or needs[4]:
-        grad_x = scaled_matmul(gq, wq, sg.descale, sw.descale, call.x_dtype, call.backend)
+        grad_x = recipe.grad_input(gq, w_saved, sg, sw, call.x_dtype, call.backend)
         del gq
         if prologue is not None:
             x2, *stats = prologue_saved

@@ -58,7 +58,7 @@ class Fp8Projection:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            if self.protocol.config.quantized:
+            if self.protocol.config.quantized and self.protocol.recipe.compiled_op:
                 return fp8_linear_op(self, x, weight, bias, None, None)
             return self._call_outside_graph(x, weight, bias)
         return self._call(x, weight, bias)

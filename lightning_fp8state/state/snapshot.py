@@ -18,7 +18,9 @@ class QuantSnapshot:
 
     ``scale`` and ``descale`` (and ``center``, for the centered FP4 variant) are views of a
     copy taken before any state advanced in the event; nothing writes to that copy, so a
-    snapshot never changes after it is taken. Consumers call :meth:`expect` before reading it.
+    snapshot never changes after it is taken. Under a stateless recipe (``fp8_current``,
+    ``fp8_rowwise``) they are the call's own, derived from its tensor (with ``amax``): a
+    scalar per tensor, or ``[rows, 1]`` per row. Consumers call :meth:`expect` before reading it.
     """
 
     owner: OwnerKey
@@ -31,6 +33,7 @@ class QuantSnapshot:
     descale: torch.Tensor
     layout: str | None = None  # FP4 block layout ("nvfp4" | "mxfp4"); None for FP8
     center: torch.Tensor | None = None  # centered FP4: the running center [channels]
+    amax: torch.Tensor | None = None  # stateless recipes: the amax(es) this call's scale came from
 
     @property
     def event(self) -> tuple[int, int] | None:

@@ -129,8 +129,10 @@ class SaturationProbe:
         self._count(record, "grad_output", grad)
 
     def _count(self, record: CallRecord, role: str, x: torch.Tensor) -> None:
-        snap = record.used.get(role) or record.snapshots[role]
         index = record.indices[role]
+        if index < 0:  # a stateless owner (its scale from its own amax): nothing saturates but NaN
+            return
+        snap = record.used.get(role) or record.snapshots[role]
         fmax = fp8_format(snap.dtype).max
         with torch.no_grad():
             hits = ((x.detach().to(torch.float32) * snap.scale.to(torch.float32)).abs() > fmax).sum()
@@ -156,6 +158,32 @@ def _commits_per_event(ledger, after_event, open_event) -> tuple[list[int], obje
                 counts.append(rec.commits)
         last = event
     return counts, last
+
+
+def _stateless_health(protocol, per_owner: bool) -> dict[str, float]:
+    """The fields the recipe defines for its stateless owners (``Recipe.telemetry``), from each
+    owner's latest true-forward snapshot (one transfer): ``fp8state/<field>/<owner>``, and the
+    min/max of every ``scale*`` and the max of every ``amax*`` field across owners."""
+    snaps = protocol.dynamic_snapshots() if hasattr(protocol, "dynamic_snapshots") else {}
+    names, values = [], []
+    for owner, snap in snaps.items():
+        for key, value in protocol.recipe.telemetry(snap).items():
+            names.append((owner, key))
+            values.append(value.detach().reshape(()).to(torch.float32))
+    if not values:
+        return {}
+    host = torch.stack([v.to(values[0].device) for v in values]).cpu().tolist()
+    out: dict[str, float] = {}
+    scales = [v for (_, k), v in zip(names, host, strict=True) if k.startswith("scale")]
+    amaxes = [v for (_, k), v in zip(names, host, strict=True) if k.startswith("amax")]
+    if scales:
+        out["fp8state/scale_min"], out["fp8state/scale_max"] = min(scales), max(scales)
+    if amaxes:
+        out["fp8state/amax_max"] = max(amaxes)
+    if per_owner:
+        for (owner, key), value in zip(names, host, strict=True):
+            out[f"fp8state/{key}/{owner_label(owner)}"] = value
+    return out
 
 
 def quantizer_health(
@@ -207,6 +235,10 @@ def quantizer_health(
                 out[f"fp8state/amax/{label}"] = amax[i]
                 if i in fractions:
                     out[f"fp8state/saturated_frac/{label}"] = fractions[i]
+    for key, value in _stateless_health(protocol, per_owner).items():  # merged with the bank's owners
+        if key in out and key.endswith(("_min", "_max")):
+            value = min(value, out[key]) if key.endswith("_min") else max(value, out[key])
+        out[key] = value
     counts, last = _commits_per_event(ledger, after_event, protocol.clock.event)
     if counts:
         out["fp8state/commits_per_event_min"] = float(min(counts))

@@ -15,6 +15,7 @@ LAYERS = [
     ("ops", {"ops"}),
     ("state", {"state"}),
     ("sac, encoders, recompute", {"sac", "encoders", "recompute"}),
+    ("quant_recipes", {"quant_recipes"}),
     ("protocol", {"protocol"}),
     ("defects, nn", {"defects", "nn"}),
     ("facade, audit, graphs", {"fp8state", "audit", "graphs", "block_graphs"}),

@@ -1,0 +1,70 @@
+"""The ``fp8state`` ops of the stateless scalings (``fp8_current``, ``fp8_rowwise``): schemas,
+input checks, reference and fake kernels (numerics: :mod:`.reference_dynamic`).
+
+Each returns the codes with the scale, descale and amax it derived from its input, so the
+caller pairs them in the call's snapshot. The reference (``CompositeExplicitAutograd``) serves
+every device for now; the fused CUDA kernels (one pass: the amax, then the quantize from
+registers or L2: issue 28's GPU half) will override it with
+``TORCH_LIBRARY_IMPL(fp8state, CUDA, m)`` in ``csrc/``, bitwise the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import MARGIN_MAX
+from . import reference_dynamic as ref
+from .library import _FP8_DTYPES, _IN_DTYPES, LIB, _expect
+
+__all__ = ["quantize_fp8_current", "quantize_fp8_rowwise"]
+
+LIB.define("quantize_fp8_current(Tensor x, ScalarType dtype, int margin) -> (Tensor, Tensor, Tensor, Tensor)")
+LIB.define("quantize_fp8_rowwise(Tensor x, ScalarType dtype, int margin) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def _check(x: torch.Tensor, dtype: torch.dtype, margin: int, *, rows: bool) -> None:
+    _expect(x.dtype in _IN_DTYPES, "x.dtype", f"one of {list(_IN_DTYPES)}", x.dtype)
+    _expect(dtype in _FP8_DTYPES, "dtype", f"one of {list(_FP8_DTYPES)}", dtype)
+    _expect(0 <= margin <= MARGIN_MAX, "margin", f"an integer >= 0 and <= {MARGIN_MAX}", margin)
+    if rows:
+        _expect(x.dim() == 2, "x.dim()", "2", x.dim())
+
+
+# -- fused kernel goes here (CUDA): amax + quantize of one tensor, bitwise this reference ------
+@torch.library.impl(LIB, "quantize_fp8_current", "CompositeExplicitAutograd")
+def _quantize_fp8_current(x: torch.Tensor, dtype: torch.dtype, margin: int):
+    _check(x, dtype, margin, rows=False)
+    q, scale, descale, amax = ref.quantize_fp8_current_reference(x, dtype, margin)
+    return q.contiguous(), scale, descale, amax
+
+
+# -- fused kernel goes here (CUDA): one pass per row, its amax then its codes ---------------
+@torch.library.impl(LIB, "quantize_fp8_rowwise", "CompositeExplicitAutograd")
+def _quantize_fp8_rowwise(x: torch.Tensor, dtype: torch.dtype, margin: int):
+    _check(x, dtype, margin, rows=True)
+    q, scale, descale, amax = ref.quantize_fp8_rowwise_reference(x, dtype, margin)
+    return q.contiguous(), scale, descale, amax
+
+
+@torch.library.register_fake("fp8state::quantize_fp8_current")
+def _quantize_fp8_current_fake(x, dtype, margin):
+    scalar = x.new_empty((), dtype=torch.float32)
+    q = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+    return q, scalar, torch.empty_like(scalar), torch.empty_like(scalar)
+
+
+@torch.library.register_fake("fp8state::quantize_fp8_rowwise")
+def _quantize_fp8_rowwise_fake(x, dtype, margin):
+    col = x.new_empty((x.shape[0], 1), dtype=torch.float32)
+    q = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+    return q, col, torch.empty_like(col), torch.empty_like(col)
+
+
+def quantize_fp8_current(x: torch.Tensor, dtype: torch.dtype, margin: int = 0):
+    """Per-tensor current scaling of ``x``: ``(codes, scale, descale, amax)`` (0-d float32)."""
+    return torch.ops.fp8state.quantize_fp8_current(x, dtype, margin)
+
+
+def quantize_fp8_rowwise(x: torch.Tensor, dtype: torch.dtype, margin: int = 0):
+    """Rowwise scaling of the 2-D ``x``: ``(codes, scale, descale, amax)``, each ``[R, 1]``."""
+    return torch.ops.fp8state.quantize_fp8_rowwise(x, dtype, margin)

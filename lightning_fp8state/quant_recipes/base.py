@@ -1,0 +1,125 @@
+"""The recipe plug-in: one class answers, for one ``QuantConfig.recipe``, every question the
+modules and the protocol used to answer with a per-tensor assumption.
+
+A :class:`Recipe` says, per role, whether its scale is delayed state in the bank
+(:meth:`Recipe.stateful`) and which encoder turns its tensor into low-precision data
+(:meth:`Recipe.encoder`); it is the linear call's GEMM (:meth:`Recipe.linear_gemm`,
+:meth:`Recipe.grad_input`, :meth:`Recipe.grad_weight`) and names what a call saves for its
+backward; it says how FSDP2 all-gathers a weight (:meth:`Recipe.all_gather_problem`) and which
+telemetry fields a stateless owner reports (:meth:`Recipe.telemetry`). ``nn/``, the protocol
+and the telemetry ask it; none of them tests for a recipe name.
+
+A recipe registers itself with :func:`register` (its name then becomes a valid
+``quant.recipe``); :func:`recipe_for` builds the one a config names.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..config import QuantConfig, register_recipe_name, require_choice
+from ..encoders import encoder_for
+from ..state import ATTENTION_ROLES
+from .gemm import _mm_device
+
+__all__ = ["RECIPE_CLASSES", "Recipe", "recipe_for", "register"]
+
+RECIPE_CLASSES: dict[str, type[Recipe]] = {}
+
+
+def register(cls: type[Recipe]) -> type[Recipe]:
+    """Class decorator: make ``cls`` the recipe of ``quant.recipe=cls.name``."""
+    register_recipe_name(cls.name, cls.modes)
+    RECIPE_CLASSES[cls.name] = cls
+    return cls
+
+
+def recipe_for(config: QuantConfig) -> Recipe:
+    """The recipe ``config.recipe`` names, bound to ``config``."""
+    require_choice("recipe", config.recipe, tuple(RECIPE_CLASSES))
+    return RECIPE_CLASSES[config.recipe](config)
+
+
+class Recipe:
+    """One quantization recipe (see the module doc). Subclasses set the class attributes and
+    override what differs; the defaults are FP8 per-tensor delayed scaling's answers."""
+
+    name: ClassVar[str]
+    # The QuantConfig.mode values it allows: the naive modes reproduce delayed-scaling defects.
+    modes: ClassVar[tuple[str, ...]] = ("safe",)
+    # False: nothing is quantized (the bf16 control).
+    quantized: ClassVar[bool] = True
+    # Whether a LayerNorm/GELU that produces a Linear's input is fused into the input's encode
+    # (False: the module runs it on its own, then the call quantizes its output).
+    fuses_prologues: ClassVar[bool] = True
+    # Whether torch.compile runs a linear call as the opaque fp8state::fp8_linear op (its saved
+    # tensors are the input and weight codes); False: a graph break, the call run eagerly.
+    compiled_op: ClassVar[bool] = True
+    # What one line of the README's feature table says the recipe guarantees.
+    summary: ClassVar[str] = ""
+
+    def __init__(self, config: QuantConfig) -> None:
+        self.config = config
+        self._encoders: dict[str, object] = {}
+
+    # -- per role ---------------------------------------------------------------------
+    def stateful(self, role: str) -> bool:
+        """Whether ``role``'s scale is delayed state (an owner in the bank, committed once per
+        event); False: each call derives it from its own tensor (nothing to commit)."""
+        return True
+
+    def encoder(self, role: str):
+        """The encoder of ``role`` (cached). FP4 attention operands keep their delayed encoders
+        under every recipe."""
+        enc = self._encoders.get(role)
+        if enc is None:
+            enc = self._encoders[role] = self._make_encoder(role)
+        return enc
+
+    def _make_encoder(self, role: str):
+        return encoder_for(self.config, role)
+
+    def grad_output_stage(self, column_sum: bool):
+        """The stage the grad_output encode runs (its data feeds both backward GEMMs and, with
+        ``column_sum``, gives the bias gradient): ``None`` where the role needs none."""
+        return None
+
+    # -- the linear call's GEMMs -------------------------------------------------------
+    def bias_in_epilogue(self, device: torch.device, backend: str) -> bool:
+        """Whether the forward GEMM adds the bias in a 16-bit epilogue on ``device`` (then the
+        call converts it once per event); else the GEMM adds it in float32."""
+        return backend != "emulated" and _mm_device(device)
+
+    def linear_gemm(self, xq, wq, sx, sw, out_dtype: torch.dtype, backend: str, bias):
+        """``y = x @ w^T (+ bias)`` from the input's and weight's encoded data and snapshots."""
+        raise NotImplementedError
+
+    def saved_for_backward(self, xq, wq, x2: torch.Tensor, weight: torch.Tensor) -> tuple:
+        """``(for the weight gradient, for the input gradient)``: what a call saves of its input
+        and weight (default: their codes)."""
+        return xq, wq
+
+    def grad_weight(self, g_w, x_saved, sg, sx, out_dtype: torch.dtype, backend: str):
+        """``dW = g^T @ x`` from grad_output's weight-gradient operand and the saved input."""
+        raise NotImplementedError
+
+    def grad_input(self, g_x, w_saved, sg, sw, out_dtype: torch.dtype, backend: str):
+        """``dX = g @ W`` from grad_output's input-gradient operand and the saved weight."""
+        raise NotImplementedError
+
+    # -- distributed and telemetry ------------------------------------------------------
+    def all_gather_problem(self) -> str | None:
+        """Why FSDP2 cannot all-gather this recipe's weights as FP8 (``None``: it can, at the
+        event's frozen weight scale: nn/fsdp.py)."""
+        return None
+
+    def telemetry(self, snap) -> dict[str, torch.Tensor]:
+        """A stateless owner's fields on a log step, from its latest true-forward snapshot
+        (each a float32 scalar on the device); stateful owners report the bank's scale and amax."""
+        return {}
+
+    @staticmethod
+    def attention_role(role: str) -> bool:
+        return role in ATTENTION_ROLES

@@ -1,0 +1,183 @@
+"""``fp8_rowwise`` and ``fp8_rowwise_gw_hp``: FP8 with one scale per row, like torchao's
+``rowwise`` and ``rowwise_with_gw_hp`` recipes.
+
+Each GEMM operand is scaled along the dimension it keeps (never along the one it sums over),
+from its own high-precision tensor, at every call (stateless, as :mod:`.current`):
+
+- forward ``y = x @ W^T``: ``x`` per row ``[M, 1]``, ``W`` per row, i.e. per output channel
+  (``W^T``'s columns, ``[1, N]`` in the GEMM);
+- input gradient ``dX = g @ W``: ``g`` per row ``[M, 1]``, ``W`` per column ``[1, K]``;
+- weight gradient ``dW = g^T @ x``: ``g`` per column ``[N, 1]``, ``x`` per column ``[1, K]``;
+  ``fp8_rowwise_gw_hp`` runs this one in high precision.
+
+So a call saves its high-precision input and weight for the backward (as torchao does), and
+grad_output is E4M3 in the shipped config (``configs/quant/fp8_rowwise.yaml``: cuBLASLt's
+rowwise FP8 GEMM takes E4M3 operands only). On the CPU the GEMM is the delayed emulation's:
+codes multiplied in float32, then the outer product of the paired descales, the bias, one
+rounding. On a GPU with FP8 it is ``torch._scaled_mm`` with ``scale_a [M, 1]`` and
+``scale_b [1, N]`` (float32): written, NOT YET RUN ON A GPU (no device this session; the
+tests in tests/gpu/test_recipes_cuda.py are its check).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import fp8_format
+from ..ops.library_dynamic import quantize_fp8_rowwise
+from .base import Recipe, register
+from .gemm import _mm_device
+
+__all__ = ["Fp8Rowwise", "Fp8RowwiseGwHp", "RowwiseFp8Encoder", "rowwise_matmul"]
+
+_E4M3 = torch.float8_e4m3fn
+
+
+def rowwise_matmul(a, b, descale_a, descale_b, out_dtype, backend: str = "auto", bias=None) -> torch.Tensor:
+    """``(a @ b) * (descale_a * descale_b) (+ bias)`` for FP8 ``a [M, K]`` with ``descale_a
+    [M, 1]`` and ``b [K, N]`` with ``descale_b [1, N]``.
+
+    ``backend``: ``auto`` (``_scaled_mm`` where the GPU has it and the operands allow it: both
+    E4M3, a bfloat16 output, K and N multiples of 16), ``emulated`` or ``scaled_mm``.
+    """
+    use_mm = backend == "scaled_mm" or (
+        backend == "auto"
+        and a.dtype == _E4M3
+        and b.dtype == _E4M3
+        and out_dtype == torch.bfloat16
+        and a.shape[1] % 16 == 0
+        and b.shape[1] % 16 == 0
+        and _mm_device(a.device)
+    )
+    if not use_mm:
+        # the delayed emulation's arithmetic: exact FP8 products accumulated in float32, then
+        # the paired descales (here their outer product), the bias in float32, one rounding
+        acc = (a.to(torch.float32) @ b.to(torch.float32)) * (descale_a.to(torch.float32) * descale_b.to(torch.float32))
+        if bias is not None:
+            acc = acc + bias.to(torch.float32)
+        return acc.to(out_dtype)
+    # UNTESTED ON A GPU (written this session without one): cuBLASLt's rowwise FP8 GEMM wants a
+    # row-major, b column-major, scale_a [M, 1] and scale_b [1, N] contiguous float32.
+    if not a.is_contiguous():
+        a = a.contiguous()
+    if not b.t().is_contiguous():
+        b = b.t().contiguous().t()
+    sa = descale_a.to(torch.float32).reshape(a.shape[0], 1).contiguous()
+    sb = descale_b.to(torch.float32).reshape(1, b.shape[1]).contiguous()
+    if bias is not None and bias.dtype != out_dtype:
+        bias = bias.to(out_dtype)
+    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=bias, out_dtype=out_dtype)
+
+
+class _GradStage:
+    """grad_output's stage: per-row codes (input gradient), the per-column codes of ``g`` as
+    ``g^T``'s rows (weight gradient) or ``g`` itself (``high_precision``), the bias gradient."""
+
+    __slots__ = ("column_sum", "high_precision")
+
+    def __init__(self, column_sum: bool, high_precision: bool) -> None:
+        self.column_sum, self.high_precision = column_sum, high_precision
+
+
+class RowwiseFp8Encoder:
+    """FP8 codes of a 2-D tensor with one scale per row, from each row's own amax:
+    ``encode_dynamic`` returns the data and ``(scale, descale, amax)``, each ``[R, 1]``."""
+
+    layout = None
+    centered = False
+    stateful = False
+
+    def __init__(self, name: str, margin: int) -> None:
+        self.name = name
+        self.dtype = fp8_format(name).dtype
+        self.margin = margin
+
+    def encode_dynamic(self, x: torch.Tensor, stage: _GradStage | None = None):
+        with torch.no_grad():
+            q, scale, descale, amax = quantize_fp8_rowwise(x, self.dtype, self.margin)
+            if stage is None:
+                return q, scale, descale, amax
+            if stage.high_precision:
+                g_w = x
+            else:
+                q_t, _, descale_t, _ = quantize_fp8_rowwise(x.t().contiguous(), self.dtype, self.margin)
+                g_w = (q_t, descale_t)
+            sums = x.sum(0, dtype=torch.float32) if stage.column_sum else None
+            return (q, g_w, sums), scale, descale, amax
+
+
+@register
+class Fp8Rowwise(Recipe):
+    """FP8 with one scale per row of each GEMM operand (stateless)."""
+
+    name = "fp8_rowwise"
+    fuses_prologues = False
+    compiled_op = False
+    # the weight-gradient GEMM in high precision (fp8_rowwise_gw_hp)
+    high_precision_weight_grad = False
+    summary = (
+        "FP8 with a scale per row of input and grad_output and per output channel of the weight, from "
+        "this call's own amaxes (stateless); owners, stamps, ledger counts; recompute exact when its "
+        "input is bitwise the forward's (audited)"
+    )
+
+    def stateful(self, role: str) -> bool:
+        return self.attention_role(role)
+
+    def _make_encoder(self, role: str):
+        if self.attention_role(role):
+            return super()._make_encoder(role)
+        config = self.config
+        name = config.backward_format if role == "grad_output" else config.forward_format
+        return RowwiseFp8Encoder(name, config.margin)
+
+    def grad_output_stage(self, column_sum: bool):
+        return _GradStage(column_sum, self.high_precision_weight_grad)
+
+    def linear_gemm(self, xq, wq, sx, sw, out_dtype, backend, bias):
+        return rowwise_matmul(xq, wq.t(), sx.descale, sw.descale.t(), out_dtype, backend, bias)
+
+    def saved_for_backward(self, xq, wq, x2, weight):
+        return x2, weight  # the backward scales them along their other dimension
+
+    def _columns(self, t: torch.Tensor, role: str):
+        """``t [R, C]`` scaled per column: codes ``[R, C]`` (a transposed view) and descale ``[1, C]``."""
+        with torch.no_grad():
+            q_t, _, descale_t, _ = quantize_fp8_rowwise(
+                t.t().contiguous(), self.encoder(role).dtype, self.config.margin
+            )
+        return q_t.t(), descale_t.t()
+
+    def grad_weight(self, g_w, x_saved, sg, sx, out_dtype, backend):
+        if self.high_precision_weight_grad:
+            dtype = torch.promote_types(g_w.dtype, x_saved.dtype)
+            return (g_w.t().to(dtype) @ x_saved.to(dtype)).to(out_dtype)
+        q_t, descale_t = g_w  # g^T per row: [N, M], [N, 1]
+        xq, x_descale = self._columns(x_saved, "input")
+        return rowwise_matmul(q_t, xq, descale_t, x_descale, out_dtype, backend)
+
+    def grad_input(self, g_x, w_saved, sg, sw, out_dtype, backend):
+        wq, w_descale = self._columns(w_saved, "weight")
+        return rowwise_matmul(g_x, wq, sg.descale, w_descale, out_dtype, backend)
+
+    def all_gather_problem(self) -> str | None:
+        return (
+            f"recipe={self.name!r}: a per-channel weight scale needs the whole weight row, and the backward "
+            "scales the weight per column, from its high-precision values; the weights gather in high "
+            "precision (fp8_all_gather=False)"
+        )
+
+    def telemetry(self, snap) -> dict[str, torch.Tensor]:
+        if snap.scale.numel() == 0:
+            return {}
+        return {"scale_min": snap.scale.min(), "scale_max": snap.scale.max(), "amax": snap.amax.max()}
+
+
+@register
+class Fp8RowwiseGwHp(Fp8Rowwise):
+    """:class:`Fp8Rowwise` with the weight-gradient GEMM in high precision (torchao's
+    ``rowwise_with_gw_hp``)."""
+
+    name = "fp8_rowwise_gw_hp"
+    high_precision_weight_grad = True
+    summary = Fp8Rowwise.summary + "; the weight gradient in high precision"

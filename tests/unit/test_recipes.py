@@ -1,0 +1,260 @@
+"""The stateless recipes (issue 28): fp8_current, fp8_rowwise, fp8_rowwise_gw_hp.
+
+Their reference quantize against a hand computation (numpy float32, torch's FP8 cast as the
+format's rounding), the rowwise GEMM against the dequantized product, recompute bitwise the true
+forward under every checkpoint engine, checkpointed gradients bitwise the uncheckpointed ones,
+ownership / stamps / ledger, the auditor's input check, configs and the recipe-mismatch refusal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import lightning_fp8state as f8s
+from lightning_fp8state.errors import ConfigError, StaleSnapshotError, StateLoadError, StateTransitionError
+from lightning_fp8state.ops.library_dynamic import quantize_fp8_current, quantize_fp8_rowwise
+from lightning_fp8state.quant_recipes.rowwise import rowwise_matmul
+from lightning_fp8state.telemetry.quantizer import quantizer_health
+from tests.conftest import ENGINE_IDS, ENGINES, bitwise_equal, event_inputs, make_stack, run_events
+
+STATELESS = ["fp8_current", "fp8_rowwise", "fp8_rowwise_gw_hp"]
+N_EVENTS = 3
+E4M3_MAX = np.float32(448.0)
+
+
+def _codes_by_hand(v: np.ndarray, dtype: torch.dtype, fmax: float) -> torch.Tensor:
+    """FP8 codes of the float32 products ``v``: clamp, then the format's round-to-nearest-even
+    (torch's cast), NaN as the canonical 0x7F."""
+    t = torch.from_numpy(np.clip(v, -fmax, fmax).astype(np.float32)).to(dtype)
+    bits = t.view(torch.uint8).clone()
+    bits[torch.from_numpy(np.isnan(v))] = 0x7F
+    return bits
+
+
+def _scale_by_hand(amax: np.ndarray, fmax: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        cand = (fmax / amax).astype(np.float32)  # margin 0: / 2**0 is exact
+        ok = np.isfinite(amax) & (amax > 0) & np.isfinite(cand)
+        return np.where(ok, cand, np.float32(1)), np.where(ok, (np.float32(1) / cand).astype(np.float32), 1)
+
+
+def test_current_quantize_matches_a_hand_computation_on_fresh_random_data():
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(37, 53, generator=g) * 3.7
+    q, scale, descale, amax = quantize_fp8_current(x, torch.float8_e4m3fn, 0)
+    xn = x.numpy()
+    want_amax = np.float32(np.max(np.abs(xn)))
+    want_scale, want_descale = _scale_by_hand(np.array([want_amax], dtype=np.float32), E4M3_MAX)
+    assert amax.item() == want_amax and scale.item() == want_scale[0] and descale.item() == want_descale[0]
+    assert scale.dim() == 0 and scale.dtype == torch.float32
+    want = _codes_by_hand(xn * want_scale[0], torch.float8_e4m3fn, 448.0)
+    assert torch.equal(q.view(torch.uint8), want)
+    # the largest magnitude lands on the format's max
+    assert q.to(torch.float32).abs().max().item() == 448.0
+
+
+def test_rowwise_quantize_matches_a_hand_computation_per_row_with_the_guards():
+    g = torch.Generator().manual_seed(99)
+    x = torch.randn(9, 40, generator=g) * torch.logspace(-3, 3, 9).unsqueeze(1)  # rows of very different size
+    x[2] = 0.0  # zero amax: scale 1
+    x[4, 7] = float("inf")  # non-finite amax: scale 1, the row saturates
+    x[6, 3] = float("nan")  # NaN row: scale 1, NaN stays the canonical code
+    for dtype, fmax in ((torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)):
+        q, scale, descale, amax = quantize_fp8_rowwise(x, dtype, 0)
+        assert scale.shape == descale.shape == amax.shape == (9, 1)
+        xn = x.numpy()
+        with np.errstate(invalid="ignore"):
+            row_amax = np.abs(xn).max(axis=1, keepdims=True).astype(np.float32)
+        want_scale, want_descale = _scale_by_hand(row_amax, np.float32(fmax))
+        assert np.array_equal(scale.numpy(), want_scale) and np.array_equal(descale.numpy(), want_descale)
+        assert scale[2].item() == scale[4].item() == scale[6].item() == 1.0
+        with np.errstate(invalid="ignore"):
+            want = _codes_by_hand(xn * want_scale, dtype, fmax)
+        assert torch.equal(q.view(torch.uint8), want)
+    # margin: the scale of every finite row halves per step
+    _, s1, _, _ = quantize_fp8_rowwise(x, torch.float8_e4m3fn, 1)
+    _, s0, _, _ = quantize_fp8_rowwise(x, torch.float8_e4m3fn, 0)
+    finite = torch.isfinite(x).all(1) & (x.abs().amax(1) > 0)
+    assert torch.equal(s1[finite], s0[finite] / 2)
+
+
+def test_rowwise_emulated_gemm_is_the_dequantized_product():
+    g = torch.Generator().manual_seed(5)
+    a, _, _, _ = quantize_fp8_rowwise(torch.randn(24, 32, generator=g), torch.float8_e4m3fn, 0)
+    b, _, _, _ = quantize_fp8_rowwise(torch.randn(16, 32, generator=g), torch.float8_e4m3fn, 0)
+    # power-of-two descales: dequantizing is exact, so the two orders agree bit for bit
+    da = torch.exp2(torch.randint(-6, 6, (24, 1), generator=g).float())
+    db = torch.exp2(torch.randint(-6, 6, (1, 16), generator=g).float())
+    bias = torch.randn(16, generator=g)
+    y = rowwise_matmul(a, b.t(), da, db, torch.float32, "emulated", bias)
+    want = (a.float() * da) @ (b.t().float() * db) + bias
+    assert bitwise_equal(y, want)
+    # and any descales: the dequantized product within float32 rounding
+    da, db = torch.rand(24, 1, generator=g) + 0.1, torch.rand(1, 16, generator=g) + 0.1
+    y = rowwise_matmul(a, b.t(), da, db, torch.float64, "emulated")
+    ref = (a.double() * da.double()) @ (b.t().double() * db.double())
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def audited_run(recipe, ckpt, n_events=N_EVENTS, **cfg):
+    state = f8s.Fp8State(f8s.QuantConfig(recipe=recipe, **cfg))
+    model = state.convert(make_stack(ckpt=ckpt))
+    with f8s.RecomputeAuditor(state) as auditor:
+        outs, grads = run_events(state, model, event_inputs(n_events))
+    return state, auditor.report(), outs, grads
+
+
+@pytest.mark.parametrize("recipe", STATELESS)
+@pytest.mark.parametrize("ckpt", ENGINES, ids=ENGINE_IDS)
+def test_recompute_is_bitwise_the_true_forward_and_gradients_the_uncheckpointed_ones(recipe, ckpt):
+    _, _, outs_ref, grads_ref = audited_run(recipe, None)
+    state, report, outs, grads = audited_run(recipe, ckpt)
+    assert {r.event for r in report.rows if r.recomputed} == {(i, 0) for i in range(N_EVENTS)}
+    assert report.recomputed >= 4 * N_EVENTS
+    assert all(r.operands_equal for r in report.rows) and report.ok, report.format_table()
+    for event, (g_ref, g_ck) in enumerate(zip(grads_ref, grads, strict=True)):
+        assert bitwise_equal(outs_ref[event], outs[event])
+        for name in g_ref:
+            assert bitwise_equal(g_ref[name], g_ck[name]), f"{recipe} event {event}: grad of {name} differs"
+    # stateless: no bank state, one ledger commit per owner per event, owners per layer x role
+    assert len(state.bank) == 0
+    owners = state.protocol.owners()
+    assert len(owners) == 4 * 2 * 3 and {o.role for o in owners} == {"input", "weight", "grad_output"}
+    for owner in owners:
+        assert state.ledger.commits(owner) == N_EVENTS
+    assert state.ledger.ok
+
+
+def test_the_recipes_differ_from_each_other_and_from_delayed():
+    outs = {r: audited_run(r, None, n_events=2)[2:] for r in ("fp8_delayed", *STATELESS)}
+    y = {r: o[0][1] for r, o in outs.items()}
+    assert not bitwise_equal(y["fp8_delayed"], y["fp8_current"])
+    assert not bitwise_equal(y["fp8_current"], y["fp8_rowwise"])
+    # gw_hp: the same forward as rowwise, another weight gradient
+    assert bitwise_equal(y["fp8_rowwise"], y["fp8_rowwise_gw_hp"])
+    g_rw, g_hp = outs["fp8_rowwise"][1][1], outs["fp8_rowwise_gw_hp"][1][1]
+    assert bitwise_equal(g_rw["x"], g_hp["x"])
+    assert not bitwise_equal(g_rw["blocks.0.fc1.weight"], g_hp["blocks.0.fc1.weight"])
+
+
+@pytest.mark.parametrize("recipe", STATELESS)
+def test_snapshots_carry_the_calls_own_scale_and_stamps(recipe):
+    state = f8s.Fp8State(f8s.QuantConfig(recipe=recipe))
+    layer = state.convert(nn.Sequential(nn.Linear(16, 8)))[0]
+    x = torch.randn(6, 16) * 5
+    with state.step(0):
+        phase, record = state.protocol.enter_call("probe", ("input",), x.device)
+        q, snap = state.protocol.quantize(record, "input", x, phase)
+        assert snap.event == (0, 0) and snap.owner.layer == "probe" and snap.owner.role == "input"
+        amax = x.abs().amax() if recipe == "fp8_current" else x.abs().amax(1, keepdim=True)
+        assert torch.equal(snap.amax, amax) and torch.equal(snap.scale, torch.full_like(amax, 448.0) / amax)
+        with pytest.raises(StaleSnapshotError, match="owner mismatch"):
+            other = dataclasses.replace(snap, owner=dataclasses.replace(snap.owner, layer="elsewhere"))
+            state.protocol.check_consumer(record, "input", other)
+        layer(x).sum().backward()
+    health, _ = quantizer_health(state)
+    key = "scale" if recipe == "fp8_current" else "scale_max"
+    assert health[f"fp8state/{key}/0.input"] > 0 and health["fp8state/amax/0.input"] == x.abs().max().item()
+
+
+@pytest.mark.parametrize("recipe", STATELESS)
+def test_a_shared_owner_is_refused_under_strict_ownership(recipe):
+    state = f8s.Fp8State(f8s.QuantConfig(recipe=recipe, ownership="per_model"))
+    model = state.convert(make_stack(n=2))
+    with pytest.raises(StateTransitionError, match="shared|entered|call site"):
+        with state.step(0):
+            model(torch.randn(4, 16)).sum().backward()
+
+
+class _Drifting(nn.Module):
+    """A block whose input drifts by one ulp of one small element on every call: the recompute
+    sees an input that is not bitwise the true forward's, yet quantizes to the same codes and
+    the same scale (the element is far from the amax and from any rounding boundary)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        bump = torch.zeros_like(x)
+        bump[0, 0] = torch.finfo(torch.float32).eps * self.calls * x[0, 0].abs()
+        return self.fc(x + bump)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_rowwise"])
+def test_the_auditor_flags_a_recompute_whose_input_is_not_the_forwards(recipe):
+    state = f8s.Fp8State(f8s.QuantConfig(recipe=recipe))
+    block = state.convert(_Drifting())
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    x[0, 0] = 0.3
+    with f8s.RecomputeAuditor(state) as auditor:
+        with state.step(0):
+            f8s.checkpoint(block, x.requires_grad_(True), engine="torch", use_reentrant=False).sum().backward()
+    report = auditor.report()
+    assert not report.ok
+    assert [r.operand_mismatches for r in report.mismatches] == [["input"]]
+    row = report.mismatches[0]
+    assert row.max_abs_diff == 0.0  # the same codes at the same scale: only the input tells
+
+
+def test_config_names_the_allowed_recipes_and_refuses_naive_without_state():
+    with pytest.raises(ConfigError, match=r"recipe='fp8_tensorwise'.*'fp8_delayed'.*'fp8_current'.*'fp8_rowwise'"):
+        f8s.QuantConfig(recipe="fp8_tensorwise")
+    with pytest.raises(ConfigError, match=r"mode='naive' is not allowed with recipe='fp8_current'.*\['safe'\]"):
+        f8s.QuantConfig(recipe="fp8_current", mode="naive")
+    assert f8s.QuantConfig.from_dict({"recipe": "fp8_rowwise_gw_hp"}).recipe == "fp8_rowwise_gw_hp"
+
+
+def test_fsdp_fp8_all_gather_is_refused_with_the_recipes_reason():
+    from lightning_fp8state.nn.fsdp import enable_fp8_all_gather, fp8_all_gather_problem
+
+    assert fp8_all_gather_problem(f8s.QuantConfig()) is None
+    for recipe in STATELESS:
+        state = f8s.Fp8State(f8s.QuantConfig(recipe=recipe))
+        model = state.convert(nn.Sequential(nn.Linear(16, 16)))
+        with pytest.raises(ConfigError, match=f"recipe='{recipe}'.*high precision"):
+            enable_fp8_all_gather(model)
+
+
+@pytest.mark.parametrize(("saved", "live"), [("fp8_delayed", "fp8_current"), ("fp8_rowwise", "fp8_rowwise_gw_hp")])
+def test_a_checkpoint_refuses_another_recipe_in_one_line(saved, live):
+    src = f8s.Fp8State(f8s.QuantConfig(recipe=saved))
+    model = src.convert(make_stack(n=1))
+    run_events(src, model, event_inputs(1))
+    dst = f8s.Fp8State(f8s.QuantConfig(recipe=live))
+    dst.convert(make_stack(n=1))
+    with pytest.raises(StateLoadError, match=f"recipe '{saved}'.*recipe '{live}'") as info:
+        dst.load_state_dict(src.state_dict())
+    assert "\n" not in str(info.value)
+
+
+# sha256 of fp8_delayed's outputs, gradients, scales and histories on this run, computed with
+# the code before recipes were plug-ins (commit fbdaa06) on the CPU (torch 2.13): moving the
+# delayed path into quant_recipes/ changed none of its bits. A torch upgrade that changes CPU
+# matmul rounding changes it too: recompute it at fbdaa06 with the same torch then.
+DELAYED_BEFORE_RECIPES = "654e962180f2423ce80a0819c6d0166ff848e8389bccfa4abd994d0c6ce7505c"
+
+
+@pytest.mark.skipif(not torch.__version__.startswith("2.13"), reason="digest taken with torch 2.13's CPU kernels")
+def test_fp8_delayed_is_bitwise_what_it_was_before_recipes():
+    h = hashlib.sha256()
+    for ckpt in (None, ("torch", False)):
+        for kw in ({}, {"initial_scale": "one", "margin": 1, "amax_algo": "most_recent"}):
+            state = f8s.Fp8State(f8s.QuantConfig(**kw))
+            model = state.convert(make_stack(ckpt=ckpt))
+            outs, grads = run_events(state, model, event_inputs(4))
+            for o, g in zip(outs, grads, strict=True):
+                h.update(o.numpy().tobytes())
+                for n in sorted(g):
+                    h.update(g[n].numpy().tobytes())
+            h.update(state.bank.scale.numpy().tobytes())
+            h.update(state.bank.amax_history.numpy().tobytes())
+    assert h.hexdigest() == DELAYED_BEFORE_RECIPES

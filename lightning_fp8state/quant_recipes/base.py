@@ -123,3 +123,21 @@ class Recipe:
     @staticmethod
     def attention_role(role: str) -> bool:
         return role in ATTENTION_ROLES
+
+
+class PerCallScales:
+    """Mixin of the recipes whose scales come from each call's own tensor (stateless, nothing in
+    the bank): every linear role gets ``per_call_encoder`` in its format; the FP4 attention
+    operands keep their delayed encoders. Put it before the recipe base it completes."""
+
+    per_call_encoder: ClassVar[type]
+
+    def stateful(self, role: str) -> bool:
+        return self.attention_role(role)
+
+    def _make_encoder(self, role: str):
+        if self.attention_role(role):
+            return super()._make_encoder(role)
+        config = self.config
+        name = config.backward_format if role == "grad_output" else config.forward_format
+        return self.per_call_encoder(name, config.margin)

@@ -18,7 +18,7 @@ from ..ops import quantize_fp8_t_record_amax
 from ..ops.library_dynamic import quantize_fp8_current
 from ..ops.reference import amax_reference
 from ..ops.reference_dynamic import dynamic_scale_reference
-from .base import register
+from .base import PerCallScales, register
 from .delayed import PerTensorFp8
 
 __all__ = ["CurrentFp8Encoder", "Fp8Current"]
@@ -64,10 +64,11 @@ class CurrentFp8Encoder:
 
 
 @register
-class Fp8Current(PerTensorFp8):
+class Fp8Current(PerCallScales, PerTensorFp8):
     """Per-tensor FP8, each call's scale from its own amax (stateless)."""
 
     name = "fp8_current"
+    per_call_encoder = CurrentFp8Encoder
     fuses_prologues = False  # the amax of the prologue's output is needed before its encode
     compiled_op = False
     summary = (
@@ -75,16 +76,6 @@ class Fp8Current(PerTensorFp8):
         "owners, stamps and ledger counts; recompute re-derives the scale, exact when its input is bitwise "
         "the forward's, which the auditor checks"
     )
-
-    def stateful(self, role: str) -> bool:
-        return self.attention_role(role)
-
-    def _make_encoder(self, role: str):
-        if self.attention_role(role):
-            return super()._make_encoder(role)
-        config = self.config
-        name = config.backward_format if role == "grad_output" else config.forward_format
-        return CurrentFp8Encoder(name, config.margin)
 
     def grad_output_stage(self, column_sum: bool):
         return _STAGES[column_sum]

@@ -25,7 +25,7 @@ import torch
 
 from ..formats import fp8_format
 from ..ops.library_dynamic import quantize_fp8_rowwise
-from .base import Recipe, register
+from .base import PerCallScales, Recipe, register
 from .gemm import _mm_device
 
 __all__ = ["Fp8Rowwise", "Fp8RowwiseGwHp", "RowwiseFp8Encoder", "rowwise_matmul"]
@@ -107,10 +107,11 @@ class RowwiseFp8Encoder:
 
 
 @register
-class Fp8Rowwise(Recipe):
+class Fp8Rowwise(PerCallScales, Recipe):
     """FP8 with one scale per row of each GEMM operand (stateless)."""
 
     name = "fp8_rowwise"
+    per_call_encoder = RowwiseFp8Encoder
     fuses_prologues = False
     compiled_op = False
     # the weight-gradient GEMM in high precision (fp8_rowwise_gw_hp)
@@ -120,16 +121,6 @@ class Fp8Rowwise(Recipe):
         "this call's own amaxes (stateless); owners, stamps, ledger counts; recompute exact when its "
         "input is bitwise the forward's (audited)"
     )
-
-    def stateful(self, role: str) -> bool:
-        return self.attention_role(role)
-
-    def _make_encoder(self, role: str):
-        if self.attention_role(role):
-            return super()._make_encoder(role)
-        config = self.config
-        name = config.backward_format if role == "grad_output" else config.forward_format
-        return RowwiseFp8Encoder(name, config.margin)
 
     def grad_output_stage(self, column_sum: bool):
         return _GradStage(column_sum, self.high_precision_weight_grad)

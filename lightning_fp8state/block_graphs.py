@@ -165,12 +165,16 @@ class GraphedBlocks:
         self._side = None
         self._last_event = None
         self._captured_config = None
+        self._captured_protocol: QuantProtocol | None = None
         self._input_spec: tuple | None = None
 
     # -- what the blocks belong to -----------------------------------------------------
     @property
     def protocol(self) -> QuantProtocol | None:
-        """The protocol of the blocks' converted layers (None: nothing converted, a bf16 control)."""
+        """The protocol of the blocks' converted layers (None: nothing converted, a bf16 control).
+        Looked up until the capture, then fixed: the graphs hold that protocol's tensors."""
+        if self.graphs is not None:
+            return self._captured_protocol
         for block in self.blocks:
             for module in block.modules():
                 protocol = getattr(module, "protocol", None)
@@ -314,6 +318,7 @@ class GraphedBlocks:
                 )
             self._template = protocol.graph_template(since=before)
             self._captured_config = protocol.config
+        self._captured_protocol = protocol
         self.graphs = graphs
         self._input_spec = (tuple(x.shape), x.dtype, x.device)
         return self._replay(x)  # the capture recorded this event's work; run it

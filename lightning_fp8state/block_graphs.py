@@ -172,7 +172,8 @@ class GraphedBlocks:
     @property
     def protocol(self) -> QuantProtocol | None:
         """The protocol of the blocks' converted layers (None: nothing converted, a bf16 control).
-        Looked up until the capture, then fixed: the graphs hold that protocol's tensors."""
+        Looked up until the capture, then fixed: the graphs hold that protocol's tensors, and a
+        converted layer is never bound to another state (``convert`` skips it)."""
         if self.graphs is not None:
             return self._captured_protocol
         for block in self.blocks:

@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from .config import require_bool
 from .errors import ConfigError, StateTransitionError
 from .graphs import on_side_stream, require_warmup
 from .protocol import GraphTemplate, QuantProtocol
@@ -153,8 +154,7 @@ class GraphedBlocks:
         if not self.blocks or not all(isinstance(b, nn.Module) for b in self.blocks):
             raise ConfigError(f"blocks: expected a non-empty sequence of nn.Module, got {blocks!r}")
         require_warmup(warmup)
-        if not isinstance(checkpoint, bool):
-            raise ConfigError(f"checkpoint={checkpoint!r} is not allowed: expected True or False")
+        require_bool("checkpoint", checkpoint)
         self.warmup = warmup
         self.checkpoint = checkpoint
         self.backend = backend

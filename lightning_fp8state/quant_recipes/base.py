@@ -21,10 +21,11 @@ import torch
 
 from ..config import QuantConfig, register_recipe_name, require_choice
 from ..encoders import encoder_for
+from ..formats import fp8_format
 from ..state import ATTENTION_ROLES
 from .gemm import _mm_device
 
-__all__ = ["RECIPE_CLASSES", "Recipe", "recipe_for", "register"]
+__all__ = ["RECIPE_CLASSES", "PerCallFp8Encoder", "PerCallScales", "Recipe", "recipe_for", "register"]
 
 RECIPE_CLASSES: dict[str, type[Recipe]] = {}
 
@@ -123,6 +124,20 @@ class Recipe:
     @staticmethod
     def attention_role(role: str) -> bool:
         return role in ATTENTION_ROLES
+
+
+class PerCallFp8Encoder:
+    """What every per-call FP8 encoder shares: its format and margin, no layout or center, no
+    state; a subclass gives ``encode_dynamic(x, stage)`` (the data and ``(scale, descale, amax)``)."""
+
+    layout = None
+    centered = False
+    stateful = False
+
+    def __init__(self, name: str, margin: int) -> None:
+        self.name = name
+        self.dtype = fp8_format(name).dtype
+        self.margin = margin
 
 
 class PerCallScales:

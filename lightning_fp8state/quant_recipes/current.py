@@ -18,7 +18,7 @@ from ..ops import quantize_fp8_t_record_amax
 from ..ops.library_dynamic import quantize_fp8_current
 from ..ops.reference import amax_reference
 from ..ops.reference_dynamic import dynamic_scale_reference
-from .base import PerCallScales, register
+from .base import PerCallFp8Encoder, PerCallScales, register
 from .delayed import PerTensorFp8
 
 __all__ = ["CurrentFp8Encoder", "Fp8Current"]
@@ -36,18 +36,9 @@ class _GradStage:
 _STAGES = {True: _GradStage(True), False: _GradStage(False)}
 
 
-class CurrentFp8Encoder:
+class CurrentFp8Encoder(PerCallFp8Encoder):
     """FP8 codes at this call's own per-tensor scale: ``encode_dynamic`` returns the data and
     ``(scale, descale, amax)``, 0-d float32 tensors on ``x``'s device."""
-
-    layout = None
-    centered = False
-    stateful = False
-
-    def __init__(self, name: str, margin: int) -> None:
-        self.name = name
-        self.dtype = fp8_format(name).dtype
-        self.margin = margin
 
     def encode_dynamic(self, x: torch.Tensor, stage: _GradStage | None = None):
         with torch.no_grad():

@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import fp8_format
 from ..ops.library_dynamic import quantize_fp8_rowwise
-from .base import PerCallScales, Recipe, register
+from .base import PerCallFp8Encoder, PerCallScales, Recipe, register
 from .gemm import _mm_device
 
 __all__ = ["Fp8Rowwise", "Fp8RowwiseGwHp", "RowwiseFp8Encoder", "rowwise_matmul"]
@@ -79,18 +78,9 @@ class _GradStage:
         self.column_sum, self.high_precision = column_sum, high_precision
 
 
-class RowwiseFp8Encoder:
+class RowwiseFp8Encoder(PerCallFp8Encoder):
     """FP8 codes of a 2-D tensor with one scale per row, from each row's own amax:
     ``encode_dynamic`` returns the data and ``(scale, descale, amax)``, each ``[R, 1]``."""
-
-    layout = None
-    centered = False
-    stateful = False
-
-    def __init__(self, name: str, margin: int) -> None:
-        self.name = name
-        self.dtype = fp8_format(name).dtype
-        self.margin = margin
 
     def encode_dynamic(self, x: torch.Tensor, stage: _GradStage | None = None):
         with torch.no_grad():

@@ -29,6 +29,17 @@ class _Fp8LinearFn(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
+def apply_linear_fn(args: tuple, x: torch.Tensor, gemm: str, prologue) -> torch.Tensor:
+    """Run the eager Function on ``args`` (whose first is ``x``): under autocast, outside it with
+    the output in autocast's dtype (the Function's kernels choose their own precision); else in
+    ``x``'s dtype. The one entry of Fp8Linear, Fp8Conv1D and the attention projections."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        with torch.autocast(device, enabled=False):
+            return _Fp8LinearFn.apply(*args, torch.get_autocast_dtype(device), gemm, prologue)
+    return _Fp8LinearFn.apply(*args, x.dtype, gemm, prologue)
+
+
 class Fp8Linear(nn.Linear):
     """A drop-in ``nn.Linear`` driven by a :class:`QuantProtocol`.
 
@@ -101,11 +112,7 @@ class Fp8Linear(nn.Linear):
             x = x.contiguous()
         nw, nb = (norm.weight, norm.bias) if fused is not None and fused.kind == "layer_norm" else (None, None)
         args = (x, self.weight, self.bias, nw, nb, protocol, record, phase)
-        if torch.is_autocast_enabled(x.device.type):
-            with torch.autocast(x.device.type, enabled=False):
-                out = _Fp8LinearFn.apply(*args, torch.get_autocast_dtype(x.device.type), config.gemm, fused)
-        else:
-            out = _Fp8LinearFn.apply(*args, x.dtype, config.gemm, fused)
+        out = apply_linear_fn(args, x, config.gemm, fused)
         protocol.observe_output(record, phase, out, record.used)
         return out
 

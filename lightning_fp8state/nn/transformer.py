@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..protocol import QuantProtocol
-from .linear import _Fp8LinearFn
+from .linear import apply_linear_fn
 from .linear_call import LINEAR_ROLES, fp8_linear_op, op_key
 
 __all__ = ["Fp8MultiheadAttention", "Fp8Projection", "Fp8TransformerEncoderLayer", "mha_projections"]
@@ -74,11 +74,7 @@ class Fp8Projection:
         if not x.is_contiguous():
             x = x.contiguous()
         args = (x, weight, bias, None, None, protocol, record, phase)
-        if torch.is_autocast_enabled(x.device.type):
-            with torch.autocast(x.device.type, enabled=False):
-                out = _Fp8LinearFn.apply(*args, torch.get_autocast_dtype(x.device.type), config.gemm, None)
-        else:
-            out = _Fp8LinearFn.apply(*args, x.dtype, config.gemm, None)
+        out = apply_linear_fn(args, x, config.gemm, None)
         protocol.observe_output(record, phase, out, record.used)
         return out
 

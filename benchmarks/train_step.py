@@ -8,6 +8,9 @@ optimizer step; medians). Variants:
 - ``safe`` / ``naive``: our Fp8Linear (FP8 delayed scaling) in the protocol's safe mode and
   in the seed's defective naive mode;
 - ``torchao``: torchao's float8 training with tensorwise dynamic scaling (the peer);
+- ``current`` / ``rowwise`` / ``rowwise_gw_hp`` (on request): our stateless recipes
+  ``fp8_current`` / ``fp8_rowwise`` / ``fp8_rowwise_gw_hp``, each against the torchao recipe it
+  mirrors: ``torchao`` (tensorwise), ``torchao_rowwise`` and ``torchao_rowwise_gw_hp`` (on request);
 - ``safe_unfused`` (on request): ``safe`` with ``fuse_prologues=false``, the LayerNorm and
   GELU running on their own before the input's quantize (the A/B of the fusion).
 
@@ -55,7 +58,16 @@ import lightning_fp8state as f8s
 from lightning_fp8state.models import GPT, GPTConfig, MarkovTokens
 
 VARIANTS = ("bf16", "safe", "naive", "torchao")
-EXTRA_VARIANTS = ("safe_unfused",)  # safe with fuse_prologues=false (LayerNorm / GELU not fused)
+EXTRA_VARIANTS = (
+    "safe_unfused",  # safe with fuse_prologues=false (LayerNorm / GELU not fused)
+    "current",  # quant.recipe=fp8_current
+    "rowwise",  # quant.recipe=fp8_rowwise
+    "rowwise_gw_hp",  # quant.recipe=fp8_rowwise_gw_hp
+    "torchao_rowwise",  # torchao's "rowwise" recipe
+    "torchao_rowwise_gw_hp",  # torchao's "rowwise_with_gw_hp"
+)
+OUR_RECIPES = {"current": "fp8_current", "rowwise": "fp8_rowwise", "rowwise_gw_hp": "fp8_rowwise_gw_hp"}
+TORCHAO_RECIPES = {"torchao": None, "torchao_rowwise": "rowwise", "torchao_rowwise_gw_hp": "rowwise_with_gw_hp"}
 
 
 def batches(cfg: GPTConfig, batch: int, n: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -83,10 +95,17 @@ def build(variant: str, cfg: GPTConfig, compile_blocks: bool, exclude: tuple[str
         )
         state = f8s.Fp8State(config)
         state.convert(model)
-    elif variant == "torchao":
-        from torchao.float8 import convert_to_float8_training  # noqa: PLC0415  (optional peer)
+    elif variant in OUR_RECIPES:  # stateless: nothing to commit, the protocol's owners and stamps
+        state = f8s.Fp8State(f8s.QuantConfig(recipe=OUR_RECIPES[variant], ownership="per_layer", exclude=exclude))
+        state.convert(model)
+    elif variant in TORCHAO_RECIPES:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: PLC0415  (optional peer)
 
-        convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: not any(fnmatch(fqn, p) for p in exclude))
+        recipe = TORCHAO_RECIPES[variant]
+        config = Float8LinearConfig.from_recipe_name(recipe) if recipe else None
+        convert_to_float8_training(
+            model, config=config, module_filter_fn=lambda mod, fqn: not any(fnmatch(fqn, p) for p in exclude)
+        )
     if compile_blocks:
         for block in model.blocks:
             block.compile()
@@ -333,7 +352,7 @@ def main(argv=None) -> list[dict]:
         ao_version = torchao.__version__
     except ImportError:
         ao_version = None
-        args.variants = [v for v in args.variants if v != "torchao"]
+        args.variants = [v for v in args.variants if v not in TORCHAO_RECIPES]
     modes = args.modes or (["compile"] if args.compile else ["eager"])
     print(
         f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, torchao {ao_version}; "
@@ -344,7 +363,7 @@ def main(argv=None) -> list[dict]:
     runs: dict[tuple[str, str], list[dict]] = {}
     for rep in range(args.repeat):  # repeats interleaved: a noisy host affects every variant alike
         for v in args.variants:
-            for mode in (args.peer_modes or modes) if v == "torchao" else modes:
+            for mode in (args.peer_modes or modes) if v in TORCHAO_RECIPES else modes:
                 r = measure(v, cfg, args, data, mode)
                 runs.setdefault((v, mode), []).append(r)
                 tag = f" [repeat {rep + 1}/{args.repeat}]" if args.repeat > 1 else ""

@@ -56,8 +56,8 @@ __all__ = [
 ]
 
 _NAME = "fp8state_cuda"
-# compiled: FP8, fused prologues, FP4, the LayerNorm backward (as ops/ splits them)
-SOURCES = ("fp8_ops.cu", "fused_ops.cu", "fp4_ops.cu", "ln_ops.cu")
+# compiled: FP8, fused prologues, FP4, the LayerNorm backward, the stateless scalings (as ops/ splits them)
+SOURCES = ("fp8_ops.cu", "fused_ops.cu", "fp4_ops.cu", "ln_ops.cu", "dynamic_ops.cu")
 HEADERS = ("fp8state_common.cuh", "fp8_encode.cuh")  # included by the sources; not compiled on their own
 _HASHED_SUFFIXES = (".cu", ".cuh", ".h")
 _lock = threading.Lock()

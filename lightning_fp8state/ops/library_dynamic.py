@@ -3,9 +3,10 @@ input checks, reference and fake kernels (numerics: :mod:`.reference_dynamic`).
 
 Each returns the codes with the scale, descale and amax it derived from its input, so the
 caller pairs them in the call's snapshot. The reference (``CompositeExplicitAutograd``) serves
-every device for now; the fused CUDA kernels (one pass: the amax, then the quantize from
-registers or L2: issue 28's GPU half) will override it with
-``TORCH_LIBRARY_IMPL(fp8state, CUDA, m)`` in ``csrc/``, bitwise the reference.
+every device but CUDA, where the kernels of ``csrc/dynamic_ops.cu`` (``TORCH_LIBRARY_IMPL(fp8state,
+CUDA, m)``) take over, bitwise the reference (``tests/ops/test_cuda_dynamic.py``).
+``current_scale`` is the first half of ``quantize_fp8_current`` on its own (the amax and the
+scales, no codes): grad_output's encode takes it before one cast-transpose pass.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from ..config import MARGIN_MAX
 from . import reference_dynamic as ref
 from .library import _FP8_DTYPES, _IN_DTYPES, LIB, _expect
 
-__all__ = ["quantize_fp8_current", "quantize_fp8_rowwise"]
+__all__ = ["current_scale", "quantize_fp8_current", "quantize_fp8_rowwise"]
 
 LIB.define("quantize_fp8_current(Tensor x, ScalarType dtype, int margin) -> (Tensor, Tensor, Tensor, Tensor)")
 LIB.define("quantize_fp8_rowwise(Tensor x, ScalarType dtype, int margin) -> (Tensor, Tensor, Tensor, Tensor)")
+LIB.define("current_scale(Tensor x, ScalarType dtype, int margin) -> (Tensor, Tensor, Tensor)")
 
 
 def _check(x: torch.Tensor, dtype: torch.dtype, margin: int, *, rows: bool) -> None:
@@ -30,7 +32,7 @@ def _check(x: torch.Tensor, dtype: torch.dtype, margin: int, *, rows: bool) -> N
         _expect(x.dim() == 2, "x.dim()", "2", x.dim())
 
 
-# -- fused kernel goes here (CUDA): amax + quantize of one tensor, bitwise this reference ------
+# CUDA: csrc/dynamic_ops.cu (the amax, the scale on the device, then the quantize)
 @torch.library.impl(LIB, "quantize_fp8_current", "CompositeExplicitAutograd")
 def _quantize_fp8_current(x: torch.Tensor, dtype: torch.dtype, margin: int):
     _check(x, dtype, margin, rows=False)
@@ -38,12 +40,24 @@ def _quantize_fp8_current(x: torch.Tensor, dtype: torch.dtype, margin: int):
     return q.contiguous(), scale, descale, amax
 
 
-# -- fused kernel goes here (CUDA): one pass per row, its amax then its codes ---------------
+# CUDA: csrc/dynamic_ops.cu (one pass per row: its amax, then its codes from registers)
 @torch.library.impl(LIB, "quantize_fp8_rowwise", "CompositeExplicitAutograd")
 def _quantize_fp8_rowwise(x: torch.Tensor, dtype: torch.dtype, margin: int):
     _check(x, dtype, margin, rows=True)
     q, scale, descale, amax = ref.quantize_fp8_rowwise_reference(x, dtype, margin)
     return q.contiguous(), scale, descale, amax
+
+
+@torch.library.impl(LIB, "current_scale", "CompositeExplicitAutograd")
+def _current_scale(x: torch.Tensor, dtype: torch.dtype, margin: int):
+    _check(x, dtype, margin, rows=False)
+    return ref.current_scale_reference(x, dtype, margin)
+
+
+@torch.library.register_fake("fp8state::current_scale")
+def _current_scale_fake(x, dtype, margin):
+    scalar = x.new_empty((), dtype=torch.float32)
+    return scalar, torch.empty_like(scalar), torch.empty_like(scalar)
 
 
 @torch.library.register_fake("fp8state::quantize_fp8_current")
@@ -63,6 +77,11 @@ def _quantize_fp8_rowwise_fake(x, dtype, margin):
 def quantize_fp8_current(x: torch.Tensor, dtype: torch.dtype, margin: int = 0):
     """Per-tensor current scaling of ``x``: ``(codes, scale, descale, amax)`` (0-d float32)."""
     return torch.ops.fp8state.quantize_fp8_current(x, dtype, margin)
+
+
+def current_scale(x: torch.Tensor, dtype: torch.dtype, margin: int = 0):
+    """``(scale, descale, amax)`` of per-tensor current scaling of ``x`` (0-d float32), no codes."""
+    return torch.ops.fp8state.current_scale(x, dtype, margin)
 
 
 def quantize_fp8_rowwise(x: torch.Tensor, dtype: torch.dtype, margin: int = 0):

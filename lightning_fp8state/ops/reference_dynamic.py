@@ -16,6 +16,7 @@ from ..formats import fp8_format
 from .reference import CANONICAL_NAN_FP8, amax_reference, canonical_nan
 
 __all__ = [
+    "current_scale_reference",
     "dynamic_scale_reference",
     "quantize_fp8_current_reference",
     "quantize_fp8_rowwise_reference",
@@ -52,11 +53,18 @@ def quantize_fp8_scaled_reference(x: torch.Tensor, scale: torch.Tensor, dtype: t
     return torch.where(torch.isnan(v), nan, q.view(torch.uint8)).view(fmt.dtype)
 
 
+def current_scale_reference(x: torch.Tensor, dtype: torch.dtype, margin: int):
+    """``(scale, descale, amax)`` of per-tensor current scaling: float32 scalars (0-d) from
+    ``x``'s own amax."""
+    amax = amax_reference(x)
+    scale, descale = dynamic_scale_reference(amax, fp8_format(dtype).max, margin)
+    return scale, descale, amax
+
+
 def quantize_fp8_current_reference(x: torch.Tensor, dtype: torch.dtype, margin: int):
     """Per-tensor current scaling: ``(codes, scale, descale, amax)``, the three float32 scalars
     (0-d) from ``x``'s own amax."""
-    amax = amax_reference(x)
-    scale, descale = dynamic_scale_reference(amax, fp8_format(dtype).max, margin)
+    scale, descale, amax = current_scale_reference(x, dtype, margin)
     return quantize_fp8_scaled_reference(x, scale, dtype), scale, descale, amax
 
 

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import fp8_format
 from ..ops import quantize_fp8_t_record_amax
-from ..ops.library_dynamic import quantize_fp8_current
-from ..ops.reference import amax_reference
-from ..ops.reference_dynamic import dynamic_scale_reference
+from ..ops.library_dynamic import current_scale, quantize_fp8_current
 from .base import PerCallFp8Encoder, PerCallScales, register
 from .delayed import PerTensorFp8
 
@@ -45,10 +42,9 @@ class CurrentFp8Encoder(PerCallFp8Encoder):
             if stage is None:
                 q, scale, descale, amax = quantize_fp8_current(x, self.dtype, self.margin)
                 return q, scale, descale, amax
-            # grad_output: the amax, then one read for the codes both ways and the column sums
-            # (fused kernel goes here: amax + cast-transpose in one pass, issue 28's GPU half)
-            amax = amax_reference(x)
-            scale, descale = dynamic_scale_reference(amax, fp8_format(self.dtype).max, self.margin)
+            # grad_output: the amax and scales (one read), then one read for the codes both ways
+            # and the column sums
+            scale, descale, amax = current_scale(x, self.dtype, self.margin)
             scratch = torch.zeros(1, dtype=torch.float32, device=x.device)  # read by no one
             q, q_t, sums = quantize_fp8_t_record_amax(x, scale, scratch, 0, self.dtype, stage.column_sum)
             return (q, q_t, sums if stage.column_sum else None), scale, descale, amax

@@ -18,7 +18,7 @@ from torch import nn
 
 import lightning_fp8state as f8s
 from lightning_fp8state.errors import ConfigError, StaleSnapshotError, StateLoadError, StateTransitionError
-from lightning_fp8state.ops.library_dynamic import quantize_fp8_current, quantize_fp8_rowwise
+from lightning_fp8state.ops.library_dynamic import current_scale, quantize_fp8_current, quantize_fp8_rowwise
 from lightning_fp8state.quant_recipes.rowwise import rowwise_matmul
 from lightning_fp8state.telemetry.quantizer import quantizer_health
 from tests.conftest import ENGINE_IDS, ENGINES, bitwise_equal, event_inputs, make_stack, run_events
@@ -57,6 +57,8 @@ def test_current_quantize_matches_a_hand_computation_on_fresh_random_data():
     assert torch.equal(q.view(torch.uint8), want)
     # the largest magnitude lands on the format's max
     assert q.to(torch.float32).abs().max().item() == 448.0
+    # current_scale is the same amax and scales without the codes (grad_output's first pass)
+    assert [t.item() for t in current_scale(x, torch.float8_e4m3fn, 0)] == [scale.item(), descale.item(), amax.item()]
 
 
 def test_rowwise_quantize_matches_a_hand_computation_per_row_with_the_guards():

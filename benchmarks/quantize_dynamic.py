@@ -1,0 +1,105 @@
+"""Benchmark: the stateless-scaling quantizes (``fp8_current``, ``fp8_rowwise``) against the copy
+ceiling, torch eager and torch.compile of the same numerics.
+
+For 2^20 ... 2^28 bf16 elements laid out ``[n / cols, cols]``, in one run: a device copy of the
+same bytes (the ceiling; its GB/s count read + write), the pure-torch reference
+(``ops/reference_dynamic.py``) eager and under ``torch.compile`` (how torchao derives its dynamic
+scales: compiled torch), and ours (``fp8state::quantize_fp8_current`` / ``_rowwise``). Every
+variant is timed as a CUDA graph of ``--calls`` calls (each in its best mode: no host launch
+cost in any of them), over several inputs when they would fit in L2, so HBM is what is timed.
+Effective bandwidth counts the ideal bytes: 2 read + 1 written per element. ``/copy`` is ours
+over the copy ceiling (issue 28's target for rowwise: >= 0.85 at 2^28). Also ours called
+eagerly (``ours call``, host launch included).
+
+    python benchmarks/quantize_dynamic.py [--cols 4096 8192] [--max-log2 28] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from timing import median_ms as bench
+
+from lightning_fp8state import ops
+from lightning_fp8state.ops import library_dynamic as dyn
+from lightning_fp8state.ops import reference_dynamic as ref
+
+E4M3 = torch.float8_e4m3fn
+
+
+def graphed(fn, inputs, calls):
+    """A CUDA graph of ``calls`` calls of ``fn`` over ``inputs`` in turn; returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x in inputs:
+            fn(x)  # warm-up (compile, allocator)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            for i in range(calls):
+                fn(inputs[i % len(inputs)])
+    torch.cuda.current_stream().wait_stream(side)
+    return graph.replay
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cols", type=int, nargs="+", default=[4096])
+    parser.add_argument("--min-log2", type=int, default=20)
+    parser.add_argument("--max-log2", type=int, default=28)
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    assert ops.cuda.ensure_loaded(), ops.cuda.extension_info()
+    dev = torch.cuda.get_device_name()
+    peers = {
+        "current": (ref.quantize_fp8_current_reference, dyn.quantize_fp8_current),
+        "rowwise": (ref.quantize_fp8_rowwise_reference, dyn.quantize_fp8_rowwise),
+    }
+    compiled = {k: torch.compile(v[0]) for k, v in peers.items()}
+    results = {"device": dev, "torch": torch.__version__, "rows": []}
+    lines = []
+    for cols in args.cols:
+        for log2 in range(args.min_log2, args.max_log2 + 1, 2):
+            n = 1 << log2
+            copies = max(1, min(8, (256 << 20) // (2 * n)))  # rotate inputs that would fit in L2
+            xs = [torch.randn(n // cols, cols, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+            dst = torch.empty_like(xs[0])
+            reps = 20 if log2 >= 26 else 50
+            t_copy = bench(graphed(lambda x: dst.copy_(x), xs, args.calls), reps=reps) / args.calls
+            copy_gbs = 4 * n / t_copy / 1e6
+            for recipe, (reference, ours) in peers.items():
+                t = {
+                    "eager": bench(graphed(lambda x, f=reference: f(x, E4M3, 0), xs, args.calls), reps=reps),
+                    "compile": bench(graphed(lambda x, r=recipe: compiled[r](x, E4M3, 0), xs, args.calls), reps=reps),
+                    "ours": bench(graphed(lambda x, f=ours: f(x, E4M3, 0), xs, args.calls), reps=reps),
+                }
+                t = {k: v / args.calls for k, v in t.items()}
+                t["ours_call"] = bench(lambda f=ours: f(xs[0], E4M3, 0), reps=reps)
+                gbs = {k: 3 * n / v / 1e6 for k, v in t.items()}
+                results["rows"].append(
+                    {"recipe": recipe, "cols": cols, "log2": log2, "copy_GBs": copy_gbs, "ms": t, "GBs": gbs}
+                )
+                lines.append(
+                    f"{recipe:<8} {cols:>6} 2^{log2:<3} {copy_gbs:8.0f} {gbs['eager']:8.0f} {gbs['compile']:8.0f} "
+                    f"{gbs['ours']:8.0f} {gbs['ours'] / copy_gbs:7.3f} {gbs['ours'] / gbs['compile']:9.2f} "
+                    f"{gbs['ours_call']:10.0f}"
+                )
+    print(f"device: {dev}, torch {torch.__version__}")
+    print("FP8 E4M3 stateless quantize from bf16 [n / cols, cols]; GB/s of ideal bytes (3 per element), each")
+    print("variant a CUDA graph of calls; copy counts read + write; 'ours call': one eager call, host included")
+    print(
+        f"{'recipe':<8} {'cols':>6} {'n':<5} {'copy':>8} {'eager':>8} {'compile':>8} {'ours':>8} {'/copy':>7} "
+        f"{'/compile':>9} {'ours call':>10}"
+    )
+    print("\n".join(lines))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

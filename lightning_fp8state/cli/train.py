@@ -196,9 +196,18 @@ FUSED_OPTIMIZER_STRATEGIES = ("auto", "fp8state_ddp")  # plain-tensor parameters
 
 
 def fused_optimizer(cfg: DictConfig) -> bool:
-    """Whether the run's AdamW is fused (the guard then skips on the device, and the telemetry
-    clips: Lightning's mixed-precision plugin refuses to clip a fused optimizer)."""
-    return cfg.strategy.name in FUSED_OPTIMIZER_STRATEGIES
+    """Whether the run's AdamW is fused: the guard then skips on the device. Under ``auto`` and
+    ``fp8state_ddp`` the telemetry clips (:func:`telemetry_clips`); under DeepSpeed ZeRO-1/2 the
+    optimizer steps DeepSpeed's flat fp32 partitions, and the strategy's device guard
+    (``lightning.deepspeed_guard``) checks and clips there."""
+    s = cfg.strategy
+    return s.name in FUSED_OPTIMIZER_STRATEGIES or (s.name == "fp8state_deepspeed" and s.zero_stage <= 2)
+
+
+def telemetry_clips(cfg: DictConfig) -> bool:
+    """Whether the telemetry callback clips (Lightning's mixed-precision plugin refuses to clip a
+    fused optimizer; DeepSpeed clips in its own buffers)."""
+    return cfg.strategy.name in FUSED_OPTIMIZER_STRATEGIES and bool(cfg.trainer.gradient_clip_val)
 
 
 def require_compile_strategy(cfg: DictConfig) -> None:
@@ -544,7 +553,7 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
     t = cfg.trainer
     # With the fused AdamW the telemetry clips, reusing the norm it measures: Lightning's
     # mixed-precision plugin refuses to clip for a fused optimizer
-    clip_here = fused_optimizer(cfg) and bool(t.gradient_clip_val)
+    clip_here = telemetry_clips(cfg)
     telemetry = TelemetryCallback(
         run_dir=run_dir,
         log_every_n_steps=cfg.telemetry.log_every_n_steps,

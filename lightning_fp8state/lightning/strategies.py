@@ -22,8 +22,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from ..config import require_bool
 from ..errors import StateLoadError
 from ..state.checkpoint_files import check_checkpoint
+from . import deepspeed_guard
 from .callback import Fp8StateCallback
 from .contract import Fp8StateStrategyContract
 from .deepspeed_accumulation import (
@@ -104,11 +106,23 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
             on, else torch's), ``torch`` or ``deepspeed``.
         num_checkpoints: checkpointed regions per forward; DeepSpeed needs it for
             ``contiguous_memory_optimization`` (its ``number_checkpoints``).
+        device_guard: under bf16 with ZeRO-1/2 and a fused torch Adam/AdamW, check the gradients
+            for inf/NaN and clip them on the device (``deepspeed_guard``), in place of
+            DeepSpeed's own check and clipping, which sync the host every optimizer step. Where
+            that is not possible DeepSpeed's check stays, with a warning that says why.
     """
 
     strategy_name = "fp8state_deepspeed"
 
-    def __init__(self, *args: Any, checkpoint_engine: str = "auto", num_checkpoints: int | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        checkpoint_engine: str = "auto",
+        num_checkpoints: int | None = None,
+        device_guard: bool = True,
+        **kwargs: Any,
+    ):
+        require_bool("device_guard", device_guard)
         if checkpoint_engine not in CHECKPOINT_ENGINES:
             raise MisconfigurationException(
                 f"checkpoint_engine={checkpoint_engine!r} is not allowed: expected one of {list(CHECKPOINT_ENGINES)}"
@@ -121,6 +135,9 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
             )
         super().__init__(*args, **kwargs)
         self.checkpoint_engine = checkpoint_engine
+        self.device_guard = device_guard
+        # why the device guard is not running (None: it is, or it was not asked for)
+        self.device_guard_unsupported: str | None = None
         ac = self.activation_checkpointing_config
         if num_checkpoints is not None:
             ac["number_checkpoints"] = num_checkpoints
@@ -189,6 +206,19 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         _require_callback(trainer, self.strategy_name)
         super().setup(trainer)
+
+    @override
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        engine, ds_optimizer = super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+        if self.device_guard:
+            self.device_guard_unsupported = deepspeed_guard.install(engine)
+            if self.device_guard_unsupported is not None:
+                rank_zero_warn(
+                    f"{self.strategy_name}: DeepSpeed's non-finite check and clipping stay on the host (one sync "
+                    f"per optimizer step each): {self.device_guard_unsupported}. Use bf16 with ZeRO-1/2 and "
+                    "torch.optim.AdamW(..., fused=True) to move them onto the device"
+                )
+        return engine, ds_optimizer
 
     @override
     def _set_deepspeed_activation_checkpointing(self) -> None:

@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from ..errors import ConfigError
 from ..telemetry import JSONL_NAME, TrainingTelemetry, count_tokens, read_engine_step
+from ..telemetry.engines import FOUND_INF_ATTR
 
 __all__ = ["LightningLoggerSink", "TelemetryCallback", "wandb_logger"]
 
@@ -171,7 +172,9 @@ class TelemetryCallback(Callback):
         run_dir = self.run_dir if self.run_dir is not None else (trainer.log_dir or trainer.default_root_dir)
         engine = trainer.model if read_engine_step(trainer.model) is not None else None
         guard = self.guard
-        if engine is not None and guard:
+        if engine is not None and guard and hasattr(engine, FOUND_INF_ATTR):
+            guard = False  # the strategy's device guard (lightning.deepspeed_guard) skips and reports
+        elif engine is not None and guard:
             rank_zero_warn(
                 "TelemetryCallback: DeepSpeed keeps gradients in its own buffers, so the non-finite "
                 "guard only reports here; DeepSpeed's fp16 loss scaler skips overflowing steps itself "

@@ -12,7 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EngineStepInfo", "read_engine_step"]
+__all__ = ["FOUND_INF_ATTR", "EngineStepInfo", "read_engine_step"]
+
+# On an engine whose non-finite check runs on the device (lightning.deepspeed_guard): the last
+# optimizer step's flag, a float32 0-d device tensor (1: the step was skipped), or None.
+FOUND_INF_ATTR = "fp8state_found_inf"
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,7 @@ class EngineStepInfo:
     loss_scale: float | None = None  # the fp16 dynamic loss scale, if any
     overflow: bool | None = None  # the last step's overflow flag, if exposed
     grad_norm: torch.Tensor | float | None = None  # the engine's global grad norm, if exposed
+    found_inf: torch.Tensor | None = None  # the device guard's flag of the last step (FOUND_INF_ATTR)
 
 
 def _number(value):
@@ -64,4 +69,6 @@ def read_engine_step(engine) -> EngineStepInfo | None:
             norm = None
     if norm is None:
         norm = _number(getattr(optimizer, "_global_grad_norm", None))
-    return EngineStepInfo(int(skipped), scale, overflow, norm)
+    found_inf = getattr(engine, FOUND_INF_ATTR, None)
+    found_inf = found_inf if isinstance(found_inf, torch.Tensor) else None
+    return EngineStepInfo(int(skipped), scale, overflow, norm, found_inf)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .engines import read_engine_step
+from .engines import FOUND_INF_ATTR, read_engine_step
 from .metrics import CLIP_ALGORITHMS, clip_event, gradient_norms, gradient_summary, loss_summary, source_groups
 from .quantizer import SaturationProbe, find_protocol, quantizer_health
 from .recorder import StepRecorder
@@ -351,6 +351,13 @@ class TrainingTelemetry:
         if opt is not None and getattr(opt, "found_inf", None) is not None:
             del opt.found_inf  # ours, for the step just taken: a later step() must not read it
         applied = False if engine_skipped else pending.guard_applied
+        if info is not None and info.found_inf is not None:
+            # the engine's device guard (lightning.deepspeed_guard) skipped the step or not:
+            # a device flag, read with the window on the log step
+            setattr(engine, FOUND_INF_ATTR, None)  # this step's flag only
+            if applied is not False:
+                device_applied = info.found_inf.reshape(()) == 0
+                applied = device_applied if applied is True else applied.reshape(()) * device_applied
         self.attempted += 1
         tokens = self._tokens
         self._win_steps += 1

@@ -1,0 +1,88 @@
+"""lightning.deepspeed_guard on a real DeepSpeed ZeRO-2 engine under bf16 (GPU only).
+
+Two engines from the same weights train the same batches: one with DeepSpeed's own overflow
+check and clipping (host decisions), one with the device guard. Their parameters must stay
+bitwise equal through clipped steps and through a step whose gradients hold a NaN, which both
+must skip (the guard's without touching the parameters). Each engine runs in a child process:
+DeepSpeed initializes torch.distributed for the process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (DeepSpeed engines need CUDA)"),
+]
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys, traceback, warnings, torch, deepspeed
+    from lightning_fp8state.lightning import deepspeed_guard
+    from lightning_fp8state.telemetry.engines import FOUND_INF_ATTR
+    guard = sys.argv[1] == "guard"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    config = {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True}, "gradient_clipping": 0.5,
+              "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    reason = deepspeed_guard.install(engine) if guard else "off"
+    g = torch.Generator(device="cuda").manual_seed(1)
+    flags, skipped, syncs = [], [], []
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" in str(message):
+            frames = [f for f in traceback.extract_stack() if "deepspeed" in f.filename]
+            syncs.append(f"{frames[-1].filename.split('deepspeed/')[-1]}:{frames[-1].lineno} {frames[-1].name}"
+                         if frames else "outside deepspeed")
+    for step in range(6):
+        x = torch.randn(8, 64, device="cuda", generator=g).bfloat16() * (30 if step == 2 else 1)
+        loss = engine(x).float().pow(2).mean()
+        if step == 4:
+            loss = loss * float("nan")
+        engine.backward(loss)
+        if step == 3:  # a steady-state step: which host syncs does the engine's step make?
+            torch.cuda.synchronize()
+            shown, warnings.showwarning = warnings.showwarning, record
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        engine.step()
+        if step == 3:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = shown
+        flag = getattr(engine, FOUND_INF_ATTR, None)
+        flags.append(None if flag is None else flag.item())
+        skipped.append(engine.skipped_steps)
+    params = torch.cat([p.detach().float().flatten().cpu() for p in engine.module.parameters()])
+    print(json.dumps({"reason": reason, "flags": flags, "skipped": skipped, "syncs": syncs,
+                      "params": params.tolist()}))
+    """
+)
+
+
+def run(mode: str, tmp_path) -> dict:
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29600 + (mode == "guard")),
+               RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_device_guard_is_bitwise_deepspeeds_check_and_clip(tmp_path):
+    host, device = run("host", tmp_path), run("guard", tmp_path)
+    assert device["reason"] is None, device["reason"]
+    assert device["flags"] == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]  # the NaN step flagged, skipped on the device
+    assert host["skipped"][-1] == 1  # DeepSpeed's own check skipped it too (and counted it)
+    assert device["params"] == host["params"]  # clipped steps and the skip: bitwise the same training
+    print("host syncs in DeepSpeed's step, its own check:", host["syncs"], "device guard:", device["syncs"])
+    assert len(host["syncs"]) > 0  # the probe sees DeepSpeed's own syncs
+    assert device["syncs"] == []

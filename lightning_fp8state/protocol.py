@@ -297,12 +297,6 @@ class QuantProtocol:
         ``since`` (taken before the capture): the calls captured in CUDA graphs, for
         :meth:`replay_template` to repeat in later events without Python per call."""
         ev = self._require_open("graph_template()")
-        if self._dynamic:
-            raise StateTransitionError(
-                f"CUDA graphs capture the quantizer's host work for delayed state only; recipe "
-                f"{self.config.recipe!r} derives scales per call (stateless owners such as "
-                f"{next(iter(self._dynamic))}): run it eagerly (no GraphedStep / GraphedBlocks)"
-            )
         with self._lock:
             records = {}
             for o, r in self.ledger.event(ev.event).items():

@@ -25,7 +25,6 @@ from omegaconf import DictConfig, OmegaConf
 from ..errors import ConfigError, DiskFullError
 from ..models import GPT, ResumableLoader, make_dataset
 from ..ops import cuda as cuda_ext
-from ..quant_recipes import recipe_for
 from .audit import model_config
 from .config import load_config, quant_config
 from .rundir import (
@@ -277,18 +276,6 @@ def require_cuda_graphs_setup(cfg: DictConfig) -> None:
     ]
     for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
         needs.append((f"strategy.{key}", not s[key], "true", "false", f"{why_blocks}, not DeepSpeed's"))
-    recipe = recipe_for(quant_config(cfg))
-    per_call = recipe.quantized and not all(recipe.stateful(r) for r in ("input", "weight", "grad_output"))
-    needs.append(
-        (
-            "quant.recipe",
-            not per_call,
-            repr(cfg.quant.recipe),
-            "a recipe with delayed state ('fp8_delayed', or the 'bf16' control)",
-            "a replay repeats the quantizer's host work for delayed state only; this recipe derives its scales "
-            "from every call's own tensor",
-        )
-    )
     for key, ok, found, allowed, why in needs:
         if not ok:
             raise ConfigError(

@@ -20,7 +20,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("recipe", ["fp8_delayed", "bf16"])
+@pytest.mark.parametrize("recipe", ["fp8_delayed", "bf16", "fp8_current", "fp8_rowwise", "fp8_rowwise_gw_hp"])
 def test_cuda_graphed_blocks_train_bitwise_the_eager_run(recipe):
     ref_state, ref_model, ref_outs, _, _ = train(False, recipe=recipe, device="cuda")
     state, model, outs, _, _ = train(True, recipe=recipe, device="cuda", backend=CudaGraphBackend())
@@ -45,8 +45,10 @@ def test_cuda_graphed_blocks_naive_is_caught_on_replay():
         assert {"record_in_recompute", "second_commit"} <= kinds.get(event, set()), event
 
 
-def test_cuda_graphed_blocks_replays_never_sync():
-    state = f8s.Fp8State(f8s.QuantConfig())
+@pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_current", "fp8_rowwise"])
+def test_cuda_graphed_blocks_replays_never_sync(recipe):
+    backward = "e4m3" if "rowwise" in recipe else "e5m2"
+    state = f8s.Fp8State(f8s.QuantConfig(recipe=recipe, backward_format=backward))
     model = state.convert(Net()).cuda()
     model.runner = GraphedBlocks(model.blocks, warmup=1)
     xs = inputs(6, device="cuda")

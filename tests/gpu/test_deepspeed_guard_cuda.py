@@ -69,10 +69,17 @@ SCRIPT = textwrap.dedent(
 
 
 def run(mode: str, tmp_path) -> dict:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29600 + (mode == "guard")),
-               RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path)
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(29600 + (mode == "guard")),
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, mode], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -106,3 +106,29 @@ def test_cli_trainer_cuda_graphs_is_bitwise_the_eager_run_and_its_steady_steps_n
         assert bitwise_equal(a["fp8state"]["ranks"][0]["bank"][k], b["fp8state"]["ranks"][0]["bank"][k]), k
     logged = [[(r["train/loss"], r["train/grad_norm"]) for r in read_jsonl(r / "telemetry.jsonl")] for r in runs]
     assert len(logged[0]) == 12 and logged[0] == logged[1]
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_rowwise"])
+def test_cli_cuda_graphs_with_a_stateless_recipe_is_bitwise_its_eager_run(tmp_path, monkeypatch, recipe):
+    """The stateless recipes (scales from each call's own tensor, derived on the device) replay
+    from the whole-step graph: weights and every step's loss and grad norm equal the eager run's."""
+    from lightning_fp8state.cli.main import main
+    from lightning_fp8state.telemetry.sinks import read_jsonl
+
+    monkeypatch.chdir(tmp_path)
+    backward = "e4m3" if "rowwise" in recipe else "e5m2"  # as configs/quant/<recipe>.yaml ships it
+    common = [
+        *CLI_ON_THE_GPU,
+        f"quant.recipe={recipe}",
+        f"quant.backward_format={backward}",
+        "trainer.max_steps=10",
+        "trainer.checkpoint_every_n_steps=10",
+    ]
+    assert main(["train", *common, f"out_dir={tmp_path / 'eager'}"]) == 0
+    assert main(["train", *common, "trainer.cuda_graphs=true", f"out_dir={tmp_path / 'graphed'}"]) == 0
+    runs = [tmp_path / name / "tiny_gpt_cpu" for name in ("eager", "graphed")]
+    a, b = (torch.load(r / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu") for r in runs)
+    for k in a["state_dict"]:
+        assert bitwise_equal(a["state_dict"][k], b["state_dict"][k]), k
+    logged = [[(r["train/loss"], r["train/grad_norm"]) for r in read_jsonl(r / "telemetry.jsonl")] for r in runs]
+    assert len(logged[0]) == 10 and logged[0] == logged[1]

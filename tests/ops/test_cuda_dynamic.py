@@ -134,7 +134,13 @@ def test_rowwise_edge_rows(fmt, dtype):
 @DTYPES
 def test_rowwise_full_range_views_and_empty(dtype):
     x = full_range((130, 48), dtype, seed=5, device="cuda")
-    for t in (x, x[1:], x.t(), torch.empty(0, 8, dtype=dtype, device="cuda"), torch.empty(4, 0, dtype=dtype, device="cuda")):
+    for t in (
+        x,
+        x[1:],
+        x.t(),
+        torch.empty(0, 8, dtype=dtype, device="cuda"),
+        torch.empty(4, 0, dtype=dtype, device="cuda"),
+    ):
         assert_matches(dyn.quantize_fp8_rowwise(t, f8s.E5M2.dtype, 1), rowwise_reference(t, f8s.E5M2, 1))
 
 

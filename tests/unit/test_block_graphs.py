@@ -46,7 +46,9 @@ def inputs(n=N_EVENTS, seed=1, device="cpu"):
 
 def train(graphed: bool, mode="safe", recipe="fp8_delayed", accumulate=1, xs=None, device="cpu", backend=None):
     """N events of Net with SGD; ``backend``: the graphs' (the emulation on the CPU, CUDA's on a GPU)."""
-    state = f8s.Fp8State(f8s.QuantConfig(mode=mode, recipe=recipe, strict=False))
+    # rowwise: E4M3 grad_output as its config ships it (_scaled_mm's rowwise scales take E4M3 only)
+    backward = "e4m3" if "rowwise" in recipe else "e5m2"
+    state = f8s.Fp8State(f8s.QuantConfig(mode=mode, recipe=recipe, strict=False, backward_format=backward))
     model = state.convert(Net()).to(device)
     backend = EmulatedGraphBackend() if backend is None and device == "cpu" else backend
     if graphed:
@@ -68,7 +70,7 @@ def train(graphed: bool, mode="safe", recipe="fp8_delayed", accumulate=1, xs=Non
     return state, model, outs, grads, backend
 
 
-@pytest.mark.parametrize("recipe", ["fp8_delayed", "bf16"])
+@pytest.mark.parametrize("recipe", ["fp8_delayed", "bf16", "fp8_current", "fp8_rowwise", "fp8_rowwise_gw_hp"])
 @pytest.mark.parametrize("accumulate", [1, 2], ids=["no-accumulation", "accumulate-2"])
 def test_replayed_blocks_train_bitwise_the_eager_checkpointed_run(recipe, accumulate):
     ref_state, ref_model, ref_outs, ref_grads, _ = train(False, recipe=recipe, accumulate=accumulate)

@@ -12,7 +12,6 @@ codes, and the auditor compares both. The GEMMs are the per-tensor ones of fp8_d
 from __future__ import annotations
 
 import torch
-
 import torch.distributed as dist
 
 from ..formats import fp8_format
@@ -68,7 +67,9 @@ def _shard_amaxes(shards: list[torch.Tensor]) -> torch.Tensor:
     holds NaN: the MAX of a NaN is not defined across ranks, and +inf gives the same scale 1)."""
     with torch.no_grad():
         out = [
-            torch.linalg.vector_norm(s.detach(), float("inf")).float() if s.numel() else s.new_zeros((), dtype=torch.float32)
+            torch.linalg.vector_norm(s.detach(), float("inf")).float()
+            if s.numel()
+            else s.new_zeros((), dtype=torch.float32)
             for s in shards
         ]
         amax = torch.stack(out)

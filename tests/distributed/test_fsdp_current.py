@@ -23,7 +23,7 @@ from lightning_fp8state.nn.fsdp import enable_fp8_all_gather
 from lightning_fp8state.ops.library_dynamic import quantize_fp8_current
 from tests.conftest import bitwise_equal, event_inputs, make_stack
 from tests.distributed.spawn import spawn
-from tests.distributed.test_fsdp import D, N_EVENTS, N_LAYERS, _CollectiveCounter, _full_weights, _layers, _Recorder
+from tests.distributed.test_fsdp import N_EVENTS, N_LAYERS, D, _CollectiveCounter, _full_weights, _layers, _Recorder
 
 SKEW = 16.0  # the first half of every weight's rows (rank 0's shard) divided by this
 

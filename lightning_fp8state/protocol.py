@@ -54,7 +54,7 @@ from .state import (
     scoped_owner,
 )
 
-__all__ = ["GraphTemplate", "QuantProtocol"]
+__all__ = ["GraphTemplate", "QuantProtocol", "ShardSource"]
 
 # keep_for_backward: key -> a call's host-side state, across protocols (a backward names only the key)
 _KEPT: dict[int, object] = {}
@@ -78,6 +78,14 @@ class GraphTemplate(NamedTuple):
     version: int  # the bank version they were captured against
 
 
+class ShardSource(NamedTuple):
+    """Where an FP8-gathered layer's weight lives now (:attr:`QuantProtocol.gathered_layers`)."""
+
+    device: torch.device
+    shard: torch.Tensor | None  # this rank's high-precision shard; None while the weight is unsharded
+    group: object  # the shard group the all-gather runs over; None: the weight is not sharded
+
+
 @dataclass
 class _OpenEvent:
     event: Event
@@ -89,6 +97,9 @@ class _OpenEvent:
     forward_committed: bool = False  # commit_forward() ran in this event
     calibrated: set = field(default_factory=set)  # bank indices whose frozen scale this event calibrated
     gathered: dict = field(default_factory=dict)  # layer -> the weight snapshot its FP8 all-gather used
+    # layer -> (scale, descale, amax) of its full weight, for a per-call weight scale (a stateless
+    # recipe): computed at begin_event for every gathered layer, in one all-reduce
+    gather_scales: dict = field(default_factory=dict)
     kept: list = field(default_factory=list)  # (key, state) kept for a backward (compiled path), released at close
 
 
@@ -134,9 +145,11 @@ class QuantProtocol:
         self._discard: dict[tuple, _Scratch] = {}  # (device, center width) -> recompute's scratch slot
         self._policy = policy
         # Layers whose weight arrives quantized from an FP8 all-gather (FSDP2, nn/fsdp.py):
-        # layer -> a callable giving its weight's device. Their weight owners are registered and the event's scales frozen
-        # at begin_event, on the training stream, before any all-gather reads them.
-        self.gathered_layers: dict[str, Callable[[], torch.device]] = {}
+        # layer -> a callable giving where its weight lives now (a ShardSource). Their weight owners
+        # are registered and the event's scales frozen (a delayed weight scale) or derived from the
+        # full weights (a per-call one) at begin_event, on the training stream, before any
+        # all-gather reads them.
+        self.gathered_layers: dict[str, Callable[[], ShardSource]] = {}
 
     def reset(self) -> None:
         """Forget every owner's state: a fresh bank, clock and ledger, as constructed (a state
@@ -168,13 +181,46 @@ class QuantProtocol:
         """Register the gathered layers' weight owners (first event) and freeze the event's
         scales now, on the training stream: FSDP2 runs the all-gather's quantize on its own
         copy-in stream, which it orders after the training stream at the root's forward, so
-        no structural change of the bank may happen there (see :meth:`gather_weight`)."""
-        device = None
-        for layer, device_of in self.gathered_layers.items():
-            device = device_of()
-            self._gather_owner(layer, device)
-        self.stream_order.structural(device)
-        ev.frozen = self.bank.freeze()
+        no structural change of the bank may happen there (see :meth:`gather_weight`).
+
+        A per-call weight scale (a stateless recipe) is the full weight's: derived here for
+        every gathered layer from its shard, one collective over the shard group for all
+        (:meth:`Recipe.gather_scales`). The weights do not change inside an event (the
+        optimizer steps between events), so the forward's gather, the backward's re-gather and
+        a recompute all use these values. Every rank opens the same events, so every rank
+        reaches the collective; a layer that is unsharded right now (FSDP2 kept it gathered)
+        gets its scale at its gather instead, if it is gathered in this event at all."""
+        device, banked, per_call = None, False, {}
+        for layer, source_of in self.gathered_layers.items():
+            source = source_of()
+            device = source.device
+            _, index = self._gather_owner(layer, device)
+            if index >= 0:
+                banked = True
+            elif source.shard is not None:
+                per_call[layer] = source
+        if banked:
+            self.stream_order.structural(device)
+            ev.frozen = self.bank.freeze()
+        if per_call:
+            ev.gather_scales = self._full_weight_scales(per_call)
+
+    def _full_weight_scales(self, sources: dict[str, ShardSource]) -> dict[str, tuple]:
+        """layer -> ``(scale, descale, amax)`` of its full weight (0-d float32), from this rank's
+        shards: one :meth:`Recipe.gather_scales` (one collective) per shard group."""
+        groups: list[tuple[object, list[str]]] = []  # in first-seen order: the same on every rank
+        for layer, source in sources.items():
+            for group, layers in groups:
+                if group is source.group:
+                    layers.append(layer)
+                    break
+            else:
+                groups.append((source.group, [layer]))
+        out = {}
+        for group, layers in groups:
+            scale, descale, amax = self.recipe.gather_scales([sources[n].shard for n in layers], group)
+            out.update(zip(layers, zip(scale.unbind(0), descale.unbind(0), amax.unbind(0), strict=True), strict=True))
+        return out
 
     def _require_open(self, what: str) -> _OpenEvent:
         if self._open is None:
@@ -567,6 +613,9 @@ class QuantProtocol:
 
         The scale is the event's frozen weight scale (the snapshot the layer's call will use),
         so the gathered codes are bitwise those of quantizing the full weight at that scale.
+        Under a per-call weight scale (a stateless recipe) it is the full weight's own, derived
+        at :meth:`begin_event` (:meth:`_prepare_gathers`), and nothing is recorded: the codes
+        are bitwise the unsharded call's.
 
         - True forward: the shard's amax is recorded into the weight owner's pending slot
           (the amax reduction at ``commit_forward`` takes the MAX over the shard group: the
@@ -601,7 +650,10 @@ class QuantProtocol:
                 )
             owner, index = self._gather_owner(layer, shard.device)
             snap = self._live_snapshot(owner, index, None, None, 0, "weight")
-            if index in self.bank.fresh and self.config.initial_scale == "calibrate":
+            if index < 0:  # a per-call scale: the full weight's, one collective for this weight
+                scale, descale, amax = self._full_weight_scales({layer: ShardSource(shard.device, shard, group)})[layer]
+                snap = replace(snap, scale=scale, descale=descale, amax=amax)
+            elif index in self.bank.fresh and self.config.initial_scale == "calibrate":
                 self._calibrate_sharded(index, shard, snap, group)
             return self._encode(shard, snap, "weight"), snap
         frame = current_frame()
@@ -620,6 +672,15 @@ class QuantProtocol:
                 "a layer called at several sites (weight tying, a module reused) needs fp8_all_gather=False"
             )
         owner, index = self._gather_owner(layer, shard.device)  # registered at begin_event
+        if index < 0:  # a per-call scale: the full weight's, derived at begin_event
+            values = ev.gather_scales.get(layer)
+            if values is None:  # unsharded at begin_event: this weight's own collective
+                values = self._full_weight_scales({layer: ShardSource(shard.device, shard, group)})[layer]
+            scale, descale, amax = values
+            snap = self._snapshot(owner, "weight", scale, descale, None, ev.event, None, 0)
+            snap = replace(snap, amax=amax)
+            ev.gathered[layer] = snap
+            return self._encode(shard, snap, "weight"), snap  # nothing to record: no delayed state
         # begin_event's frozen copy holds every gathered weight owner; owners registered later
         # in the event (inputs, in the first event) make the layers' calls freeze a newer copy,
         # with the same values: no commit happens before the forward ends
@@ -668,6 +729,9 @@ class QuantProtocol:
                 self.ledger.recompute_read(event, owner)
             else:
                 self._observe(record, role, event, recompute=False)
+                if record.indices[role] < 0:  # a per-call scale: the owner's latest (telemetry)
+                    with self._lock:
+                        self._dynamic[owner] = snap
         record.used[role] = snap
         if self.auditors:
             self._observe_operand(record, role, phase, data, snap)

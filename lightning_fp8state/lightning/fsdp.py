@@ -69,8 +69,9 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
     """FSDP2 (``fully_shard``) for stateful FP8 training; registered as ``fp8state_fsdp``.
 
     Args:
-        fp8_all_gather: all-gather converted weights as FP8 codes at the event's frozen
-            delayed scale (1 byte an element); ``False`` gathers them in the parameters' dtype
+        fp8_all_gather: all-gather converted weights as FP8 codes (1 byte an element) at the
+            event's frozen delayed scale, or under ``fp8_current`` at the full weight's scale
+            (one all-reduce of the shards' amaxes per event); ``False`` gathers them in the parameters' dtype
             and each layer quantizes its full weight, as under DDP.
         shard_modules: ``fnmatch`` patterns over module names: each match is its own FSDP2
             unit (one all-gather); default: :func:`default_shard_units` (every member of every
@@ -211,7 +212,7 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
         fully_shard(model, **kwargs)
         rank_zero_info(
             f"lightning_fp8state: FSDP2 over {self.world_size} rank(s): {len(names)} unit(s) + the root; "
-            f"{len(gathered)} weight(s) all-gathered in FP8 at the delayed scale"
+            f"{len(gathered)} weight(s) all-gathered in FP8"
         )
 
     def _check_presharded(self, model: nn.Module, config) -> None:

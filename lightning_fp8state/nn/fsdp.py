@@ -1,4 +1,5 @@
-"""FP8 all-gather of FSDP2-sharded Fp8Linear weights at the event's frozen delayed scale.
+"""FP8 all-gather of FSDP2-sharded Fp8Linear weights: at the event's frozen delayed scale, or
+(a stateless recipe such as ``fp8_current``) at the full weight's per-call scale.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) all-gathers a parameter's shards before each
 use. Its extension hooks let the local shard choose what travels: a sharded parameter whose
@@ -8,9 +9,12 @@ first returns and rebuilds the unsharded parameter from what the second gets bac
 :class:`Fp8ShardedWeight` is that local tensor for an :class:`~lightning_fp8state.nn.Fp8Linear`
 weight: in every other respect it behaves as the high-precision shard it wraps (the optimizer,
 gradient clipping and checkpoints see that). Before the all-gather it asks the layer's protocol
-to quantize the shard at the event's frozen weight scale (:meth:`QuantProtocol.gather_weight`:
-the snapshot the layer's call pairs with the data; the shard's amax recorded; no collective for
-the scale, which delayed scaling knows before the step), so one byte an element travels. After
+to quantize the shard at the event's weight scale (:meth:`QuantProtocol.gather_weight`: the
+snapshot the layer's call pairs with the data), so one byte an element travels. Delayed scaling
+knows that scale before the step (the frozen one; the shard's amax is recorded, no collective
+for the scale); a per-call weight scale is the full weight's, which the protocol derives at the
+event's start for every gathered weight from the shards' amaxes in one all-reduce (MAX) over the
+shard group (the recipe's :meth:`~lightning_fp8state.quant_recipes.Recipe.gather_scales`). After
 it, the layer's weight is a :class:`Fp8GatheredWeight`: the gathered FP8 codes and their
 snapshot, with the parameter's dtype and shape for autograd; Fp8Linear consumes the codes
 (:meth:`QuantProtocol.adopt`) and returns the weight's gradient in the parameter's dtype, which
@@ -29,6 +33,7 @@ from torch import nn
 
 from ..config import QuantConfig
 from ..errors import ConfigError
+from ..protocol import ShardSource
 from ..quant_recipes import recipe_for
 from .linear import Fp8Linear
 
@@ -65,7 +70,7 @@ _KEEP_WRAPPER = {
 
 class Fp8ShardedWeight(torch.Tensor):
     """The local shard of an FSDP2-sharded Fp8Linear weight (a wrapper of the high-precision
-    shard) whose all-gather sends FP8 codes at the event's frozen weight scale."""
+    shard) whose all-gather sends FP8 codes at the event's weight scale."""
 
     @staticmethod
     def __new__(cls, tensor: torch.Tensor):
@@ -108,7 +113,7 @@ class Fp8ShardedWeight(torch.Tensor):
 
     # -- FSDP2's all-gather extension --------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """This rank's shard as FP8 codes (bytes) at the event's frozen weight scale."""
+        """This rank's shard as FP8 codes (bytes) at the event's weight scale."""
         if not isinstance(module, Fp8Linear):
             raise TypeError(
                 f"Fp8ShardedWeight belongs to an Fp8Linear weight, but FSDP2 gathers it for a "
@@ -184,9 +189,10 @@ class Fp8GatheredWeight(torch.Tensor):
 
 
 def fp8_all_gather_problem(config: QuantConfig) -> str | None:
-    """Why ``config`` cannot gather weights in FP8 at the delayed scale (``None``: it can). The
-    recipe is asked first (:meth:`~lightning_fp8state.quant_recipes.Recipe.all_gather_problem`)."""
-    problem = recipe_for(config).all_gather_problem()
+    """Why ``config`` cannot gather weights in FP8 (``None``: it can). The recipe is asked first
+    (:meth:`~lightning_fp8state.quant_recipes.Recipe.all_gather_problem`)."""
+    recipe = recipe_for(config)
+    problem = recipe.all_gather_problem()
     if problem is not None:
         return problem
     if config.mode != "safe":
@@ -197,7 +203,9 @@ def fp8_all_gather_problem(config: QuantConfig) -> str | None:
             "(FSDP2 quantizes the shard on its own copy-in stream, not the stream that runs the layer, so a "
             "per-stream owner cannot be told there; per_model is the defect)"
         )
-    if config.reduction_of("weight") != "data_parallel":
+    # a delayed weight scale records each rank's shard amax: the commit must reduce them; a
+    # per-call one is the full weight's by construction (Recipe.gather_scales' all-reduce)
+    if recipe.stateful("weight") and config.reduction_of("weight") != "data_parallel":
         return (
             f"QuantConfig.amax_reduction gives the weight {config.reduction_of('weight')!r}: with FP8 all-gather "
             "each rank records only its shard's amax, so the weight's amax must be reduced over the shard "
@@ -228,7 +236,7 @@ def enable_fp8_all_gather(model: nn.Module) -> list[str]:
             raise ConfigError(f"fp8_all_gather=True is not allowed with {problem}")
         weight = module.weight
         if isinstance(weight, Fp8ShardedWeight):  # enabled before: only the registration below
-            module.protocol.gathered_layers[module.layer_name] = lambda m=module: m.weight.device
+            module.protocol.gathered_layers[module.layer_name] = lambda m=module: _shard_source(m)
             names.append(module.layer_name)
             continue
         if type(weight.data) is not torch.Tensor:
@@ -237,10 +245,22 @@ def enable_fp8_all_gather(model: nn.Module) -> list[str]:
                 "call enable_fp8_all_gather before fully_shard"
             )
         module.weight = nn.Parameter(Fp8ShardedWeight(weight.data), requires_grad=weight.requires_grad)
-        # the device is read at each event's start: fully_shard may move the shard
-        module.protocol.gathered_layers[module.layer_name] = lambda m=module: m.weight.device
+        # read at each event's start: fully_shard may move the shard, FSDP2 swaps the parameter
+        module.protocol.gathered_layers[module.layer_name] = lambda m=module: _shard_source(m)
         names.append(module.layer_name)
     return names
+
+
+def _shard_source(module: Fp8Linear) -> ShardSource:
+    """Where ``module``'s weight lives now: its device, this rank's high-precision shard (``None``
+    while FSDP2 holds it unsharded) and the shard group (``None`` before ``fully_shard``: the
+    whole weight is the shard). HSDP's mesh shards over its last dimension."""
+    weight = module.weight
+    local = getattr(weight, "_local_tensor", weight)  # a sharded DTensor's shard
+    shard = local._tensor if isinstance(local, Fp8ShardedWeight) else None
+    mesh = getattr(weight, "device_mesh", None)
+    group = None if mesh is None else mesh.get_group(mesh.ndim - 1)
+    return ShardSource(weight.device, shard, group)
 
 
 def gathered_layers(model: nn.Module) -> list[str]:

@@ -5,7 +5,8 @@ A :class:`Recipe` says, per role, whether its scale is delayed state in the bank
 (:meth:`Recipe.stateful`) and which encoder turns its tensor into low-precision data
 (:meth:`Recipe.encoder`); it is the linear call's GEMM (:meth:`Recipe.linear_gemm`,
 :meth:`Recipe.grad_input`, :meth:`Recipe.grad_weight`) and names what a call saves for its
-backward; it says how FSDP2 all-gathers a weight (:meth:`Recipe.all_gather_problem`) and which
+backward; it says how FSDP2 all-gathers a weight (:meth:`Recipe.all_gather_problem`; a per-call
+weight scale comes from the full weight's amax, :meth:`Recipe.gather_scales`) and which
 telemetry fields a stateless owner reports (:meth:`Recipe.telemetry`). ``nn/``, the protocol
 and the telemetry ask it; none of them tests for a recipe name.
 
@@ -112,9 +113,21 @@ class Recipe:
 
     # -- distributed and telemetry ------------------------------------------------------
     def all_gather_problem(self) -> str | None:
-        """Why FSDP2 cannot all-gather this recipe's weights as FP8 (``None``: it can, at the
-        event's frozen weight scale: nn/fsdp.py)."""
+        """Why FSDP2 cannot all-gather this recipe's weights as FP8 (``None``: it can: at the
+        event's frozen weight scale where the weight is ``stateful``, else at the full weight's
+        per-call scale, :meth:`gather_scales`; nn/fsdp.py)."""
         return None
+
+    def gather_scales(self, shards: list[torch.Tensor], group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For a weight scale that is not delayed state (``stateful("weight")`` False) under an
+        FP8 all-gather: ``(scale, descale, amax)``, float32 ``[len(shards)]``, entry ``i`` the one
+        the unsharded call would derive from the full weight whose shard on this rank is
+        ``shards[i]``. Each rank passes its shards of the same weights in the same order; the
+        full amaxes take one collective over ``group`` (the shard group; ``None``: the shards
+        are whole weights, no collective). Each shard is then encoded at its scale by the
+        weight's encoder (``encoder("weight").encode``): elementwise, so the gathered codes are
+        bitwise the unsharded call's."""
+        raise NotImplementedError(f"recipe {self.name!r} derives no per-call weight scale for an FP8 all-gather")
 
     def telemetry(self, snap) -> dict[str, torch.Tensor]:
         """A stateless owner's fields on a log step, from its latest true-forward snapshot

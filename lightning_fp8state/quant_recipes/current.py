@@ -12,9 +12,12 @@ codes, and the auditor compares both. The GEMMs are the per-tensor ones of fp8_d
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from ..ops import quantize_fp8_t_record_amax
+from ..formats import fp8_format
+from ..ops import quantize_fp8, quantize_fp8_t_record_amax
 from ..ops.library_dynamic import current_scale, quantize_fp8_current
+from ..ops.reference_dynamic import dynamic_scale_reference
 from .base import PerCallFp8Encoder, PerCallScales, register
 from .delayed import PerTensorFp8
 
@@ -49,6 +52,29 @@ class CurrentFp8Encoder(PerCallFp8Encoder):
             q, q_t, sums = quantize_fp8_t_record_amax(x, scale, scratch, 0, self.dtype, stage.column_sum)
             return (q, q_t, sums if stage.column_sum else None), scale, descale, amax
 
+    def encode(self, x: torch.Tensor, snap, prologue=None) -> torch.Tensor:
+        """Codes of ``x`` at a scale derived elsewhere (``snap.scale``): a weight shard at its
+        full weight's scale, before an FP8 all-gather. The encode of :meth:`encode_dynamic`
+        (elementwise), so the gathered codes are bitwise the full weight's."""
+        if prologue is not None:
+            raise ValueError(f"{type(self).__name__}.encode takes no prologue (a weight shard has none)")
+        with torch.no_grad():
+            return quantize_fp8(x, snap.scale, self.dtype)
+
+
+def _shard_amaxes(shards: list[torch.Tensor]) -> torch.Tensor:
+    """``max |shard|`` of each shard, float32 ``[n]`` (0 for an empty shard; +inf where a shard
+    holds NaN: the MAX of a NaN is not defined across ranks, and +inf gives the same scale 1)."""
+    with torch.no_grad():
+        out = [
+            torch.linalg.vector_norm(s.detach(), float("inf")).float()
+            if s.numel()
+            else s.new_zeros((), dtype=torch.float32)
+            for s in shards
+        ]
+        amax = torch.stack(out)
+        return torch.where(torch.isnan(amax), torch.full_like(amax, float("inf")), amax)
+
 
 @register
 class Fp8Current(PerCallScales, PerTensorFp8):
@@ -67,12 +93,18 @@ class Fp8Current(PerCallScales, PerTensorFp8):
     def grad_output_stage(self, column_sum: bool):
         return _STAGES[column_sum]
 
-    def all_gather_problem(self) -> str | None:
-        return (
-            f"recipe={self.name!r}: its weight scale comes from the full weight's amax at each call, which "
-            "an FP8 all-gather needs before it (torchao's precomputed scale: issue 28's GPU half); the "
-            "weights gather in high precision meanwhile (fp8_all_gather=False)"
-        )
+    def gather_scales(self, shards: list[torch.Tensor], group):
+        """The full weights' ``(scale, descale, amax)`` (float32 ``[n]``): the shards' amaxes in one
+        buffer, one all-reduce (MAX) of it over ``group``, then the per-call formula
+        (:func:`~lightning_fp8state.ops.reference_dynamic.dynamic_scale_reference`): what
+        ``quantize_fp8_current`` of each full weight derives."""
+        enc = self.encoder("weight")
+        amax = _shard_amaxes(shards)
+        if group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        with torch.no_grad():
+            scale, descale = dynamic_scale_reference(amax, fp8_format(enc.dtype).max, enc.margin)
+        return scale, descale, amax
 
     def telemetry(self, snap) -> dict[str, torch.Tensor]:
         return {"scale": snap.scale.reshape(()), "amax": snap.amax.reshape(())}

@@ -142,10 +142,14 @@ class Fp8Rowwise(PerCallScales, Recipe):
         return rowwise_matmul(g_x, wq, sg.descale, w_descale, out_dtype, backend)
 
     def all_gather_problem(self) -> str | None:
+        # The forward's per-row scales would need no collective (FSDP2 shards dim 0, so each
+        # output row is whole on one rank: codes + [rows, 1] scales could travel); the refusal
+        # is the backward's: dX = g @ W scales W per column, over rows every rank holds a part of.
         return (
-            f"recipe={self.name!r}: a per-channel weight scale needs the whole weight row, and the backward "
-            "scales the weight per column, from its high-precision values; the weights gather in high "
-            "precision (fp8_all_gather=False)"
+            f"recipe={self.name!r}: the forward's per-row weight scales are local to each shard, but the input "
+            "gradient scales the weight per column, from its high-precision values, which an FP8 all-gather "
+            "does not bring (a call saves the high-precision weight); the weights gather in high precision "
+            "(fp8_all_gather=False)"
         )
 
     def telemetry(self, snap) -> dict[str, torch.Tensor]:

@@ -219,7 +219,11 @@ def test_fsdp_fp8_all_gather_is_refused_with_the_recipes_reason():
     from lightning_fp8state.nn.fsdp import enable_fp8_all_gather, fp8_all_gather_problem
 
     assert fp8_all_gather_problem(f8s.QuantConfig()) is None
-    for recipe in STATELESS:
+    # fp8_current gathers in FP8 at the full weight's scale (tests/distributed/test_fsdp_current.py);
+    # its per-call weight scale needs no amax reduction at the commit
+    assert fp8_all_gather_problem(f8s.QuantConfig(recipe="fp8_current")) is None
+    assert fp8_all_gather_problem(f8s.QuantConfig(recipe="fp8_current", amax_reduction="none")) is None
+    for recipe in ("fp8_rowwise", "fp8_rowwise_gw_hp"):
         state = f8s.Fp8State(f8s.QuantConfig(recipe=recipe))
         model = state.convert(nn.Sequential(nn.Linear(16, 16)))
         with pytest.raises(ConfigError, match=f"recipe='{recipe}'.*high precision"):

@@ -96,7 +96,10 @@ def build(variant: str, cfg: GPTConfig, compile_blocks: bool, exclude: tuple[str
         state = f8s.Fp8State(config)
         state.convert(model)
     elif variant in OUR_RECIPES:  # stateless: nothing to commit, the protocol's owners and stamps
-        state = f8s.Fp8State(f8s.QuantConfig(recipe=OUR_RECIPES[variant], ownership="per_layer", exclude=exclude))
+        recipe = OUR_RECIPES[variant]  # rowwise: E4M3 grad_output, as configs/quant/fp8_rowwise*.yaml ship it
+        backward = "e4m3" if "rowwise" in recipe else "e5m2"
+        config = f8s.QuantConfig(recipe=recipe, ownership="per_layer", exclude=exclude, backward_format=backward)
+        state = f8s.Fp8State(config)
         state.convert(model)
     elif variant in TORCHAO_RECIPES:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: PLC0415  (optional peer)

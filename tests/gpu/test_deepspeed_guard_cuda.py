@@ -86,10 +86,18 @@ def run(mode: str, tmp_path) -> dict:
 
 def test_the_device_guard_is_bitwise_deepspeeds_check_and_clip(tmp_path):
     host, device = run("host", tmp_path), run("guard", tmp_path)
-    assert device["reason"] is None, device["reason"]
-    assert device["flags"] == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]  # the NaN step flagged, skipped on the device
-    assert host["skipped"][-1] == 1  # DeepSpeed's own check skipped it too (and counted it)
-    assert device["params"] == host["params"]  # clipped steps and the skip: bitwise the same training
-    print("host syncs in DeepSpeed's step, its own check:", host["syncs"], "device guard:", device["syncs"])
-    assert len(host["syncs"]) > 0  # the probe sees DeepSpeed's own syncs
-    assert device["syncs"] == []
+    facts = {
+        "reason": device["reason"],
+        "flags": device["flags"],
+        "host skipped": host["skipped"],
+        "guard skipped": device["skipped"],
+        "host syncs": host["syncs"],
+        "guard syncs": device["syncs"],
+        "params equal": device["params"] == host["params"],
+    }
+    assert device["reason"] is None, facts
+    assert device["flags"] == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0], facts  # the NaN step flagged and skipped
+    assert host["skipped"][-1] == 1, facts  # DeepSpeed's own check skipped it too (and counted it)
+    assert device["params"] == host["params"], facts  # clipped steps and the skip: bitwise the same
+    assert len(host["syncs"]) > 0, facts  # the probe sees DeepSpeed's own syncs
+    assert device["syncs"] == [], facts

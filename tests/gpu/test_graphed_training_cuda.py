@@ -126,10 +126,13 @@ def test_cli_cuda_graphs_with_a_stateless_recipe_is_bitwise_its_eager_run(tmp_pa
     ]
     assert main(["train", *common, f"out_dir={tmp_path / 'eager'}"]) == 0
     assert main(["train", *common, "trainer.cuda_graphs=true", f"out_dir={tmp_path / 'graphed'}"]) == 0
-    runs = [tmp_path / name / "tiny_gpt_cpu" for name in ("eager", "graphed")]
-    a, b = (torch.load(r / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu") for r in runs)
+    assert main(["train", *common, f"out_dir={tmp_path / 'eager2'}"]) == 0  # is eager itself repeatable?
+    runs = [tmp_path / name / "tiny_gpt_cpu" for name in ("eager", "graphed", "eager2")]
+    a, b, c = (torch.load(r / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu") for r in runs)
     logged = [[(r["train/loss"], r["train/grad_norm"]) for r in read_jsonl(r / "telemetry.jsonl")] for r in runs]
-    first = next((i for i, (x, y) in enumerate(zip(*logged, strict=True)) if x != y), None)
+    first = next((i for i, (x, y) in enumerate(zip(logged[0], logged[1], strict=True)) if x != y), None)
     differ = [k for k in a["state_dict"] if not bitwise_equal(a["state_dict"][k], b["state_dict"][k])]
-    assert not differ and first is None, (f"first differing step {first}", differ, logged)
+    eager_repeat = [k for k in a["state_dict"] if not bitwise_equal(a["state_dict"][k], c["state_dict"][k])]
+    facts = (f"first differing step {first}", differ, f"eager vs eager differs in {eager_repeat}", logged)
+    assert not differ and first is None, facts
     assert len(logged[0]) == 10

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import warnings
 
 import numpy as np
 import pytest
@@ -264,3 +265,12 @@ def test_fp8_delayed_is_bitwise_what_it_was_before_recipes():
             h.update(state.bank.scale.numpy().tobytes())
             h.update(state.bank.amax_history.numpy().tobytes())
     assert h.hexdigest() == DELAYED_BEFORE_RECIPES
+
+
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
+def test_rowwise_with_an_e5m2_operand_warns_that_its_gemms_fall_back_to_float32(recipe):
+    with pytest.warns(UserWarning, match=r"quant.backward_format='e5m2'.*E4M3 operands only"):
+        f8s.Fp8State(f8s.QuantConfig(recipe=recipe, backward_format="e5m2"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f8s.Fp8State(f8s.QuantConfig(recipe=recipe, backward_format="e4m3"))  # as the shipped config: quiet

@@ -30,9 +30,13 @@ __all__ = [
     "recipe_names",
     "register_recipe_name",
     "require_bool",
+    "require_callable",
     "require_choice",
     "require_int",
+    "require_name",
     "require_number",
+    "require_strings",
+    "require_type",
 ]
 
 # safe: the protocol. naive and naive_snapshot reproduce the seed's defects on purpose.
@@ -88,22 +92,54 @@ CENTER_MOMENTUM_MAX = 1.0
 INITIAL_SCALES = ("calibrate", "one")
 
 
-def require_choice(key: str, value: object, allowed: tuple) -> None:
-    """Raise ``ConfigError`` naming ``key`` unless ``value`` is one of ``allowed``."""
-    if isinstance(value, bool) or value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not allowed: expected one of {list(allowed)}")
+def _refuse(key: str, value: object, expected: str, why: str) -> ConfigError:
+    """The one message of every check: the key, what was found, what is allowed (and why)."""
+    return ConfigError(f"{key}={_shown(value)} is not allowed: expected {expected}" + (f" ({why})" if why else ""))
 
 
-def require_int(key: str, value: object, low: int, high: int | None = None) -> None:
-    """Raise ``ConfigError`` naming ``key`` unless ``value`` is an integer in ``[low, high]``."""
+def _shown(value: object) -> str:
+    """``value``'s repr, or its type's name where the repr is long or spans lines (a module)."""
+    text = repr(value)
+    return text if len(text) <= 80 and "\n" not in text else f"<{type(value).__name__}>"
+
+
+def _or_none(expected: str, optional: bool) -> str:
+    return f"{expected} or None" if optional else expected
+
+
+def require_choice(key: str, value: object, allowed: tuple, *, why: str = "") -> None:
+    """Raise ``ConfigError`` naming ``key`` unless ``value`` is one of ``allowed`` (a bool
+    matches only a bool: ``True`` is not the choice ``1``)."""
+    if not any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed):
+        raise _refuse(key, value, f"one of {list(allowed)}", why)
+
+
+def require_int(
+    key: str, value: object, low: int, high: int | None = None, *, optional: bool = False, why: str = ""
+) -> None:
+    """Raise ``ConfigError`` naming ``key`` unless ``value`` is an integer in ``[low, high]``
+    (or ``None``, where ``optional``)."""
+    if optional and value is None:
+        return
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         bound = f">= {low}" if high is None else f">= {low} and <= {high}"
-        raise ConfigError(f"{key}={value!r} is not allowed: expected an integer {bound}")
+        raise _refuse(key, value, _or_none(f"an integer {bound}", optional), why)
 
 
-def require_number(key: str, value: object, low: float, high: float | None = None, *, low_open: bool = False) -> float:
+def require_number(
+    key: str,
+    value: object,
+    low: float,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    optional: bool = False,
+    why: str = "",
+) -> float | None:
     """``value`` as a float; ``ConfigError`` naming ``key`` unless it is a number in the range
-    (``low`` excluded when ``low_open``, ``high`` included)."""
+    (``low`` excluded when ``low_open``, ``high`` included), or ``None`` where ``optional``."""
+    if optional and value is None:
+        return None
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
     ok = ok and (value > low if low_open else value >= low) and (high is None or value <= high)
     if not ok:
@@ -111,14 +147,53 @@ def require_number(key: str, value: object, low: float, high: float | None = Non
             bound = f"> {low:g}" if low_open else f">= {low:g}"
         else:
             bound = f"in ({low:g}, {high:g}]" if low_open else f"in [{low:g}, {high:g}]"
-        raise ConfigError(f"{key}={value!r} is not allowed: expected a finite number {bound}")
+        raise _refuse(key, value, _or_none(f"a finite number {bound}", optional), why)
     return float(value)
 
 
-def require_bool(key: str, value: object) -> None:
+def require_bool(key: str, value: object, *, why: str = "") -> None:
     """Raise ``ConfigError`` naming ``key`` unless ``value`` is a bool."""
     if not isinstance(value, bool):
-        raise ConfigError(f"{key}={value!r} is not allowed: expected true or false")
+        raise _refuse(key, value, "true or false", why)
+
+
+def require_type(key: str, value: object, types: type | tuple[type, ...], what: str, *, why: str = "") -> None:
+    """Raise ``ConfigError`` naming ``key`` unless ``value`` is an instance of ``types``
+    (``what`` says so in words: ``"a QuantConfig"``). A bool is not an ``int`` here."""
+    allowed = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed and int in allowed):
+        raise _refuse(key, value, what, why)
+
+
+def require_callable(key: str, value: object, what: str = "a function", *, why: str = "") -> None:
+    """Raise ``ConfigError`` naming ``key`` unless ``value`` is callable."""
+    if not callable(value):
+        raise _refuse(key, value, what, why)
+
+
+def require_strings(
+    key: str, value: object, what: str = "a list of strings", *, optional: bool = False, nonempty: bool = False
+) -> tuple[str, ...] | None:
+    """``value`` (a list, tuple or other iterable of strings) as a tuple; ``ConfigError`` naming ``key``
+    otherwise: a bare string is refused (``"blocks.*"`` is not a list of patterns), as is an
+    empty list where ``nonempty``. ``None`` passes where ``optional``."""
+    if optional and value is None:
+        return None
+    items = None
+    if not isinstance(value, (str, bytes)):
+        try:
+            items = tuple(value)
+        except TypeError:
+            items = None
+    if items is None or not all(isinstance(s, str) for s in items) or (nonempty and not items):
+        raise _refuse(key, value, _or_none(what, optional), "")
+    return items
+
+
+def require_name(key: str, value: object, what: str = "a non-empty string", *, why: str = "") -> None:
+    """Raise ``ConfigError`` naming ``key`` unless ``value`` is a non-empty string."""
+    if not isinstance(value, str) or not value:
+        raise _refuse(key, value, what, why)
 
 
 def _reduction_pairs(value: object) -> tuple[tuple[str, str], ...]:
@@ -239,12 +314,8 @@ class QuantConfig:
         object.__setattr__(self, "attn_center_momentum", m)
         for key in ("include", "exclude"):
             value = getattr(self, key)
-            if isinstance(value, str):
-                object.__setattr__(self, key, (value,))
-            elif not all(isinstance(p, str) for p in value):
-                raise ConfigError(f"{key}={value!r} is not allowed: expected a list of patterns")
-            else:
-                object.__setattr__(self, key, tuple(value))
+            value = (value,) if isinstance(value, str) else value  # one pattern
+            object.__setattr__(self, key, require_strings(key, value, "a list of patterns"))
         object.__setattr__(self, "amax_reduction", _reduction_pairs(self.amax_reduction))
         if self.extra:
             raise ConfigError(f"unknown QuantConfig keys {sorted(self.extra)}: expected {self.keys()}")

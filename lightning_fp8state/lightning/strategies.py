@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from ..config import require_choice, require_int
 from ..errors import StateLoadError
 from ..state.checkpoint_files import check_checkpoint
 from .callback import Fp8StateCallback
@@ -109,16 +110,8 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
     strategy_name = "fp8state_deepspeed"
 
     def __init__(self, *args: Any, checkpoint_engine: str = "auto", num_checkpoints: int | None = None, **kwargs: Any):
-        if checkpoint_engine not in CHECKPOINT_ENGINES:
-            raise MisconfigurationException(
-                f"checkpoint_engine={checkpoint_engine!r} is not allowed: expected one of {list(CHECKPOINT_ENGINES)}"
-            )
-        if num_checkpoints is not None and (
-            isinstance(num_checkpoints, bool) or not isinstance(num_checkpoints, int) or num_checkpoints < 1
-        ):
-            raise MisconfigurationException(
-                f"num_checkpoints={num_checkpoints!r} is not allowed: expected a positive integer"
-            )
+        require_choice("checkpoint_engine", checkpoint_engine, CHECKPOINT_ENGINES)
+        require_int("num_checkpoints", num_checkpoints, 1, optional=True)
         super().__init__(*args, **kwargs)
         self.checkpoint_engine = checkpoint_engine
         ac = self.activation_checkpointing_config

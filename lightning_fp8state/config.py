@@ -116,6 +116,8 @@ def _or_none(expected: str, optional: bool) -> str:
 def require_choice(key: str, value: object, allowed: tuple, *, why: str = "") -> None:
     """Raise ``ConfigError`` naming ``key`` unless ``value`` is one of ``allowed`` (a bool
     matches only a bool: ``True`` is not the choice ``1``)."""
+    if (value is None or isinstance(value, str)) and value in allowed:  # the usual case, checked fast
+        return
     if not any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed):
         raise _refuse(key, value, f"one of {list(allowed)}", why)
 

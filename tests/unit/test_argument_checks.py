@@ -161,6 +161,20 @@ CASES = {
         lambda tmp: f8s.QuantConfig(include=["*", 3]),
         r"include=\['\*', 3\] is not allowed: expected a list of patterns",
     ),
+    "register_role phase": (
+        lambda tmp: __import__("lightning_fp8state.state.owner").state.owner.register_role("r", "sideways"),
+        r"phase='sideways' is not allowed: expected one of \['forward', 'backward'\] \(the phase of role 'r'\)",
+    ),
+    "checkpoint engine": (
+        lambda tmp: f8s.checkpoint(lambda x: x, torch.ones(1), engine="jax"),
+        r"engine='jax' is not allowed: expected one of",
+    ),
+    "make_dataset source": (
+        lambda tmp: __import__("lightning_fp8state.models").models.make_dataset(
+            "csv", vocab_size=8, seq_len=4, length=2, seed=0
+        ),
+        r"data.source='csv' is not allowed: expected one of \['markov', 'text', 'bin'\]",
+    ),
     "QuantConfig exclude": (lambda tmp: f8s.QuantConfig(exclude=5), r"exclude=5 is not allowed: expected a list"),
 }
 

@@ -4,7 +4,10 @@ Every choice and bound of the configuration is a constant here (or in ``formats`
 once, in ``QuantConfig.__post_init__``; the op checks in ``ops/`` read the same constants, and
 ``tests/unit/test_config_rules.py`` holds the CUDA kernels' own checks in ``csrc/`` to them.
 The ``require_*`` helpers are how every config dataclass (the model's, the CLI's sections)
-states its rules, so that each error names the key and what is allowed.
+and every function of the package checks an argument, so that each error is a ``ConfigError``
+naming the key, what was found and what is allowed. ``FIELD_GROUPS`` sorts QuantConfig's flat
+fields by concern (scaling, attention, selection, execution, sharing, diagnostics), each also a
+read-only section of a config (``cfg.scaling``).
 """
 
 from __future__ import annotations
@@ -19,20 +22,27 @@ __all__ = [
     "AMAX_ALGOS",
     "AMAX_REDUCTIONS",
     "CENTER_MOMENTUM_MAX",
+    "FIELD_GROUPS",
     "FP4_LAYOUT_NAMES",
     "FP8_NAMES",
     "INITIAL_SCALES",
     "MARGIN_MAX",
     "MODES",
     "OWNERSHIP_SCOPES",
+    "GROUP_OF",
+    "ConfigSection",
     "QuantConfig",
     "recipe_modes",
     "recipe_names",
     "register_recipe_name",
     "require_bool",
+    "require_callable",
     "require_choice",
     "require_int",
+    "require_name",
     "require_number",
+    "require_strings",
+    "require_type",
 ]
 
 # safe: the protocol. naive and naive_snapshot reproduce the seed's defects on purpose.
@@ -88,22 +98,56 @@ CENTER_MOMENTUM_MAX = 1.0
 INITIAL_SCALES = ("calibrate", "one")
 
 
-def require_choice(key: str, value: object, allowed: tuple) -> None:
-    """Raise ``ConfigError`` naming ``key`` unless ``value`` is one of ``allowed``."""
-    if isinstance(value, bool) or value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not allowed: expected one of {list(allowed)}")
+def _refuse(key: str, value: object, expected: str, why: str) -> ConfigError:
+    """The one message of every check: the key, what was found, what is allowed (and why)."""
+    return ConfigError(f"{key}={_shown(value)} is not allowed: expected {expected}" + (f" ({why})" if why else ""))
 
 
-def require_int(key: str, value: object, low: int, high: int | None = None) -> None:
-    """Raise ``ConfigError`` naming ``key`` unless ``value`` is an integer in ``[low, high]``."""
+def _shown(value: object) -> str:
+    """``value``'s repr, or its type's name where the repr is long or spans lines (a module)."""
+    text = repr(value)
+    return text if len(text) <= 80 and "\n" not in text else f"<{type(value).__name__}>"
+
+
+def _or_none(expected: str, optional: bool) -> str:
+    return f"{expected} or None" if optional else expected
+
+
+def require_choice(key: str, value: object, allowed: tuple, *, why: str = "") -> None:
+    """Raise ``ConfigError`` naming ``key`` unless ``value`` is one of ``allowed`` (a bool
+    matches only a bool: ``True`` is not the choice ``1``)."""
+    if (value is None or isinstance(value, str)) and value in allowed:  # the usual case, checked fast
+        return
+    if not any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed):
+        raise _refuse(key, value, f"one of {list(allowed)}", why)
+
+
+def require_int(
+    key: str, value: object, low: int, high: int | None = None, *, optional: bool = False, why: str = ""
+) -> None:
+    """Raise ``ConfigError`` naming ``key`` unless ``value`` is an integer in ``[low, high]``
+    (or ``None``, where ``optional``)."""
+    if optional and value is None:
+        return
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         bound = f">= {low}" if high is None else f">= {low} and <= {high}"
-        raise ConfigError(f"{key}={value!r} is not allowed: expected an integer {bound}")
+        raise _refuse(key, value, _or_none(f"an integer {bound}", optional), why)
 
 
-def require_number(key: str, value: object, low: float, high: float | None = None, *, low_open: bool = False) -> float:
+def require_number(
+    key: str,
+    value: object,
+    low: float,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    optional: bool = False,
+    why: str = "",
+) -> float | None:
     """``value`` as a float; ``ConfigError`` naming ``key`` unless it is a number in the range
-    (``low`` excluded when ``low_open``, ``high`` included)."""
+    (``low`` excluded when ``low_open``, ``high`` included), or ``None`` where ``optional``."""
+    if optional and value is None:
+        return None
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
     ok = ok and (value > low if low_open else value >= low) and (high is None or value <= high)
     if not ok:
@@ -111,14 +155,53 @@ def require_number(key: str, value: object, low: float, high: float | None = Non
             bound = f"> {low:g}" if low_open else f">= {low:g}"
         else:
             bound = f"in ({low:g}, {high:g}]" if low_open else f"in [{low:g}, {high:g}]"
-        raise ConfigError(f"{key}={value!r} is not allowed: expected a finite number {bound}")
+        raise _refuse(key, value, _or_none(f"a finite number {bound}", optional), why)
     return float(value)
 
 
-def require_bool(key: str, value: object) -> None:
+def require_bool(key: str, value: object, *, why: str = "") -> None:
     """Raise ``ConfigError`` naming ``key`` unless ``value`` is a bool."""
     if not isinstance(value, bool):
-        raise ConfigError(f"{key}={value!r} is not allowed: expected true or false")
+        raise _refuse(key, value, "true or false", why)
+
+
+def require_type(key: str, value: object, types: type | tuple[type, ...], what: str, *, why: str = "") -> None:
+    """Raise ``ConfigError`` naming ``key`` unless ``value`` is an instance of ``types``
+    (``what`` says so in words: ``"a QuantConfig"``). A bool is not an ``int`` here."""
+    allowed = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed and int in allowed):
+        raise _refuse(key, value, what, why)
+
+
+def require_callable(key: str, value: object, what: str = "a function", *, why: str = "") -> None:
+    """Raise ``ConfigError`` naming ``key`` unless ``value`` is callable."""
+    if not callable(value):
+        raise _refuse(key, value, what, why)
+
+
+def require_strings(
+    key: str, value: object, what: str = "a list of strings", *, optional: bool = False, nonempty: bool = False
+) -> tuple[str, ...] | None:
+    """``value`` (a list, tuple or other iterable of strings) as a tuple; ``ConfigError`` naming ``key``
+    otherwise: a bare string is refused (``"blocks.*"`` is not a list of patterns), as is an
+    empty list where ``nonempty``. ``None`` passes where ``optional``."""
+    if optional and value is None:
+        return None
+    items = None
+    if not isinstance(value, (str, bytes)):
+        try:
+            items = tuple(value)
+        except TypeError:
+            items = None
+    if items is None or not all(isinstance(s, str) for s in items) or (nonempty and not items):
+        raise _refuse(key, value, _or_none(what, optional), "")
+    return items
+
+
+def require_name(key: str, value: object, what: str = "a non-empty string", *, why: str = "") -> None:
+    """Raise ``ConfigError`` naming ``key`` unless ``value`` is a non-empty string."""
+    if not isinstance(value, str) or not value:
+        raise _refuse(key, value, what, why)
 
 
 def _reduction_pairs(value: object) -> tuple[tuple[str, str], ...]:
@@ -143,26 +226,114 @@ def _reduction_pairs(value: object) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(pairs.items()))
 
 
+# The concerns of QuantConfig, each field in exactly one, in the order the fields are declared
+# (tests/unit/test_config_groups.py holds the class to it). Each concern is also a read-only
+# section of a config (``cfg.scaling``, ``cfg.selection``, ...): code that needs one concern
+# takes that section. Users still write the flat keys (``quant.margin=2``); the sections add none.
+FIELD_GROUPS: dict[str, tuple[str, ...]] = {
+    # what a quantized tensor's scale is and how it is derived from the amax history
+    "scaling": ("recipe", "forward_format", "backward_format", "history_len", "amax_algo", "margin", "initial_scale"),
+    # the packed-FP4 attention operands (Fp4AttentionQuantizer): layout, centering, which operands
+    "attention": ("attn_format", "attn_centered", "attn_center_momentum", "attn_quantize_v"),
+    # which modules are converted
+    "selection": ("include", "exclude"),
+    # how a quantized linear call runs: the GEMM backend, fused prologues (no change to what is stored)
+    "execution": ("gemm", "fuse_prologues"),
+    # who shares delayed state: the ownership scope (layers, ranks, streams) and the amax reduction across ranks
+    "sharing": ("ownership", "amax_reduction"),
+    # the protocol's policy towards violations: the rules or the seed's defects, raise or count, ledger detail
+    "diagnostics": ("mode", "strict", "ledger_window"),
+}
+
+
+class ConfigSection:
+    """A read-only view of one concern of a :class:`QuantConfig` (see ``FIELD_GROUPS``): its
+    fields as attributes, and no other field (``cfg.selection.margin`` is an ``AttributeError``)."""
+
+    __slots__ = ("_config", "_name")
+
+    def __init__(self, config: QuantConfig, name: str) -> None:
+        require_choice("section", name, tuple(FIELD_GROUPS))
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_name", name)
+
+    def __getattr__(self, key: str):
+        if key.startswith("_"):  # (a slot not set yet: copy and pickle look for hooks first)
+            raise AttributeError(key)
+        if key in FIELD_GROUPS[self._name]:
+            return getattr(self._config, key)
+        where = f" (it is in QuantConfig.{GROUP_OF[key]})" if key in GROUP_OF else ""
+        raise AttributeError(
+            f"QuantConfig.{self._name} has no field {key!r}: it holds {list(FIELD_GROUPS[self._name])}{where}"
+        )
+
+    def __reduce__(self):
+        return ConfigSection, (self._config, self._name)
+
+    def __setattr__(self, key: str, value: object) -> None:
+        raise AttributeError(f"QuantConfig.{self._name} is read-only: build another QuantConfig")
+
+    def keys(self) -> tuple[str, ...]:
+        """The section's field names, in declaration order."""
+        return FIELD_GROUPS[self._name]
+
+    def as_dict(self) -> dict[str, object]:
+        """The section's fields and values."""
+        return {k: getattr(self._config, k) for k in self.keys()}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ConfigSection):
+            return NotImplemented
+        return self._name == other._name and self.as_dict() == other.as_dict()
+
+    def __hash__(self) -> int:
+        return hash((self._name, tuple(self.as_dict().items())))
+
+    def __repr__(self) -> str:
+        return f"{self._name}({', '.join(f'{k}={v!r}' for k, v in self.as_dict().items())})"
+
+
+GROUP_OF: dict[str, str] = {key: group for group, keys in FIELD_GROUPS.items() for key in keys}
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """How layers are quantized and how their delayed state is owned and advanced.
+
+    The fields are flat (the keys users write: ``QuantConfig(margin=2)``, ``quant.margin=2``,
+    the YAML and the stored checkpoints) and declared by concern (``FIELD_GROUPS``); each
+    concern is also a read-only section, for code that needs only that one:
+
+    - ``scaling``: recipe, forward_format, backward_format, history_len, amax_algo, margin,
+      initial_scale — what a scale is and how it follows the amax history;
+    - ``attention``: attn_format, attn_centered, attn_center_momentum, attn_quantize_v — the
+      packed-FP4 attention operands;
+    - ``selection``: include, exclude — which modules are converted;
+    - ``execution``: gemm, fuse_prologues — how a quantized call runs;
+    - ``sharing``: ownership, amax_reduction — who shares delayed state, across layers, ranks
+      and streams;
+    - ``diagnostics``: mode, strict, ledger_window — the protocol's policy on violations.
 
     Every field is validated on construction; a bad value raises ``ConfigError`` naming
     the field and what it allows.
     """
 
+    # -- scaling -------------------------------------------------------------------------
     # fp8_delayed: FP8 delayed scaling. bf16: no quantization at all (the control).
     # fp8_current: per-tensor scales from each call's own amax (stateless). fp8_rowwise: one
     # scale per row of the input and grad_output, per output channel of the weight (stateless);
     # fp8_rowwise_gw_hp: the same, its weight-gradient GEMM in high precision. The recipes are
     # lightning_fp8state.quant_recipes; recipe_names() lists them.
     recipe: str = "fp8_delayed"
+    # FP8 formats of the forward roles (input, weight) and the backward role (grad_output).
+    forward_format: str = "e4m3"
+    backward_format: str = "e5m2"
     # Length of each owner's amax history (the window the scale is derived from).
     history_len: int = 16
-    # scale = fmax / amax / 2**margin; a larger margin leaves headroom.
-    margin: int = 0
     # max: the history's maximum; most_recent: the newest entry.
     amax_algo: str = "max"
+    # scale = fmax / amax / 2**margin; a larger margin leaves headroom.
+    margin: int = 0
     # The scale of an owner's first event, before any amax is in its history (safe mode).
     # calibrate: the first true-forward call (or backward quantize) computes it from its own
     # tensor, fmax / amax / 2**margin, one extra read of that tensor in the first event only;
@@ -171,37 +342,7 @@ class QuantConfig:
     # above all, then flush to zero in the first step (E5M2's smallest subnormal is 2**-16).
     # The naive modes keep the seed's start (one) whatever this says.
     initial_scale: str = "calibrate"
-    # safe: the protocol. naive: reproduces the seed's defects on purpose (advance before
-    # consume, record in recompute) so the audit can prove it catches them. naive_snapshot:
-    # the seed's first attempted fix, also on purpose: advance after every call, but keep one
-    # snapshot per owner, taken before the advance, and replay it in recompute (right when
-    # each owner is entered once per event, wrong when the owner is shared: per_model).
-    mode: str = "safe"
-    # Which entrants get independent state; see OWNERSHIP_SCOPES. Applies to FP8 linears and
-    # FP4 attention operands alike: per_layer* is the fix, per_model the defect (one state for
-    # the whole model, kept only to demonstrate it).
-    ownership: str = "per_layer_rank"
-    # Raise StateTransitionError on a protocol violation (else count it in the ledger).
-    strict: bool = True
-    # fnmatch patterns over module names: convert nn.Linear modules matching any include
-    # pattern and no exclude pattern.
-    include: tuple[str, ...] = ("*",)
-    exclude: tuple[str, ...] = ()
-    # FP8 formats of the forward roles (input, weight) and the backward role (grad_output).
-    forward_format: str = "e4m3"
-    backward_format: str = "e5m2"
-    # GEMM backend: auto uses torch._scaled_mm where the GPU has it, else the emulation.
-    gemm: str = "auto"
-    # Fuse the op that produces a Linear's input (a LayerNorm or a GELU, where the model asks
-    # for it through ``linear_after``) into the input's quantize: one pass writes the FP8
-    # codes and records their amax. false: the prologue runs on its own, then the quantize.
-    fuse_prologues: bool = True
-    # How many events of per-event ledger detail to keep (totals are always kept).
-    ledger_window: int = 64
-    # Per role, how pending amaxes are combined across the data-parallel group before each
-    # commit (see AMAX_REDUCTIONS): a mapping role -> mode ("*" = every other role) or one
-    # mode for all roles. Roles not named are "none". Stored as sorted (role, mode) pairs.
-    amax_reduction: tuple[tuple[str, str], ...] = DEFAULT_AMAX_REDUCTION
+    # -- attention -----------------------------------------------------------------------
     # Packed-FP4 attention operands (Fp4AttentionQuantizer): block layout of q, k (and v).
     # nvfp4: 16-element blocks, E4M3 block scales; mxfp4: 32-element blocks, E8M0 block scales.
     attn_format: str = "nvfp4"
@@ -212,10 +353,68 @@ class QuantConfig:
     attn_center_momentum: float = 0.5
     # Also quantize v (role attn_v); q and k (attn_q, attn_k) always are.
     attn_quantize_v: bool = False
+    # -- selection -----------------------------------------------------------------------
+    # fnmatch patterns over module names: convert nn.Linear modules matching any include
+    # pattern and no exclude pattern.
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+    # -- execution -----------------------------------------------------------------------
+    # GEMM backend: auto uses torch._scaled_mm where the GPU has it, else the emulation.
+    gemm: str = "auto"
+    # Fuse the op that produces a Linear's input (a LayerNorm or a GELU, where the model asks
+    # for it through ``linear_after``) into the input's quantize: one pass writes the FP8
+    # codes and records their amax. false: the prologue runs on its own, then the quantize.
+    fuse_prologues: bool = True
+    # -- sharing -------------------------------------------------------------------------
+    # Which entrants get independent state; see OWNERSHIP_SCOPES. Applies to FP8 linears and
+    # FP4 attention operands alike: per_layer* is the fix, per_model the defect (one state for
+    # the whole model, kept only to demonstrate it).
+    ownership: str = "per_layer_rank"
+    # Per role, how pending amaxes are combined across the data-parallel group before each
+    # commit (see AMAX_REDUCTIONS): a mapping role -> mode ("*" = every other role) or one
+    # mode for all roles. Roles not named are "none". Stored as sorted (role, mode) pairs.
+    amax_reduction: tuple[tuple[str, str], ...] = DEFAULT_AMAX_REDUCTION
+    # -- diagnostics ---------------------------------------------------------------------
+    # safe: the protocol. naive: reproduces the seed's defects on purpose (advance before
+    # consume, record in recompute) so the audit can prove it catches them. naive_snapshot:
+    # the seed's first attempted fix, also on purpose: advance after every call, but keep one
+    # snapshot per owner, taken before the advance, and replay it in recompute (right when
+    # each owner is entered once per event, wrong when the owner is shared: per_model).
+    mode: str = "safe"
+    # Raise StateTransitionError on a protocol violation (else count it in the ledger).
+    strict: bool = True
+    # How many events of per-event ledger detail to keep (totals are always kept).
+    ledger_window: int = 64
+    # -----------------------------------------------------------------------------------
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        # scaling
         require_choice("recipe", self.recipe, recipe_names())
+        require_choice("forward_format", self.forward_format, FP8_NAMES)
+        require_choice("backward_format", self.backward_format, FP8_NAMES)
+        require_int("history_len", self.history_len, 1)
+        require_choice("amax_algo", self.amax_algo, AMAX_ALGOS)
+        require_int("margin", self.margin, 0, MARGIN_MAX)
+        require_choice("initial_scale", self.initial_scale, INITIAL_SCALES)
+        # attention
+        require_choice("attn_format", self.attn_format, FP4_LAYOUT_NAMES)
+        require_bool("attn_centered", self.attn_centered)
+        m = require_number("attn_center_momentum", self.attn_center_momentum, 0, CENTER_MOMENTUM_MAX, low_open=True)
+        object.__setattr__(self, "attn_center_momentum", m)
+        require_bool("attn_quantize_v", self.attn_quantize_v)
+        # selection
+        for key in ("include", "exclude"):
+            value = getattr(self, key)
+            value = (value,) if isinstance(value, str) else value  # one pattern
+            object.__setattr__(self, key, require_strings(key, value, "a list of patterns"))
+        # execution
+        require_choice("gemm", self.gemm, GEMM_BACKENDS)
+        require_bool("fuse_prologues", self.fuse_prologues)
+        # sharing
+        require_choice("ownership", self.ownership, OWNERSHIP_SCOPES)
+        object.__setattr__(self, "amax_reduction", _reduction_pairs(self.amax_reduction))
+        # diagnostics
         require_choice("mode", self.mode, MODES)
         if self.mode not in _RECIPE_MODES[self.recipe]:
             raise ConfigError(
@@ -223,29 +422,8 @@ class QuantConfig:
                 f"{list(_RECIPE_MODES[self.recipe])} (the naive modes reproduce the defects of delayed "
                 "scaling, whose state this recipe does not hold)"
             )
-        require_choice("amax_algo", self.amax_algo, AMAX_ALGOS)
-        require_choice("initial_scale", self.initial_scale, INITIAL_SCALES)
-        require_choice("ownership", self.ownership, OWNERSHIP_SCOPES)
-        require_choice("forward_format", self.forward_format, FP8_NAMES)
-        require_choice("backward_format", self.backward_format, FP8_NAMES)
-        require_choice("gemm", self.gemm, GEMM_BACKENDS)
-        require_choice("attn_format", self.attn_format, FP4_LAYOUT_NAMES)
-        require_int("history_len", self.history_len, 1)
-        require_int("margin", self.margin, 0, MARGIN_MAX)
+        require_bool("strict", self.strict)
         require_int("ledger_window", self.ledger_window, 1)
-        for key in ("strict", "attn_centered", "attn_quantize_v", "fuse_prologues"):
-            require_bool(key, getattr(self, key))
-        m = require_number("attn_center_momentum", self.attn_center_momentum, 0, CENTER_MOMENTUM_MAX, low_open=True)
-        object.__setattr__(self, "attn_center_momentum", m)
-        for key in ("include", "exclude"):
-            value = getattr(self, key)
-            if isinstance(value, str):
-                object.__setattr__(self, key, (value,))
-            elif not all(isinstance(p, str) for p in value):
-                raise ConfigError(f"{key}={value!r} is not allowed: expected a list of patterns")
-            else:
-                object.__setattr__(self, key, tuple(value))
-        object.__setattr__(self, "amax_reduction", _reduction_pairs(self.amax_reduction))
         if self.extra:
             raise ConfigError(f"unknown QuantConfig keys {sorted(self.extra)}: expected {self.keys()}")
 
@@ -260,6 +438,37 @@ class QuantConfig:
         known = set(cls.keys())
         unknown = {k: v for k, v in values.items() if k not in known}
         return cls(**{k: v for k, v in values.items() if k in known}, extra=unknown)
+
+    # -- the sections: read-only views of one concern each (FIELD_GROUPS) -----------------
+    @property
+    def scaling(self) -> ConfigSection:
+        """recipe, formats, history_len, amax_algo, margin, initial_scale."""
+        return ConfigSection(self, "scaling")
+
+    @property
+    def attention(self) -> ConfigSection:
+        """attn_format, attn_centered, attn_center_momentum, attn_quantize_v."""
+        return ConfigSection(self, "attention")
+
+    @property
+    def selection(self) -> ConfigSection:
+        """include, exclude."""
+        return ConfigSection(self, "selection")
+
+    @property
+    def execution(self) -> ConfigSection:
+        """gemm, fuse_prologues."""
+        return ConfigSection(self, "execution")
+
+    @property
+    def sharing(self) -> ConfigSection:
+        """ownership, amax_reduction (:meth:`reduction_of` reads the latter per role)."""
+        return ConfigSection(self, "sharing")
+
+    @property
+    def diagnostics(self) -> ConfigSection:
+        """mode, strict, ledger_window."""
+        return ConfigSection(self, "diagnostics")
 
     def reduction_of(self, role: str) -> str:
         """How ``role``'s amax is reduced across data-parallel ranks: ``none`` or ``data_parallel``."""

@@ -9,7 +9,7 @@ from dataclasses import fields
 import torch
 from torch import nn
 
-from .config import QuantConfig, require_choice
+from .config import QuantConfig, require_choice, require_type
 from .defects import policy_for
 from .errors import ConversionWarning, StateLoadError, StateTransitionError
 from .nn import ConversionReport, convert_model
@@ -74,8 +74,7 @@ class Fp8State:
                 state when DeepSpeed's activation checkpointing features are on).
         """
         config = config if config is not None else QuantConfig()
-        if not isinstance(config, QuantConfig):
-            raise TypeError(f"config: expected a QuantConfig, got {type(config).__name__}")
+        require_type("config", config, QuantConfig, "a QuantConfig")
         self._protocol = QuantProtocol(config, rank=rank, policy=policy_for(config.mode))
         self.last_conversion: ConversionReport | None = None
         self.checkpoint_engine = checkpoint_engine

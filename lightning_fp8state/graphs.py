@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .config import require_int, require_type
 from .errors import ConfigError, StateTransitionError
 from .protocol import QuantProtocol
 
@@ -78,8 +79,8 @@ class GraphedStep:
         warmup: int = 3,
         microbatch: int = 0,
     ) -> None:
-        if state is not None and not isinstance(_protocol_of(state), QuantProtocol):
-            raise ConfigError(f"state: expected an Fp8State or None, got {type(state).__name__}")
+        if state is not None:
+            require_type("state", _protocol_of(state), QuantProtocol, "an Fp8State or None")
         if not torch.cuda.is_available():
             raise ConfigError("GraphedStep needs a CUDA device (CUDA graphs); none is available")
         require_warmup(warmup)
@@ -256,11 +257,7 @@ def on_side_stream(side: torch.cuda.Stream, protocol: QuantProtocol | None, fn):
 
 def require_warmup(warmup) -> None:
     """ConfigError unless ``warmup`` (eager events before the capture) is an integer >= 1."""
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-        raise ConfigError(
-            f"warmup={warmup!r} is not allowed: expected an integer >= 1 (owners register and "
-            "calibrate their first scale in eager events)"
-        )
+    require_int("warmup", warmup, 1, why="owners register and calibrate their first scale in eager events")
 
 
 def _protocol_of(state):

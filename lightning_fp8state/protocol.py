@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .config import QuantConfig
+from .config import QuantConfig, require_type
 from .encoders import Prologue
 from .errors import ConfigError, StaleSnapshotError, StateTransitionError
 from .quant_recipes import Recipe, recipe_for
@@ -115,8 +115,7 @@ class QuantProtocol:
                 true-forward and recompute calls (:mod:`lightning_fp8state.defects`: the
                 seed's defects, for the audit).
         """
-        if not isinstance(config, QuantConfig):
-            raise TypeError(f"config: expected a QuantConfig, got {type(config).__name__}")
+        require_type("config", config, QuantConfig, "a QuantConfig")
         self.config = config
         # the plug-in that answers every per-recipe question (encoders, GEMM, all-gather, telemetry)
         self.recipe: Recipe = recipe_for(config)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from .config import require_choice
 from .errors import AmbiguousRecomputeError, ConfigError, SelectiveCheckpointError
 from .sac import outside_selective_checkpoint, storage_mismatch
 from .state import Event, OwnerKey, QuantSnapshot
@@ -52,8 +53,7 @@ _event_engine: contextvars.ContextVar[str | None] = contextvars.ContextVar("fp8s
 
 
 def _check_engine(engine: str) -> None:
-    if engine not in ENGINES:
-        raise ConfigError(f"engine={engine!r} is not allowed: expected one of {list(ENGINES)}")
+    require_choice("engine", engine, ENGINES)
 
 
 def default_engine() -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .config import require_choice
+
 __all__ = ["SHIPPED", "shipped_dir"]
 
 SHIPPED = ("csrc", "configs", "recipes")
@@ -20,11 +22,10 @@ def shipped_dir(name: str) -> Path:
     """The ``name`` folder (one of :data:`SHIPPED`) that this copy of the package uses.
 
     Raises:
-        ValueError: ``name`` is not a shipped folder.
+        ConfigError: ``name`` is not a shipped folder.
         FileNotFoundError: neither the installed copy nor the source checkout has it.
     """
-    if name not in SHIPPED:
-        raise ValueError(f"shipped folder {name!r}: expected one of {list(SHIPPED)}")
+    require_choice("name", name, SHIPPED, why="a folder shipped with the package")
     installed = _PACKAGE / name
     if installed.is_dir():
         return installed

@@ -15,6 +15,7 @@ import errno
 import sys
 from pathlib import Path
 
+from ..config import require_int
 from ..errors import ConfigError, DiskFullError, StateLoadError
 
 __all__ = ["EXIT_DISK_FULL", "main"]
@@ -65,8 +66,7 @@ def _audit(args) -> int:
     from .config import load_config
     from .train import require_finite
 
-    if args.steps < 1:
-        raise ConfigError(f"--steps={args.steps} is not allowed: expected an integer >= 1")
+    require_int("--steps", args.steps, 1)
     recipe, overrides = _split(args)
     modes = [args.mode] if args.mode else [None]
     if args.compare:

@@ -21,6 +21,7 @@ from ..config import QuantConfig, require_bool, require_choice, require_int, req
 from ..errors import ConfigError
 from ..models.data import DATA_SOURCES
 from ..models.gpt import GPTConfig
+from ..telemetry.sinks import WANDB_MODES
 
 __all__ = [
     "ACCELERATORS",
@@ -37,7 +38,6 @@ __all__ = [
     "schema_twin",
 ]
 
-WANDB_MODES = ("offline", "online", "disabled")
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 STRATEGIES = ("auto", "fp8state_ddp", "fp8state_deepspeed", "fp8state_fsdp")

@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from ..audit import AuditReport, RecomputeAuditor
-from ..config import QuantConfig
+from ..config import QuantConfig, require_bool, require_type
 from ..errors import StateLoadError, StateTransitionError
 from ..fp8state import Fp8State
 from ..nn import ConversionReport
@@ -128,14 +128,12 @@ class Fp8StateCallback(Callback):
             config = QuantConfig()
         elif isinstance(config, Mapping):
             config = QuantConfig.from_dict(dict(config))
-        elif not isinstance(config, QuantConfig):
-            raise TypeError(f"config: expected a QuantConfig or a mapping of its fields, got {type(config).__name__}")
-        for name, value in (("audit", audit), ("save_accumulated_grads", save_accumulated_grads)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name}: expected True or False, got {value!r}")
-        for name, value in (("log_metrics", log_metrics), ("verbose", verbose)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name}: expected True or False, got {value!r}")
+        require_type("config", config, QuantConfig, "a QuantConfig, a mapping of its fields or None")
+        require_bool("audit", audit)
+        require_bool("save_accumulated_grads", save_accumulated_grads)
+        require_bool("log_metrics", log_metrics)
+        require_bool("verbose", verbose)
+        require_type("report_dir", report_dir, (str, os.PathLike, type(None)), "a directory path or None")
         self.verbose = verbose
         self.report_dir = report_dir
         self.config = config

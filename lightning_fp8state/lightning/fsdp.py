@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from typing_extensions import override
 
+from ..config import require_bool, require_choice, require_strings
 from ..errors import StateLoadError
 from ..nn import Fp8Linear
 from ..nn.fsdp import enable_fp8_all_gather, fp8_all_gather_problem, gathered_layers, plain_shard
@@ -101,31 +102,21 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
         process_group_backend: str | None = None,
         **kwargs: Any,
     ) -> None:
-        for key, value in (("fp8_all_gather", fp8_all_gather), ("reshard_after_forward", reshard_after_forward)):
-            if not isinstance(value, bool):
-                raise MisconfigurationException(f"{key}={value!r} is not allowed: expected True or False")
-        for key, allowed in (("data_parallel_size", "auto"), ("tensor_parallel_size", 1)):
-            if key in kwargs and kwargs[key] not in (allowed, "auto"):
-                raise MisconfigurationException(
-                    f"{key}={kwargs[key]!r} is not allowed: fp8state_fsdp shards over every rank (data "
-                    "parallel only, a one-dimensional mesh): leave it 'auto'"
-                )
-            kwargs.pop(key, None)
-        if kwargs.get("save_distributed_checkpoint", True) is not True:
-            raise MisconfigurationException(
-                "save_distributed_checkpoint=False is not allowed: fp8state_fsdp writes sharded checkpoints "
-                "(torch distributed checkpoint, one shard per rank)"
-            )
-        kwargs.pop("save_distributed_checkpoint", None)
-        if shard_modules is not None and (
-            isinstance(shard_modules, str) or not all(isinstance(p, str) for p in shard_modules)
-        ):
-            raise MisconfigurationException(
-                f"shard_modules={shard_modules!r} is not allowed: expected a list of module-name patterns"
-            )
+        require_bool("fp8_all_gather", fp8_all_gather)
+        require_bool("reshard_after_forward", reshard_after_forward)
+        why = "fp8state_fsdp shards over every rank: data parallel only, a one-dimensional mesh"
+        require_choice("data_parallel_size", kwargs.pop("data_parallel_size", "auto"), ("auto",), why=why)
+        require_choice("tensor_parallel_size", kwargs.pop("tensor_parallel_size", "auto"), ("auto", 1), why=why)
+        require_choice(
+            "save_distributed_checkpoint",
+            kwargs.pop("save_distributed_checkpoint", True),
+            (True,),
+            why="fp8state_fsdp writes sharded checkpoints: torch distributed checkpoint, one shard per rank",
+        )
+        shard_modules = require_strings("shard_modules", shard_modules, "a list of module-name patterns", optional=True)
         super().__init__(process_group_backend=process_group_backend, save_distributed_checkpoint=True, **kwargs)
         self.fp8_all_gather = fp8_all_gather
-        self.shard_modules = None if shard_modules is None else tuple(shard_modules)
+        self.shard_modules = shard_modules
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
 

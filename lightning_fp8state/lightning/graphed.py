@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..config import require_callable
 from ..errors import ConfigError
 from ..graphs import GraphedStep, require_warmup
 from .callback import DRIVES_EVENTS, Fp8StateCallback
@@ -83,8 +84,7 @@ class GraphedTrainingStep:
         warmup: int = 3,
         runner: Callable[..., Any] | None = None,
     ) -> None:
-        if not callable(loss_fn):
-            raise ConfigError(f"loss_fn: expected a function of the batch, got {type(loss_fn).__name__}")
+        require_callable("loss_fn", loss_fn, "a function of the batch")
         require_warmup(warmup)  # checked now: the runner is made at the first batch
         module.automatic_optimization = False
         setattr(module, DRIVES_EVENTS, True)

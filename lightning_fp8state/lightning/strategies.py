@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from ..config import require_bool
+from ..config import require_bool, require_choice, require_int
 from ..errors import StateLoadError
 from ..state.checkpoint_files import check_checkpoint
 from . import deepspeed_guard
@@ -122,17 +122,9 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
         device_guard: bool = True,
         **kwargs: Any,
     ):
+        require_choice("checkpoint_engine", checkpoint_engine, CHECKPOINT_ENGINES)
+        require_int("num_checkpoints", num_checkpoints, 1, optional=True)
         require_bool("device_guard", device_guard)
-        if checkpoint_engine not in CHECKPOINT_ENGINES:
-            raise MisconfigurationException(
-                f"checkpoint_engine={checkpoint_engine!r} is not allowed: expected one of {list(CHECKPOINT_ENGINES)}"
-            )
-        if num_checkpoints is not None and (
-            isinstance(num_checkpoints, bool) or not isinstance(num_checkpoints, int) or num_checkpoints < 1
-        ):
-            raise MisconfigurationException(
-                f"num_checkpoints={num_checkpoints!r} is not allowed: expected a positive integer"
-            )
         super().__init__(*args, **kwargs)
         self.checkpoint_engine = checkpoint_engine
         self.device_guard = device_guard

@@ -19,9 +19,11 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
+from ..config import require_bool, require_choice, require_int, require_number, require_type
 from ..errors import ConfigError
 from ..telemetry import JSONL_NAME, TrainingTelemetry, count_tokens, read_engine_step
 from ..telemetry.engines import FOUND_INF_ATTR
+from ..telemetry.metrics import SOURCE_GROUPINGS
 
 __all__ = ["LightningLoggerSink", "TelemetryCallback", "wandb_logger"]
 
@@ -131,22 +133,23 @@ class TelemetryCallback(Callback):
         apply_clipping: bool = False,
         jsonl_name: str = JSONL_NAME,
     ) -> None:
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
-        ):
-            raise ConfigError(f"log_every_n_steps={log_every_n_steps!r} is not allowed: expected an integer >= 1")
-        if not (tokens_per_batch is None or callable(tokens_per_batch) or isinstance(tokens_per_batch, int)):
-            raise ConfigError(
-                f"tokens_per_batch={tokens_per_batch!r} is not allowed: expected an int, a function of the batch or None"
+        require_int("log_every_n_steps", log_every_n_steps, 1, optional=True)
+        if not callable(tokens_per_batch):
+            require_type(
+                "tokens_per_batch", tokens_per_batch, (int, type(None)), "an int, a function of the batch or None"
             )
-        if dominant_by not in ("layer", "parameter"):
-            raise ConfigError(f"dominant_by={dominant_by!r} is not allowed: expected 'layer' or 'parameter'")
-        if apply_clipping and not (
-            isinstance(clip_threshold, (int, float)) and not isinstance(clip_threshold, bool) and clip_threshold > 0
-        ):
-            raise ConfigError(
-                f"apply_clipping=True with clip_threshold={clip_threshold!r} is not allowed: expected a number > 0"
-            )
+        require_choice("dominant_by", dominant_by, SOURCE_GROUPINGS)
+        flags = {"guard": guard, "saturation": saturation, "per_owner": per_owner, "progress_bar": progress_bar}
+        for key, value in {**flags, "apply_clipping": apply_clipping}.items():
+            require_bool(key, value)
+        require_number(
+            "clip_threshold",
+            clip_threshold,
+            0,
+            low_open=True,
+            optional=not apply_clipping,
+            why="apply_clipping=True clips the gradients at it" if apply_clipping else "",
+        )
         self.run_dir = run_dir
         self.log_every_n_steps = log_every_n_steps
         self.guard = guard

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ..config import require_choice
 from ..errors import ConfigError
 
 __all__ = ["DATA_SOURCES", "MarkovTokens", "ResumableLoader", "TokenFile", "make_dataset"]
@@ -74,13 +75,12 @@ class TokenFile(Dataset):
 
 def make_dataset(source: str, *, vocab_size: int, seq_len: int, length: int, seed: int, path: str | None = None):
     """``markov`` (generated, seeded), ``text`` or ``bin`` (a user's file at ``path``)."""
+    require_choice("data.source", source, DATA_SOURCES)
     if source == "markov":
         return MarkovTokens(vocab_size, seq_len, length, seed)
-    if source in ("text", "bin"):
-        if not path:
-            raise ConfigError(f"data.source={source!r} needs data.path")
-        return TokenFile(path, seq_len, vocab_size)
-    raise ConfigError(f"data.source={source!r} is not allowed: expected one of {list(DATA_SOURCES)}")
+    if not path:
+        raise ConfigError(f"data.source={source!r} needs data.path")
+    return TokenFile(path, seq_len, vocab_size)
 
 
 class ResumableLoader(DataLoader):

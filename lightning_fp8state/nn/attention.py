@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..config import require_name
 from ..formats import FP4_LAYOUTS
 from ..protocol import QuantProtocol
 from ..recompute import Phase
@@ -146,8 +147,7 @@ class Fp4AttentionQuantizer(nn.Module):
 
     def bind(self, protocol: QuantProtocol, layer_name: str | None) -> Fp4AttentionQuantizer:
         """Attach to ``protocol`` under ``layer_name``; returns ``self``."""
-        if not isinstance(layer_name, str) or not layer_name:
-            raise ValueError(f"layer_name: expected a non-empty string naming the layer, got {layer_name!r}")
+        require_name("layer_name", layer_name, "a non-empty string naming the layer")
         self.protocol, self.layer_name = getattr(protocol, "protocol", protocol), layer_name  # an Fp8State's
         return self
 

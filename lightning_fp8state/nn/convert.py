@@ -183,12 +183,13 @@ def _weight_read_outside_forward(parents: dict[str, nn.Module], name: str) -> st
     return None
 
 
-def _selection(name: str, config) -> str | None:
-    """Why ``name`` is left alone by the include/exclude patterns, or None (selected)."""
-    if not _matches(name, config.include):
-        return f"matches no include pattern {list(config.include)}"
-    if _matches(name, config.exclude):
-        return f"matches an exclude pattern {list(config.exclude)}"
+def _selection(name: str, selection) -> str | None:
+    """Why ``name`` is left alone by the include/exclude patterns of ``selection`` (a
+    config's ``selection`` section), or None (selected)."""
+    if not _matches(name, selection.include):
+        return f"matches no include pattern {list(selection.include)}"
+    if _matches(name, selection.exclude):
+        return f"matches an exclude pattern {list(selection.exclude)}"
     return None
 
 
@@ -276,7 +277,7 @@ def convert_model(model: nn.Module, protocol: QuantProtocol) -> ConversionReport
         A :class:`ConversionReport` of every candidate.
     """
     protocol = getattr(protocol, "protocol", protocol)  # an Fp8State: its protocol
-    config = protocol.config
+    selection = protocol.config.selection  # the include/exclude patterns: all conversion reads
     report = ConversionReport()
     modules = dict(model.named_modules())
     targets = []
@@ -294,11 +295,11 @@ def convert_model(model: nn.Module, protocol: QuantProtocol) -> ConversionReport
             why_not = _mha_not_convertible(module)
             chosen = []
             for entry in entries:
-                why = why_not or _selection(entry, config)
+                why = why_not or _selection(entry, selection)
                 (report.not_quantizable if why_not else report.skipped).update({entry: why} if why else {})
                 if why is None:
                     chosen.append(entry)
-            out_chosen = _selection(f"{name}.out_proj" if name else "out_proj", config) is None
+            out_chosen = _selection(f"{name}.out_proj" if name else "out_proj", selection) is None
             if why_not is None and (chosen or out_chosen):
                 attentions.append((name, module, chosen, entries))
             continue
@@ -322,7 +323,7 @@ def convert_model(model: nn.Module, protocol: QuantProtocol) -> ConversionReport
         if why_not is not None:
             report.not_quantizable[name] = why_not
         else:
-            why = _selection(name, config)
+            why = _selection(name, selection)
             if why is not None:
                 report.skipped[name] = why
             else:

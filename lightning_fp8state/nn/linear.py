@@ -7,11 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import require_choice, require_type
 from ..encoders import ACTIVATIONS, Prologue
 from ..protocol import QuantProtocol
 from .linear_call import LINEAR_ROLES, _linear_backward, _linear_forward, fp8_linear_op, op_key
 
 __all__ = ["Fp8Linear", "LINEAR_ROLES"]
+
+_PROLOGUES = (None, "layer_norm", *ACTIVATIONS)  # what Fp8Linear.forward's prologue= takes
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -144,17 +147,11 @@ class Fp8Linear(nn.Linear):
     def _prologue_kind(prologue: str | None, norm: nn.LayerNorm | None) -> str | None:
         """``prologue`` checked against ``norm``."""
         if prologue is None:
-            if norm is not None:
-                raise ValueError('Fp8Linear: norm is only taken with prologue="layer_norm"')
+            if norm is not None:  # (checked only then: this is every plain call's path)
+                require_type("norm", norm, type(None), 'None: Fp8Linear takes norm with prologue="layer_norm" only')
             return None
         if prologue == "layer_norm":
-            if not isinstance(norm, nn.LayerNorm):
-                raise ValueError(
-                    f'Fp8Linear: prologue="layer_norm" needs norm=<nn.LayerNorm>, got {type(norm).__name__}'
-                )
+            require_type("norm", norm, nn.LayerNorm, "an nn.LayerNorm", why='Fp8Linear with prologue="layer_norm"')
             return prologue
-        if prologue in ACTIVATIONS:
-            return prologue
-        raise ValueError(
-            f"Fp8Linear: prologue={prologue!r} is not allowed: expected None, 'layer_norm' or one of {ACTIVATIONS}"
-        )
+        require_choice("prologue", prologue, _PROLOGUES)
+        return prologue

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import require_choice
 from ..encoders import ACTIVATIONS, Prologue
 from .linear import Fp8Linear
 
@@ -43,10 +44,10 @@ def linear_after(linear: nn.Module, x: torch.Tensor, *, norm: nn.Module | None =
     Either ``norm`` (a module applied to ``x``) or ``activation`` (one of ``ACTIVATIONS``),
     not both. Any other Linear gets the plain composition.
     """
-    if norm is not None and activation is not None:
-        raise ValueError("linear_after: pass norm or activation, not both")
-    if activation is not None and activation not in ACTIVATIONS:
-        raise ValueError(f"linear_after: activation={activation!r} is not allowed: expected one of {ACTIVATIONS}")
+    if norm is not None:
+        require_choice("activation", activation, (None,), why="linear_after takes norm or activation, not both")
+    elif activation is not None:
+        require_choice("activation", activation, ACTIVATIONS)
     if isinstance(linear, Fp8Linear):
         if norm is not None and _plain_norm(norm, x):
             return linear(x, prologue="layer_norm", norm=norm)

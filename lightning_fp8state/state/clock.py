@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..config import require_int
 from ..errors import StateTransitionError
 
 __all__ = ["Event", "LogicalClock"]
@@ -27,9 +28,8 @@ class LogicalClock:
             )
         if step is None:
             step = 0 if self.last is None else self.last[0] + 1
-        for name, value in (("step", step), ("microbatch", microbatch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise StateTransitionError(f"{name}={value!r} is not allowed: expected an integer >= 0")
+        require_int("step", step, 0)
+        require_int("microbatch", microbatch, 0)
         event = (step, microbatch)
         if self.last is not None and event <= self.last:
             raise StateTransitionError(

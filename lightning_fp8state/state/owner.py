@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import require_choice
 from ..errors import ConfigError
 
 __all__ = [
@@ -26,8 +27,7 @@ ATTENTION_ROLES: tuple[str, ...] = ("attn_q", "attn_k", "attn_v")
 
 def register_role(name: str, phase: str) -> None:
     """Add a quantization role; ``phase`` is ``"forward"`` or ``"backward"``."""
-    if phase not in ("forward", "backward"):
-        raise ConfigError(f"role phase {phase!r} is not allowed: expected 'forward' or 'backward'")
+    require_choice("phase", phase, ("forward", "backward"), why=f"the phase of role {name!r}")
     (FORWARD_ROLES if phase == "forward" else BACKWARD_ROLES).add(name)
 
 

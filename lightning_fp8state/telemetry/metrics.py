@@ -12,8 +12,11 @@ from collections.abc import Sequence
 
 import torch
 
+from ..config import require_choice, require_type
+
 __all__ = [
     "CLIP_ALGORITHMS",
+    "SOURCE_GROUPINGS",
     "clip_event",
     "gradient_norms",
     "gradient_summary",
@@ -22,6 +25,8 @@ __all__ = [
 ]
 
 CLIP_ALGORITHMS = ("norm", "value")
+# What a gradient source is (source_groups' by=): a layer (the module's path) or one parameter.
+SOURCE_GROUPINGS = ("layer", "parameter")
 
 
 def gradient_norms(grads: Sequence[torch.Tensor], ord: float = 2.0) -> torch.Tensor:
@@ -82,8 +87,7 @@ def source_groups(names: Sequence[str], by: str = "layer") -> tuple[list[str], l
     Returns:
         The source names and, per parameter, the index of its source.
     """
-    if by not in ("layer", "parameter"):
-        raise ValueError(f"by={by!r} is not allowed: expected 'layer' or 'parameter'")
+    require_choice("by", by, SOURCE_GROUPINGS)
     sources: dict[str, int] = {}
     index = []
     for name in names:
@@ -130,14 +134,12 @@ def clip_event(
     ``threshold / (norm + 1e-6)`` when that is below 1). ``value``: some element's
     magnitude exceeds ``threshold`` (``max_abs`` is the largest gradient magnitude).
     """
-    if algorithm not in CLIP_ALGORITHMS:
-        raise ValueError(f"algorithm={algorithm!r} is not allowed: expected one of {list(CLIP_ALGORITHMS)}")
+    require_choice("algorithm", algorithm, CLIP_ALGORITHMS)
     finite = torch.isfinite(total_norm)
     if algorithm == "norm":
         clipped = (threshold / (total_norm + 1e-6)) < 1.0
     else:
-        if max_abs is None:
-            raise ValueError("value clipping needs max_abs (the largest gradient magnitude)")
+        require_type("max_abs", max_abs, torch.Tensor, "a tensor", why="value clipping compares it with the threshold")
         clipped = max_abs > threshold
     return (clipped & finite).to(torch.float64)
 

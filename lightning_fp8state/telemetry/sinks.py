@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import ConfigError
+from ..config import require_choice
 
 __all__ = [
     "JSONL_NAME",
@@ -25,6 +25,7 @@ __all__ = [
     "Sink",
     "SinkFailures",
     "TelemetryLog",
+    "WANDB_MODES",
     "WandbSink",
     "decode_value",
     "encode_value",
@@ -33,6 +34,8 @@ __all__ = [
 ]
 
 JSONL_NAME = "telemetry.jsonl"
+# W&B's modes, as WandbSink (and the CLI's telemetry.wandb) take them.
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 class Sink(Protocol):
@@ -210,8 +213,7 @@ class WandbSink:
         step_key: str = "step",
         **init_kwargs: Any,
     ) -> None:
-        if mode not in ("offline", "online", "disabled"):
-            raise ConfigError(f"mode={mode!r} is not allowed: expected 'offline', 'online' or 'disabled'")
+        require_choice("mode", mode, WANDB_MODES)
         self.run_dir = Path(run_dir)
         self.project, self.mode, self.step_key = project, mode, step_key
         self.init_kwargs = init_kwargs

@@ -30,9 +30,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..config import require_choice, require_int, require_number
 from .engines import FOUND_INF_ATTR, read_engine_step
-from .metrics import CLIP_ALGORITHMS, clip_event, gradient_norms, gradient_summary, loss_summary, source_groups
+from .metrics import (
+    CLIP_ALGORITHMS,
+    SOURCE_GROUPINGS,
+    clip_event,
+    gradient_norms,
+    gradient_summary,
+    loss_summary,
+    source_groups,
+)
 from .quantizer import SaturationProbe, find_protocol, quantizer_health
 from .recorder import StepRecorder
 from .sinks import JSONL_NAME, FanOut, JsonlSink, Sink
@@ -136,16 +144,10 @@ class TrainingTelemetry:
         jsonl_name: str = JSONL_NAME,
         write: bool = True,
     ) -> None:
-        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
-            raise ConfigError(f"log_every={log_every!r} is not allowed: expected an integer >= 1")
-        if clip_algorithm not in CLIP_ALGORITHMS:
-            raise ConfigError(
-                f"clip_algorithm={clip_algorithm!r} is not allowed: expected one of {list(CLIP_ALGORITHMS)}"
-            )
-        if dominant_by not in ("layer", "parameter"):
-            raise ConfigError(f"dominant_by={dominant_by!r} is not allowed: expected 'layer' or 'parameter'")
-        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
-            raise ConfigError(f"max_grad_norm={max_grad_norm!r} is not allowed: expected a number > 0 or None")
+        require_int("log_every", log_every, 1)
+        require_choice("clip_algorithm", clip_algorithm, CLIP_ALGORITHMS)
+        require_choice("dominant_by", dominant_by, SOURCE_GROUPINGS)
+        require_number("max_grad_norm", max_grad_norm, 0, low_open=True, optional=True)
         self.run_dir = Path(run_dir)
         self.jsonl_path = self.run_dir / jsonl_name
         self.model = model

@@ -68,6 +68,11 @@ def test_bad_input_exits_2_naming_the_key_and_writes_nothing(argv, needle, tmp_p
     assert not (tmp_path / "runs").exists()
 
 
+def test_audit_steps_below_one_exits_2_naming_the_argument(capsys):
+    assert main(["audit", "--steps", "0"]) == 2
+    assert "--steps=0 is not allowed: expected an integer >= 1" in capsys.readouterr().err
+
+
 def test_missing_recipe_file_exits_2(capsys):
     assert main(["audit", "no_such_recipe.yaml"]) == 2
     assert "no_such_recipe.yaml" in capsys.readouterr().err

@@ -63,9 +63,9 @@ def test_importing_the_package_does_not_import_lightning():
 def test_callback_arguments_are_keyword_only_and_validated():
     with pytest.raises(TypeError):
         Fp8StateCallback(f8s.QuantConfig())  # positional: refused
-    with pytest.raises(TypeError, match="config: expected a QuantConfig"):
+    with pytest.raises(f8s.ConfigError, match="config='fp8_delayed' is not allowed: expected a QuantConfig"):
         Fp8StateCallback(config="fp8_delayed")
-    with pytest.raises(TypeError, match="audit: expected True or False"):
+    with pytest.raises(f8s.ConfigError, match="audit='yes' is not allowed: expected true or false"):
         Fp8StateCallback(audit="yes")
     with pytest.raises(f8s.ConfigError, match=r"unknown QuantConfig keys \['histroy_len'\]"):
         Fp8StateCallback(config={"histroy_len": 4})
@@ -102,7 +102,7 @@ def test_conversion_verbose_lists_every_layer_and_report_dir_gets_the_json(monke
     saved = json.loads((tmp_path / "conversion.json").read_text())
     assert saved["counts"]["converted"] == 5
     assert {"name": "head", "status": "skipped", "reason": "matches an exclude pattern ['head']"} in saved["entries"]
-    with pytest.raises(TypeError, match="verbose: expected True or False"):
+    with pytest.raises(f8s.ConfigError, match="verbose='yes' is not allowed: expected true or false"):
         Fp8StateCallback(verbose="yes")
 
 

@@ -240,6 +240,6 @@ def test_bad_arguments_are_refused_by_name():
     module = GPTModule(graphed=False)
     with pytest.raises(ConfigError, match="warmup=0"):
         GraphedTrainingStep(module, module.scaled_loss, warmup=0)
-    with pytest.raises(ConfigError, match="loss_fn"):
+    with pytest.raises(ConfigError, match="loss_fn=None is not allowed: expected a function of the batch"):
         GraphedTrainingStep(module, None)
     assert module.automatic_optimization  # nothing was switched by a refused construction

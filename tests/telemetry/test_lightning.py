@@ -249,8 +249,15 @@ def test_bad_arguments_are_config_errors(tmp_path):
         TelemetryCallback(log_every_n_steps=0)
     with pytest.raises(f8s.ConfigError, match="tokens_per_batch='many'"):
         TelemetryCallback(tokens_per_batch="many")
-    with pytest.raises(f8s.ConfigError, match="apply_clipping=True with clip_threshold=None"):
+    with pytest.raises(
+        f8s.ConfigError,
+        match=r"clip_threshold=None is not allowed: .*\(apply_clipping=True clips the gradients at it\)",
+    ):
         TelemetryCallback(apply_clipping=True)
+    with pytest.raises(f8s.ConfigError, match=r"clip_threshold=0 is not allowed: expected a finite number > 0 or None"):
+        TelemetryCallback(clip_threshold=0)
+    with pytest.raises(f8s.ConfigError, match="progress_bar='no' is not allowed: expected true or false"):
+        TelemetryCallback(progress_bar="no")
     both = TelemetryCallback(clip_threshold=1.0, apply_clipping=True)
     with pytest.raises(f8s.ConfigError, match="would both clip"):
         trainer(tmp_path, [both], max_steps=1, gradient_clip_val=1.0).fit(TinyModule())

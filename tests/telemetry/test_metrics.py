@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from lightning_fp8state.errors import ConfigError
 from lightning_fp8state.telemetry import (
     StepRecorder,
     clip_event,
@@ -70,7 +71,7 @@ def test_dominant_source_and_shares():
     assert sources[int(s["dominant_index"])] == "b"
     by_param, _ = source_groups(names, "parameter")
     assert by_param == names
-    with pytest.raises(ValueError, match="'layer' or 'parameter'"):
+    with pytest.raises(ConfigError, match=r"by='.*' is not allowed: expected one of \['layer', 'parameter'\]"):
         source_groups(names, "module")
 
 
@@ -95,7 +96,7 @@ def test_clip_event_value_and_nonfinite():
     assert float(clip_event(norm, torch.tensor(2.0), 1.0, "value")) == 1.0
     assert float(clip_event(norm, torch.tensor(0.5), 1.0, "value")) == 0.0
     assert float(clip_event(torch.tensor(float("nan")), None, 1.0)) == 0.0  # skipped, not clipped
-    with pytest.raises(ValueError, match="expected one of"):
+    with pytest.raises(ConfigError, match=r"algorithm='percentile' is not allowed: expected one of"):
         clip_event(norm, None, 1.0, "percentile")
 
 

@@ -192,14 +192,16 @@ def test_arguments_are_checked_with_names():
     lin = model["lin"]
     assert isinstance(lin, Fp8Linear)
     x = torch.randn(2, 16)
-    with pytest.raises(ValueError, match="norm or activation"):
+    with pytest.raises(ConfigError, match=r"activation='gelu' is not allowed: .*takes norm or activation, not both"):
         linear_after(lin, x, norm=model["norm"], activation="gelu")
-    with pytest.raises(ValueError, match="activation='relu'"):
+    with pytest.raises(ConfigError, match=r"activation='relu' is not allowed: expected one of \['gelu'\]"):
         linear_after(lin, x, activation="relu")
-    with pytest.raises(ValueError, match="prologue='tanh'"):
+    with pytest.raises(ConfigError, match=r"prologue='tanh' is not allowed: expected one of \[None, 'layer_norm'"):
         lin(x, prologue="tanh")
-    with pytest.raises(ValueError, match="needs norm"):
+    with pytest.raises(ConfigError, match=r"norm=None is not allowed: expected an nn.LayerNorm"):
         lin(x, prologue="layer_norm")
+    with pytest.raises(ConfigError, match=r"norm=LayerNorm\(.*\) is not allowed: expected None"):
+        lin(x, norm=model["norm"])
     with pytest.raises(ConfigError, match="fuse_prologues"):
         f8s.QuantConfig(fuse_prologues="yes")
     s = torch.ones(1)

@@ -99,6 +99,7 @@ def test_checkpoint_engine_routing_choices():
     [
         ({"checkpoint_engine": "fast"}, r"checkpoint_engine='fast' is not allowed"),
         ({"num_checkpoints": 0}, r"num_checkpoints=0 is not allowed"),
+        ({"device_guard": "yes"}, r"device_guard='yes' is not allowed"),
         ({"contiguous_memory_optimization": True, "num_checkpoints": 2}, "needs partition_activations=True"),
         ({"contiguous_memory_optimization": True, "partition_activations": True}, "needs num_checkpoints"),
     ],

@@ -68,6 +68,17 @@ class _Scratch(NamedTuple):
     center_min: torch.Tensor
 
 
+class _Entrant(NamedTuple):
+    """One entrant's owners as registered in the bank at ``version`` (shared by its call
+    records, which never change them)."""
+
+    version: int
+    owners: dict  # role -> OwnerKey
+    indices: dict  # role -> bank index (-1: stateless)
+    widths: dict  # role -> center width, for the banked roles
+    banked: bool  # any role has bank state
+
+
 class GraphTemplate(NamedTuple):
     """The host side of calls captured in CUDA graphs (:meth:`QuantProtocol.graph_template`)."""
 
@@ -154,6 +165,8 @@ class QuantProtocol:
             # Owners of stateless roles (their scale from each call's own tensor: no bank slot), in
             # order of registration, each with its latest true-forward snapshot (telemetry reads it).
             self._dynamic: dict = {}  # OwnerKey -> QuantSnapshot | None
+            # (layer, roles, stream, site, channels) -> its owners as registered (_entrant)
+            self._entrants: dict[tuple, _Entrant] = {}
 
     # -- events --------------------------------------------------------------------
     def begin_event(self, step: int | None = None, microbatch: int = 0) -> Event:
@@ -462,6 +475,22 @@ class QuantProtocol:
         enc = self.encoder(role)
         return QuantSnapshot(owner, step, mb, region, ordinal, enc.dtype, scale, descale, enc.layout, center)
 
+    def _entrant(self, layer, roles, device, stream, site, channels) -> _Entrant:
+        """The owners of one entrant (layer, roles, stream, site), registered, with their bank
+        indices and center widths: worked out at its first call and reused while the bank keeps
+        its version (a registration, load or move changes it; :meth:`reset` forgets them all).
+        Under the lock."""
+        roles = roles if type(roles) is tuple else tuple(roles)
+        key = (layer, roles, stream, site, None if channels is None else tuple(channels.items()))
+        bank = self.bank
+        known = self._entrants.get(key)
+        if known is not None and known.version == bank.version:
+            return known
+        owners, indices = self._owners(layer, roles, device, stream, site, channels) if self.config.quantized else ({}, {})
+        widths = {role: bank.center_width[i] for role, i in indices.items() if i >= 0}
+        known = self._entrants[key] = _Entrant(bank.version, owners, indices, widths, bool(widths))
+        return known
+
     def _new_record(self, ev: _OpenEvent, layer, roles, device, frame, channels) -> CallRecord:
         ident = self._enter_stream(device)
         stream = self._stream_ordinal(ident)
@@ -473,29 +502,25 @@ class QuantProtocol:
             else:
                 ordinal = ev.top_ordinals[layer]
                 ev.top_ordinals[layer] = ordinal + 1
-            owners, indices = (
-                self._owners(layer, roles, device, stream, site, channels) if self.config.quantized else ({}, {})
-            )
-            banked = any(i >= 0 for i in indices.values())
-            if banked and (ev.frozen is None or ev.frozen.version != self.bank.version):
+            entrant = self._entrant(layer, roles, device, stream, site, channels)
+            owners, indices, widths = entrant.owners, entrant.indices, entrant.widths
+            if entrant.banked and (ev.frozen is None or ev.frozen.version != self.bank.version):
                 self.stream_order.structural(device)
                 ev.frozen = self.bank.freeze()
             frozen = ev.frozen
-            widths = {role: self.bank.center_width[i] for role, i in indices.items() if i >= 0}
-        if banked:
+        if entrant.banked:
             self.stream_order.use(device, frozen.scales)
         region = frame.key if frame is not None else None
+        event = ev.event
         snapshots = {}
         for role, owner in owners.items():
             i = indices[role]
             if i < 0:  # stateless: stamps now, the scale at the quantize (from its own tensor)
-                snapshots[role] = self._snapshot(owner, role, None, None, None, ev.event, region, ordinal)
+                snapshots[role] = self._snapshot(owner, role, None, None, None, event, region, ordinal)
                 continue
             center = frozen.center(i, widths[role]) if widths[role] else None
-            snapshots[role] = self._snapshot(
-                owner, role, frozen.scale(i), frozen.descale(i), center, ev.event, region, ordinal
-            )
-        record = CallRecord(ev.event, layer, site, region, ordinal, stream, ident, owners, indices, snapshots)
+            snapshots[role] = self._snapshot(owner, role, frozen.scale(i), frozen.descale(i), center, event, region, ordinal)
+        record = CallRecord(event, layer, site, region, ordinal, stream, ident, owners, indices, snapshots)
         self.stash.put(record)
         return record
 
@@ -550,7 +575,11 @@ class QuantProtocol:
         Raises:
             StaleSnapshotError: the snapshot is another owner's or another event's.
         """
-        return snap.expect(owner=record.owners[role], event=self.clock.event)
+        owner, event = record.owners[role], self.clock.event
+        # the check itself, without building expect()'s table: the common case costs two compares
+        if snap.owner is owner and (event is None or (snap.step == event[0] and snap.microbatch == event[1])):
+            return snap
+        return snap.expect(owner=owner, event=event)
 
     def keep_for_backward(self, key: int, state) -> None:
         """Hold ``state`` (what a call's backward needs besides its saved tensors) under ``key``

@@ -144,6 +144,7 @@ class QuantProtocol:
         self._stateful: dict[str, bool] = {}  # role -> the recipe's answer (cached)
         self._discard: dict[tuple, _Scratch] = {}  # (device, center width) -> recompute's scratch slot
         self._policy = policy
+        self._stream_scoped = config.ownership == "per_layer_rank_stream"  # the guard's error hint
         # Layers whose weight arrives quantized from an FP8 all-gather (FSDP2, nn/fsdp.py):
         # layer -> a callable giving its weight's device. Their weight owners are registered and the event's scales frozen
         # at begin_event, on the training stream, before any all-gather reads them.
@@ -472,8 +473,8 @@ class QuantProtocol:
 
     def _snapshot(self, owner, role, scale, descale, center, event, region, ordinal) -> QuantSnapshot:
         step, mb = (None, None) if event is None else event
-        enc = self.encoder(role)
-        return QuantSnapshot(owner, step, mb, region, ordinal, enc.dtype, scale, descale, enc.layout, center)
+        enc = self._encoders.get(role) or self.encoder(role)
+        return QuantSnapshot.stamped(owner, step, mb, region, ordinal, enc.dtype, scale, descale, enc.layout, center)
 
     def _entrant(self, layer, roles, device, stream, site, channels) -> _Entrant:
         """The owners of one entrant (layer, roles, stream, site), registered, with their bank
@@ -519,7 +520,8 @@ class QuantProtocol:
                 snapshots[role] = self._snapshot(owner, role, None, None, None, event, region, ordinal)
                 continue
             center = frozen.center(i, widths[role]) if widths[role] else None
-            snapshots[role] = self._snapshot(owner, role, frozen.scale(i), frozen.descale(i), center, event, region, ordinal)
+            scales, descales = frozen.views()
+            snapshots[role] = self._snapshot(owner, role, scales[i], descales[i], center, event, region, ordinal)
         record = CallRecord(event, layer, site, region, ordinal, stream, ident, owners, indices, snapshots)
         self.stash.put(record)
         return record
@@ -766,13 +768,27 @@ class QuantProtocol:
         if self._policy is not None:
             return self._policy.quantize(self, record, role, x, phase, event, prologue)
         snap = record.snapshots[role]
-        if phase is Phase.RECOMPUTE:
+        encoder = self._encoders.get(role) or self.encoder(role)
+        order = self.stream_order
+        if phase is Phase.RECOMPUTE:  # read-only: _encode_discard's body
             self.ledger.recompute_read(event, owner)
-            return self._encode_discard(x, snap, role, prologue), snap
-        self._observe(record, role, event, recompute=False)
+            scratch = self._discard_slot(x.device, 0 if snap.center is None else snap.center.shape[-1])
+            if order.active:
+                order.use(x.device, scratch.amax_pending, snap.scale)
+            return encoder.encode_record(x, snap, scratch, 0, prologue), snap
+        # the true forward: _observe's and _encode_record's bodies, one lock
+        if role in FORWARD_ROLES:
+            self.guard.enter(owner, record.stream_ident, stream_scoped=self._stream_scoped)
+        self.ledger.observe(event, owner, call_site=(record.layer, record.site), recompute=False)
+        with self._lock:
+            ev.observed.setdefault(owner, index)
         if index in self.bank.fresh:  # the first event only; its ops are unseen by SAC
             outside_selective_checkpoint(self._calibrate_first_use, ev.calibrated, index, x, snap, role, prologue)
-        return self._encode_record(index, x, snap, role, prologue), snap
+        with self._lock:  # a registration on another thread must not swap the pending buffers meanwhile
+            bank = self.bank
+            if order.active:
+                order.use(x.device, bank.amax_pending, snap.scale)
+            return encoder.encode_record(x, snap, bank, index, prologue), snap
 
     def _quantize_dynamic(self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase, event, stage=None):
         """A stateless role: the recipe's encoder derives the scale from ``x`` itself and returns
@@ -816,11 +832,7 @@ class QuantProtocol:
     def _observe(self, record: CallRecord, role: str, event: Event, *, recompute: bool) -> None:
         owner = record.owners[role]
         if role_phase(role) == "forward" and not recompute:
-            self.guard.enter(
-                owner,
-                record.stream_ident,
-                stream_scoped=self.config.ownership == "per_layer_rank_stream",
-            )
+            self.guard.enter(owner, record.stream_ident, stream_scoped=self._stream_scoped)
         self.ledger.observe(event, owner, call_site=(record.layer, record.site), recompute=recompute)
         with self._lock:
             self._open.observed.setdefault(owner, record.indices[role])

@@ -130,8 +130,9 @@ def _linear_backward(grad_out, saved, call: _Call, needs) -> tuple:
     (gq, g_w, g_sums), sg = protocol.quantize(
         record, "grad_output", g2, Phase.FORWARD, recipe.grad_output_stage(want_bias)
     )
-    for snap, role in ((sx, "input"), (sw, "weight"), (sg, "grad_output")):
-        protocol.check_consumer(record, role, snap)
+    protocol.check_consumer(record, "input", sx)
+    protocol.check_consumer(record, "weight", sw)
+    protocol.check_consumer(record, "grad_output", sg)
     grad_x = grad_w = grad_b = grad_nw = grad_nb = None
     # The weight gradient first: its operands (gq^T, and the transpose of xq made inside)
     # are freed before the input gradient (float32 where x is) and the prologue's backward

@@ -226,7 +226,10 @@ class QuantProtocol:
 
     def _commit(self, ev: _OpenEvent, phases: set[str], *, reduce_phases: set[str]) -> None:
         with self._lock:
-            owners = [o for o in ev.observed if o not in ev.committed and role_phase(o.role) in phases]
+            # (the roles of ``phases``, looked up once: an observed owner's role is a known one)
+            roles = (FORWARD_ROLES if "forward" in phases else set()) | (BACKWARD_ROLES if "backward" in phases else set())
+            committed = ev.committed
+            owners = [o for o in ev.observed if o.role in roles and o not in committed]
             # a stateless owner (index -1) commits in the ledger only: it has no bank state
             indices = tuple(i for i in (ev.observed[o] for o in owners) if i >= 0)
             # The collective runs whenever a role of ``reduce_phases`` reduces, even with

@@ -234,10 +234,12 @@ def _fp8_linear(
     if prologue:
         stage = Prologue(prologue, norm_weight, norm_bias, eps) if prologue == "layer_norm" else Prologue(prologue)
     phase, record = protocol.enter_call(mod.layer_name, LINEAR_ROLES, x.device, grad_enabled=training)
-    with _no_autocast(x.device.type):
-        y, saved, call = _linear_forward(
-            x, weight, bias, protocol, record, phase, out_dtype, protocol.config.gemm, stage
-        )
+    args = (x, weight, bias, protocol, record, phase, out_dtype, protocol.config.gemm, stage)
+    if torch.is_autocast_enabled(x.device.type):
+        with _no_autocast(x.device.type):
+            y, saved, call = _linear_forward(*args)
+    else:  # (no context to enter: the common case, on every call)
+        y, saved, call = _linear_forward(*args)
     protocol.observe_output(record, phase, y, record.used)
     xq, wq, *rest = saved  # rest: the prologue's input, then the LayerNorm's (mean, rstd)
     mean, rstd = rest[1:] if len(rest) == 3 else (_stats_empty(x), _stats_empty(x))
@@ -286,8 +288,10 @@ def _fp8_linear_backward(grad, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, b
     saved = (xq, wq)
     if call.prologue is not None:
         saved = (xq, wq, x, mean, rstd) if call.prologue.kind == "layer_norm" else (xq, wq, x)
-    with _no_autocast(grad.device.type):
-        return _linear_backward(grad, saved, call, needs)
+    if torch.is_autocast_enabled(grad.device.type):
+        with _no_autocast(grad.device.type):
+            return _linear_backward(grad, saved, call, needs)
+    return _linear_backward(grad, saved, call, needs)
 
 
 @torch.library.register_fake("fp8state::fp8_linear_backward")

@@ -513,7 +513,9 @@ class QuantProtocol:
                 ev.frozen = self.bank.freeze()
             frozen = ev.frozen
         if entrant.banked:
-            self.stream_order.use(device, frozen.scales)
+            if self.stream_order.active:
+                self.stream_order.use(device, frozen.scales)
+            scales, descales = frozen.views()
         region = frame.key if frame is not None else None
         event = ev.event
         snapshots = {}
@@ -523,7 +525,6 @@ class QuantProtocol:
                 snapshots[role] = self._snapshot(owner, role, None, None, None, event, region, ordinal)
                 continue
             center = frozen.center(i, widths[role]) if widths[role] else None
-            scales, descales = frozen.views()
             snapshots[role] = self._snapshot(owner, role, scales[i], descales[i], center, event, region, ordinal)
         record = CallRecord(event, layer, site, region, ordinal, stream, ident, owners, indices, snapshots)
         self.stash.put(record)

@@ -105,13 +105,13 @@ class Fp8Linear(nn.Linear):
     def _forward(self, x: torch.Tensor, prologue: str | None, norm: nn.LayerNorm | None) -> torch.Tensor:
         protocol = self.protocol
         config = protocol.config
+        quantized = config.quantized
         fused = None if prologue is None and norm is None else self._prologue(prologue, norm)
-        if fused is not None and not (config.quantized and config.fuse_prologues and protocol.recipe.fuses_prologues):
+        if fused is not None and not (quantized and config.fuse_prologues and protocol.recipe.fuses_prologues):
             x = norm(x) if prologue == "layer_norm" else F.gelu(x)  # the same op, unfused
             fused = None
-        roles = LINEAR_ROLES if config.quantized else ()
-        phase, record = protocol.enter_call(self.layer_name, roles, x.device)
-        if not config.quantized:
+        phase, record = protocol.enter_call(self.layer_name, LINEAR_ROLES if quantized else (), x.device)
+        if not quantized:
             out = F.linear(x, self.weight, self.bias)
             protocol.observe_output(record, phase, out, {})
             return out

@@ -13,7 +13,7 @@ mode and compiled (``torch.compile`` of every block). Prints ms per step, and wh
 over the peer per linear call (forward, recompute and backward together).
 
     python benchmarks/host_overhead.py [--layers 12] [--steps 30] [--repeats 3] [--modes eager compile]
-                                       [--backend inductor] [--profile 25]
+                                       [--backend inductor] [--autocast] [--profile 25]
 
 Each variant's time is the best of ``--repeats`` windows of ``--steps`` steps (a busy host
 only ever adds time), and the variants take turns window by window, so a slow spell of the
@@ -84,9 +84,10 @@ def build(variant: str, cfg: GPTConfig, mode: str, backend: str):
     return model, state
 
 
-def make_step(model, state, x):
+def make_step(model, state, x, autocast: bool = False):
     def step(n: int) -> None:
-        with state.step(n) if state is not None else contextlib.nullcontext():
+        amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        with amp, state.step(n) if state is not None else contextlib.nullcontext():
             loss = model.loss(x, x)
             if state is not None:
                 state.commit_forward()
@@ -107,6 +108,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--modes", nargs="+", default=["eager", "compile"], choices=["eager", "compile"])
     p.add_argument("--variants", nargs="+", default=["plain", "safe"], choices=["plain", "safe"])
     p.add_argument("--backend", default="inductor", help="torch.compile's backend in the compile mode")
+    p.add_argument("--autocast", action="store_true", help="run the steps under CPU bf16 autocast (bf16-mixed)")
     p.add_argument("--profile", type=int, default=0, help="print this many rows of a cProfile of ours, by own time")
     args = p.parse_args(argv)
     stub_kernels()
@@ -115,13 +117,13 @@ def main(argv=None) -> list[dict]:
     x = torch.randint(0, cfg.vocab_size, (1, args.tokens))
     linears = 4 * args.layers  # qkv, proj, fc, out per block (the head stays plain)
     rows = []
-    print(f"torch {torch.__version__}; GPT layers={args.layers} d={args.d_model} tokens={args.tokens}, kernels stubbed")
+    print(f"torch {torch.__version__}; GPT layers={args.layers} d={args.d_model} tokens={args.tokens}, kernels stubbed{', bf16 autocast' if args.autocast else ''}")
     for mode in args.modes:
         steps, times = {}, {}
         torch._dynamo.reset()
         for variant in args.variants:
             model, state = build(variant, cfg, mode, args.backend)
-            steps[variant] = (make_step(model, state, x), state)
+            steps[variant] = (make_step(model, state, x, args.autocast), state)
             for n in range(args.warmup):
                 steps[variant][0](n)
         start = args.warmup

@@ -23,7 +23,6 @@ evaluation one.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import NamedTuple
 
@@ -196,11 +195,14 @@ def fp8_linear_op(module, x, weight, bias, norm, prologue: str | None) -> torch.
     )  # fmt: skip
 
 
-def _no_autocast(device_type: str):
-    """The op's kernels run as the eager Function does: outside autocast."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
+def _autocast_off(device: str, fn, *args):
+    """The op's kernels run as the eager Function does: outside autocast (where it is on; see
+    nn.linear.autocast_off, the same switch)."""
+    torch.set_autocast_enabled(device, False)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_autocast_enabled(device, True)
 
 
 def _codes_key(xq: torch.Tensor) -> int:
@@ -235,10 +237,10 @@ def _fp8_linear(
         stage = Prologue(prologue, norm_weight, norm_bias, eps) if prologue == "layer_norm" else Prologue(prologue)
     phase, record = protocol.enter_call(mod.layer_name, LINEAR_ROLES, x.device, grad_enabled=training)
     args = (x, weight, bias, protocol, record, phase, out_dtype, protocol.config.gemm, stage)
-    if torch.is_autocast_enabled(x.device.type):
-        with _no_autocast(x.device.type):
-            y, saved, call = _linear_forward(*args)
-    else:  # (no context to enter: the common case, on every call)
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        y, saved, call = _autocast_off(device, _linear_forward, *args)
+    else:
         y, saved, call = _linear_forward(*args)
     protocol.observe_output(record, phase, y, record.used)
     xq, wq, *rest = saved  # rest: the prologue's input, then the LayerNorm's (mean, rstd)
@@ -288,9 +290,9 @@ def _fp8_linear_backward(grad, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, b
     saved = (xq, wq)
     if call.prologue is not None:
         saved = (xq, wq, x, mean, rstd) if call.prologue.kind == "layer_norm" else (xq, wq, x)
-    if torch.is_autocast_enabled(grad.device.type):
-        with _no_autocast(grad.device.type):
-            return _linear_backward(grad, saved, call, needs)
+    device = grad.device.type
+    if torch.is_autocast_enabled(device):
+        return _autocast_off(device, _linear_backward, grad, saved, call, needs)
     return _linear_backward(grad, saved, call, needs)
 
 

@@ -71,35 +71,46 @@ class Prologue:
         """Whether a fused kernel takes ``x`` (else the stage runs on its own, then the encode)."""
         if self.kind == "gelu":
             return True
-        affine_ok = all(t is None or t.dtype == torch.float32 for t in (self.weight, self.bias))
+        w, b = self.weight, self.bias
+        affine_ok = (w is None or w.dtype == torch.float32) and (b is None or b.dtype == torch.float32)
         return affine_ok and layer_norm_width_ok(x.dtype, x.shape[-1])
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """The prologue's output as a tensor (no autograd): for paths without a fused kernel."""
-        with torch.no_grad():
-            if self.kind == "gelu":
-                return F.gelu(x)
-            d = x.shape[-1]
-            y, mean, rstd = torch.ops.aten.native_layer_norm(x, [d], self.weight, self.bias, self.eps)
-            self.stats, self.fused = (mean, rstd), False
-            return y
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._apply(x)
+        return self._apply(x)
+
+    def _apply(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "gelu":
+            return F.gelu(x)
+        d = x.shape[-1]
+        y, mean, rstd = torch.ops.aten.native_layer_norm(x, [d], self.weight, self.bias, self.eps)
+        self.stats, self.fused = (mean, rstd), False
+        return y
 
     def encode(self, x: torch.Tensor, scale, dtype, amax_pending=None, slot: int = 0) -> torch.Tensor:
         """FP8 codes of the prologue's output (recording its amax into ``amax_pending[slot]``
-        when given): fused where a kernel takes the shape, else applied, then quantized."""
-        with torch.no_grad():
-            if not self.fusable(x):
-                y = self.apply(x)
-                if amax_pending is None:
-                    return ops.quantize_fp8(y, scale, dtype)
-                return ops.quantize_fp8_record_amax(y, scale, amax_pending, slot, dtype)
-            if self.kind == "gelu":
-                return ops.gelu_quantize_fp8(x, scale, dtype, amax_pending, slot)
-            q, mean, rstd = ops.layer_norm_quantize_fp8(
-                x, self.weight, self.bias, self.eps, scale, dtype, amax_pending, slot
-            )
-            self.stats, self.fused = (mean, rstd), True
-            return q
+        when given): fused where a kernel takes the shape, else applied, then quantized.
+        Without autograd (the linear call's Function runs with gradients off already: then no
+        context is entered)."""
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._encode(x, scale, dtype, amax_pending, slot)
+        return self._encode(x, scale, dtype, amax_pending, slot)
+
+    def _encode(self, x: torch.Tensor, scale, dtype, amax_pending, slot: int) -> torch.Tensor:
+        if not self.fusable(x):
+            y = self.apply(x)
+            if amax_pending is None:
+                return ops.quantize_fp8(y, scale, dtype)
+            return ops.quantize_fp8_record_amax(y, scale, amax_pending, slot, dtype)
+        if self.kind == "gelu":
+            return ops.gelu_quantize_fp8(x, scale, dtype, amax_pending, slot)
+        q, mean, rstd = ops.layer_norm_quantize_fp8(x, self.weight, self.bias, self.eps, scale, dtype, amax_pending, slot)
+        self.stats, self.fused = (mean, rstd), True
+        return q
 
     def backward(self, grad_y: torch.Tensor, x: torch.Tensor, stats: tuple, needs: tuple[bool, bool, bool]):
         """Gradients of ``(x, weight, bias)`` from the gradient of the prologue's output
@@ -173,7 +184,10 @@ class CastTranspose:
                 "CastTranspose: the grad_output stage encodes only with a record (a backward role "
                 "is quantized once per event, in its backward)"
             )
-        with torch.no_grad():
+        if torch.is_grad_enabled():  # (a backward runs with gradients off: no context to enter)
+            with torch.no_grad():
+                q, q_t, sums = ops.quantize_fp8_t_record_amax(x, scale, amax_pending, slot, dtype, self.column_sum)
+        else:
             q, q_t, sums = ops.quantize_fp8_t_record_amax(x, scale, amax_pending, slot, dtype, self.column_sum)
         return q, q_t, (sums if self.column_sum else None)
 

@@ -68,6 +68,17 @@ class _Scratch(NamedTuple):
     center_min: torch.Tensor
 
 
+class _Entrant(NamedTuple):
+    """One entrant's owners as registered in the bank at ``version`` (shared by its call
+    records, which never change them)."""
+
+    version: int
+    owners: dict  # role -> OwnerKey
+    indices: dict  # role -> bank index (-1: stateless)
+    widths: dict  # role -> center width, for the banked roles
+    banked: bool  # any role has bank state
+
+
 class GraphTemplate(NamedTuple):
     """The host side of calls captured in CUDA graphs (:meth:`QuantProtocol.graph_template`)."""
 
@@ -143,6 +154,7 @@ class QuantProtocol:
         self._stateful: dict[str, bool] = {}  # role -> the recipe's answer (cached)
         self._discard: dict[tuple, _Scratch] = {}  # (device, center width) -> recompute's scratch slot
         self._policy = policy
+        self._stream_scoped = config.ownership == "per_layer_rank_stream"  # the guard's error hint
         # Layers whose weight arrives quantized from an FP8 all-gather (FSDP2, nn/fsdp.py):
         # layer -> a callable giving where its weight lives now (a ShardSource). Their weight owners
         # are registered and the event's scales frozen (a delayed weight scale) or derived from the
@@ -166,6 +178,8 @@ class QuantProtocol:
             # Owners of stateless roles (their scale from each call's own tensor: no bank slot), in
             # order of registration, each with its latest true-forward snapshot (telemetry reads it).
             self._dynamic: dict = {}  # OwnerKey -> QuantSnapshot | None
+            # (layer, roles, stream, site, channels) -> its owners as registered (_entrant)
+            self._entrants: dict[tuple, _Entrant] = {}
 
     # -- events --------------------------------------------------------------------
     def begin_event(self, step: int | None = None, microbatch: int = 0) -> Event:
@@ -257,7 +271,10 @@ class QuantProtocol:
 
     def _commit(self, ev: _OpenEvent, phases: set[str], *, reduce_phases: set[str]) -> None:
         with self._lock:
-            owners = [o for o in ev.observed if o not in ev.committed and role_phase(o.role) in phases]
+            # (the roles of ``phases``, looked up once: an observed owner's role is a known one)
+            roles = (FORWARD_ROLES if "forward" in phases else set()) | (BACKWARD_ROLES if "backward" in phases else set())
+            committed = ev.committed
+            owners = [o for o in ev.observed if o.role in roles and o not in committed]
             # a stateless owner (index -1) commits in the ledger only: it has no bank state
             indices = tuple(i for i in (ev.observed[o] for o in owners) if i >= 0)
             # The collective runs whenever a role of ``reduce_phases`` reduces, even with
@@ -498,8 +515,24 @@ class QuantProtocol:
 
     def _snapshot(self, owner, role, scale, descale, center, event, region, ordinal) -> QuantSnapshot:
         step, mb = (None, None) if event is None else event
-        enc = self.encoder(role)
-        return QuantSnapshot(owner, step, mb, region, ordinal, enc.dtype, scale, descale, enc.layout, center)
+        enc = self._encoders.get(role) or self.encoder(role)
+        return QuantSnapshot.stamped(owner, step, mb, region, ordinal, enc.dtype, scale, descale, enc.layout, center)
+
+    def _entrant(self, layer, roles, device, stream, site, channels) -> _Entrant:
+        """The owners of one entrant (layer, roles, stream, site), registered, with their bank
+        indices and center widths: worked out at its first call and reused while the bank keeps
+        its version (a registration, load or move changes it; :meth:`reset` forgets them all).
+        Under the lock."""
+        roles = roles if type(roles) is tuple else tuple(roles)
+        key = (layer, roles, stream, site, None if channels is None else tuple(channels.items()))
+        bank = self.bank
+        known = self._entrants.get(key)
+        if known is not None and known.version == bank.version:
+            return known
+        owners, indices = self._owners(layer, roles, device, stream, site, channels) if self.config.quantized else ({}, {})
+        widths = {role: bank.center_width[i] for role, i in indices.items() if i >= 0}
+        known = self._entrants[key] = _Entrant(bank.version, owners, indices, widths, bool(widths))
+        return known
 
     def _new_record(self, ev: _OpenEvent, layer, roles, device, frame, channels) -> CallRecord:
         ident = self._enter_stream(device)
@@ -512,29 +545,27 @@ class QuantProtocol:
             else:
                 ordinal = ev.top_ordinals[layer]
                 ev.top_ordinals[layer] = ordinal + 1
-            owners, indices = (
-                self._owners(layer, roles, device, stream, site, channels) if self.config.quantized else ({}, {})
-            )
-            banked = any(i >= 0 for i in indices.values())
-            if banked and (ev.frozen is None or ev.frozen.version != self.bank.version):
+            entrant = self._entrant(layer, roles, device, stream, site, channels)
+            owners, indices, widths = entrant.owners, entrant.indices, entrant.widths
+            if entrant.banked and (ev.frozen is None or ev.frozen.version != self.bank.version):
                 self.stream_order.structural(device)
                 ev.frozen = self.bank.freeze()
             frozen = ev.frozen
-            widths = {role: self.bank.center_width[i] for role, i in indices.items() if i >= 0}
-        if banked:
-            self.stream_order.use(device, frozen.scales)
+        if entrant.banked:
+            if self.stream_order.active:
+                self.stream_order.use(device, frozen.scales)
+            scales, descales = frozen.views()
         region = frame.key if frame is not None else None
+        event = ev.event
         snapshots = {}
         for role, owner in owners.items():
             i = indices[role]
             if i < 0:  # stateless: stamps now, the scale at the quantize (from its own tensor)
-                snapshots[role] = self._snapshot(owner, role, None, None, None, ev.event, region, ordinal)
+                snapshots[role] = self._snapshot(owner, role, None, None, None, event, region, ordinal)
                 continue
             center = frozen.center(i, widths[role]) if widths[role] else None
-            snapshots[role] = self._snapshot(
-                owner, role, frozen.scale(i), frozen.descale(i), center, ev.event, region, ordinal
-            )
-        record = CallRecord(ev.event, layer, site, region, ordinal, stream, ident, owners, indices, snapshots)
+            snapshots[role] = self._snapshot(owner, role, scales[i], descales[i], center, event, region, ordinal)
+        record = CallRecord(event, layer, site, region, ordinal, stream, ident, owners, indices, snapshots)
         self.stash.put(record)
         return record
 
@@ -589,7 +620,11 @@ class QuantProtocol:
         Raises:
             StaleSnapshotError: the snapshot is another owner's or another event's.
         """
-        return snap.expect(owner=record.owners[role], event=self.clock.event)
+        owner, event = record.owners[role], self.clock.event
+        # the check itself, without building expect()'s table: the common case costs two compares
+        if snap.owner is owner and (event is None or (snap.step == event[0] and snap.microbatch == event[1])):
+            return snap
+        return snap.expect(owner=owner, event=event)
 
     def keep_for_backward(self, key: int, state) -> None:
         """Hold ``state`` (what a call's backward needs besides its saved tensors) under ``key``
@@ -794,13 +829,27 @@ class QuantProtocol:
         if self._policy is not None:
             return self._policy.quantize(self, record, role, x, phase, event, prologue)
         snap = record.snapshots[role]
-        if phase is Phase.RECOMPUTE:
+        encoder = self._encoders.get(role) or self.encoder(role)
+        order = self.stream_order
+        if phase is Phase.RECOMPUTE:  # read-only: _encode_discard's body
             self.ledger.recompute_read(event, owner)
-            return self._encode_discard(x, snap, role, prologue), snap
-        self._observe(record, role, event, recompute=False)
+            scratch = self._discard_slot(x.device, 0 if snap.center is None else snap.center.shape[-1])
+            if order.active:
+                order.use(x.device, scratch.amax_pending, snap.scale)
+            return encoder.encode_record(x, snap, scratch, 0, prologue), snap
+        # the true forward: _observe's and _encode_record's bodies, one lock
+        if role in FORWARD_ROLES:
+            self.guard.enter(owner, record.stream_ident, stream_scoped=self._stream_scoped)
+        self.ledger.observe(event, owner, call_site=(record.layer, record.site), recompute=False)
+        with self._lock:
+            ev.observed.setdefault(owner, index)
         if index in self.bank.fresh:  # the first event only; its ops are unseen by SAC
             outside_selective_checkpoint(self._calibrate_first_use, ev.calibrated, index, x, snap, role, prologue)
-        return self._encode_record(index, x, snap, role, prologue), snap
+        with self._lock:  # a registration on another thread must not swap the pending buffers meanwhile
+            bank = self.bank
+            if order.active:
+                order.use(x.device, bank.amax_pending, snap.scale)
+            return encoder.encode_record(x, snap, bank, index, prologue), snap
 
     def _quantize_dynamic(self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase, event, stage=None):
         """A stateless role: the recipe's encoder derives the scale from ``x`` itself and returns
@@ -844,11 +893,7 @@ class QuantProtocol:
     def _observe(self, record: CallRecord, role: str, event: Event, *, recompute: bool) -> None:
         owner = record.owners[role]
         if role_phase(role) == "forward" and not recompute:
-            self.guard.enter(
-                owner,
-                record.stream_ident,
-                stream_scoped=self.config.ownership == "per_layer_rank_stream",
-            )
+            self.guard.enter(owner, record.stream_ident, stream_scoped=self._stream_scoped)
         self.ledger.observe(event, owner, call_site=(record.layer, record.site), recompute=recompute)
         with self._lock:
             self._open.observed.setdefault(owner, record.indices[role])

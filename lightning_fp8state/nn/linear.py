@@ -18,10 +18,14 @@ _PROLOGUES = (None, "layer_norm", *ACTIVATIONS)  # what Fp8Linear.forward's prol
 
 
 class _Fp8LinearFn(torch.autograd.Function):
-    """The eager path: the protocol's bookkeeping runs in the call itself."""
+    """The eager path: the protocol's bookkeeping runs in the call itself. The tensors are
+    arguments of their own (autograd tracks them); everything else travels as one tuple, ``call``:
+    ``(protocol, record, phase, out_dtype, backend, prologue)`` (each argument of a Function costs
+    the host a little on every call, forward and backward)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, norm_weight, norm_bias, protocol, record, phase, out_dtype, backend, prologue):
+    def forward(ctx, x, weight, bias, norm_weight, norm_bias, call):
+        protocol, record, phase, out_dtype, backend, prologue = call
         y, saved, ctx.call = _linear_forward(x, weight, bias, protocol, record, phase, out_dtype, backend, prologue)
         ctx.save_for_backward(*saved)
         return y
@@ -29,18 +33,33 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grads = _linear_backward(grad_out, ctx.saved_tensors, ctx.call, ctx.needs_input_grad)
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None)
 
 
 def apply_linear_fn(args: tuple, x: torch.Tensor, gemm: str, prologue) -> torch.Tensor:
-    """Run the eager Function on ``args`` (whose first is ``x``): under autocast, outside it with
-    the output in autocast's dtype (the Function's kernels choose their own precision); else in
-    ``x``'s dtype. The one entry of Fp8Linear, Fp8Conv1D and the attention projections."""
+    """Run the eager Function on ``args`` = ``(x, weight, bias, norm weight, norm bias, protocol,
+    record, phase)``: under autocast, outside it with the output in autocast's dtype (the
+    Function's kernels choose their own precision); else in ``x``'s dtype. The one entry of
+    Fp8Linear, Fp8Conv1D and the attention projections."""
+    x, weight, bias, nw, nb, protocol, record, phase = args
     device = x.device.type
     if torch.is_autocast_enabled(device):
-        with torch.autocast(device, enabled=False):
-            return _Fp8LinearFn.apply(*args, torch.get_autocast_dtype(device), gemm, prologue)
-    return _Fp8LinearFn.apply(*args, x.dtype, gemm, prologue)
+        call = (protocol, record, phase, torch.get_autocast_dtype(device), gemm, prologue)
+        return autocast_off(device, _Fp8LinearFn.apply, x, weight, bias, nw, nb, call)
+    return _Fp8LinearFn.apply(x, weight, bias, nw, nb, (protocol, record, phase, x.dtype, gemm, prologue))
+
+
+def autocast_off(device: str, fn, *args):
+    """``fn(*args)`` with autocast off on ``device``, where it is on: for the ops inside, what
+    ``torch.autocast(device, enabled=False)`` does (the enclosing autocast's dtype and cache
+    settings stay as they are, and its cache is not cleared: the enclosing autocast is still
+    open), without that context manager's Python (several microseconds, twice a linear call
+    in a bf16-mixed step)."""
+    torch.set_autocast_enabled(device, False)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_autocast_enabled(device, True)
 
 
 class Fp8Linear(nn.Linear):
@@ -101,19 +120,20 @@ class Fp8Linear(nn.Linear):
     def _forward(self, x: torch.Tensor, prologue: str | None, norm: nn.LayerNorm | None) -> torch.Tensor:
         protocol = self.protocol
         config = protocol.config
-        fused = self._prologue(prologue, norm)
-        if fused is not None and not (config.quantized and config.fuse_prologues and protocol.recipe.fuses_prologues):
+        quantized = config.quantized
+        fused = None if prologue is None and norm is None else self._prologue(prologue, norm)
+        if fused is not None and not (quantized and config.fuse_prologues and protocol.recipe.fuses_prologues):
             x = norm(x) if prologue == "layer_norm" else F.gelu(x)  # the same op, unfused
             fused = None
-        roles = LINEAR_ROLES if config.quantized else ()
-        phase, record = protocol.enter_call(self.layer_name, roles, x.device)
-        if not config.quantized:
+        phase, record = protocol.enter_call(self.layer_name, LINEAR_ROLES if quantized else (), x.device)
+        if not quantized:
             out = F.linear(x, self.weight, self.bias)
             protocol.observe_output(record, phase, out, {})
             return out
         if not x.is_contiguous():
             x = x.contiguous()
-        nw, nb = (norm.weight, norm.bias) if fused is not None and fused.kind == "layer_norm" else (None, None)
+        # (the prologue holds norm's parameters, read once)
+        nw, nb = (fused.weight, fused.bias) if fused is not None and fused.kind == "layer_norm" else (None, None)
         args = (x, self.weight, self.bias, nw, nb, protocol, record, phase)
         out = apply_linear_fn(args, x, config.gemm, fused)
         protocol.observe_output(record, phase, out, record.used)

@@ -23,7 +23,6 @@ evaluation one.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import NamedTuple
 
@@ -130,8 +129,9 @@ def _linear_backward(grad_out, saved, call: _Call, needs) -> tuple:
     (gq, g_w, g_sums), sg = protocol.quantize(
         record, "grad_output", g2, Phase.FORWARD, recipe.grad_output_stage(want_bias)
     )
-    for snap, role in ((sx, "input"), (sw, "weight"), (sg, "grad_output")):
-        protocol.check_consumer(record, role, snap)
+    protocol.check_consumer(record, "input", sx)
+    protocol.check_consumer(record, "weight", sw)
+    protocol.check_consumer(record, "grad_output", sg)
     grad_x = grad_w = grad_b = grad_nw = grad_nb = None
     # The weight gradient first: its operands (gq^T, and the transpose of xq made inside)
     # are freed before the input gradient (float32 where x is) and the prologue's backward
@@ -195,11 +195,14 @@ def fp8_linear_op(module, x, weight, bias, norm, prologue: str | None) -> torch.
     )  # fmt: skip
 
 
-def _no_autocast(device_type: str):
-    """The op's kernels run as the eager Function does: outside autocast."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
+def _autocast_off(device: str, fn, *args):
+    """The op's kernels run as the eager Function does: outside autocast (where it is on; see
+    nn.linear.autocast_off, the same switch)."""
+    torch.set_autocast_enabled(device, False)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_autocast_enabled(device, True)
 
 
 def _codes_key(xq: torch.Tensor) -> int:
@@ -233,10 +236,12 @@ def _fp8_linear(
     if prologue:
         stage = Prologue(prologue, norm_weight, norm_bias, eps) if prologue == "layer_norm" else Prologue(prologue)
     phase, record = protocol.enter_call(mod.layer_name, LINEAR_ROLES, x.device, grad_enabled=training)
-    with _no_autocast(x.device.type):
-        y, saved, call = _linear_forward(
-            x, weight, bias, protocol, record, phase, out_dtype, protocol.config.gemm, stage
-        )
+    args = (x, weight, bias, protocol, record, phase, out_dtype, protocol.config.gemm, stage)
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        y, saved, call = _autocast_off(device, _linear_forward, *args)
+    else:
+        y, saved, call = _linear_forward(*args)
     protocol.observe_output(record, phase, y, record.used)
     xq, wq, *rest = saved  # rest: the prologue's input, then the LayerNorm's (mean, rstd)
     mean, rstd = rest[1:] if len(rest) == 3 else (_stats_empty(x), _stats_empty(x))
@@ -285,8 +290,10 @@ def _fp8_linear_backward(grad, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, b
     saved = (xq, wq)
     if call.prologue is not None:
         saved = (xq, wq, x, mean, rstd) if call.prologue.kind == "layer_norm" else (xq, wq, x)
-    with _no_autocast(grad.device.type):
-        return _linear_backward(grad, saved, call, needs)
+    device = grad.device.type
+    if torch.is_autocast_enabled(device):
+        return _autocast_off(device, _linear_backward, grad, saved, call, needs)
+    return _linear_backward(grad, saved, call, needs)
 
 
 @torch.library.register_fake("fp8state::fp8_linear_backward")

@@ -30,11 +30,13 @@ def _plain_norm(norm: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``norm`` can be folded into the next Linear: an ``nn.LayerNorm`` over the last
     dim with whole parameters and no hooks (ZeRO-3 gathers parameters in hooks: those
     modules run as they are)."""
-    if type(norm) is not nn.LayerNorm or tuple(norm.normalized_shape) != (x.shape[-1],):
+    if type(norm) is not nn.LayerNorm:
         return False
-    if norm._forward_hooks or norm._forward_pre_hooks:
+    width = (x.shape[-1],)
+    if tuple(norm.normalized_shape) != width or norm._forward_hooks or norm._forward_pre_hooks:
         return False
-    return all(p is None or tuple(p.shape) == (x.shape[-1],) for p in (norm.weight, norm.bias))
+    weight, bias = norm.weight, norm.bias
+    return (weight is None or weight.shape == width) and (bias is None or bias.shape == width)
 
 
 def linear_after(linear: nn.Module, x: torch.Tensor, *, norm: nn.Module | None = None, activation: str | None = None):

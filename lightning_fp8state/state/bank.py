@@ -29,6 +29,10 @@ class FrozenScales:
         self.centers = center  # [n, C] or None
         self._views: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
 
+    def views(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Every owner's ``(scale views, descale views)``, by bank index."""
+        return self._views or self._cells()
+
     def _cells(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         # every owner's scale and descale view, made in two calls on the event's first use
         # (one Python-level index per view and call cost more than the rest of a call's host work)

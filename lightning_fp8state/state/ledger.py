@@ -70,7 +70,10 @@ class Ledger:
     def observe(self, event: Event, owner: OwnerKey, *, call_site: tuple[str, int], recompute: bool) -> None:
         """Count one amax recording of ``owner`` by ``call_site`` (layer, site)."""
         with self._lock:
-            rec = self._record(event, owner)
+            per_event = self._events.get(event)  # (the open event's record, found without _record's frame)
+            rec = per_event.get(owner) if per_event is not None else None
+            if rec is None:
+                rec = self._record(event, owner)
             if recompute:
                 rec.recompute_records += 1
                 self._observations[owner] += 1
@@ -97,7 +100,9 @@ class Ledger:
 
     def recompute_read(self, event: Event, owner: OwnerKey) -> None:
         with self._lock:
-            self._record(event, owner).recompute_reads += 1
+            per_event = self._events.get(event)
+            rec = per_event.get(owner) if per_event is not None else None
+            (rec if rec is not None else self._record(event, owner)).recompute_reads += 1
 
     def commit(self, event: Event, owners: list[OwnerKey]) -> None:
         """Count one commit (one history/scale advance) for each of ``owners``."""

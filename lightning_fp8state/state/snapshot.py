@@ -11,6 +11,8 @@ from .owner import OwnerKey
 
 __all__ = ["QuantSnapshot"]
 
+_new, _set = object.__new__, object.__setattr__
+
 
 @dataclass(frozen=True, eq=False)
 class QuantSnapshot:
@@ -34,6 +36,33 @@ class QuantSnapshot:
     layout: str | None = None  # FP4 block layout ("nvfp4" | "mxfp4"); None for FP8
     center: torch.Tensor | None = None  # centered FP4: the running center [channels]
     amax: torch.Tensor | None = None  # stateless recipes: the amax(es) this call's scale came from
+
+    @classmethod
+    def stamped(
+        cls, owner, step, microbatch, region, ordinal, dtype, scale, descale, layout=None, center=None
+    ) -> QuantSnapshot:
+        """``cls(owner, step, ..., center)`` (``amax`` None), built with one attribute write
+        instead of the frozen dataclass's one per field: the protocol makes one per operand of
+        every true-forward call. The same object in every respect (fields, frozenness, repr)."""
+        snap = _new(cls)
+        _set(
+            snap,
+            "__dict__",
+            {
+                "owner": owner,
+                "step": step,
+                "microbatch": microbatch,
+                "region": region,
+                "ordinal": ordinal,
+                "dtype": dtype,
+                "scale": scale,
+                "descale": descale,
+                "layout": layout,
+                "center": center,
+                "amax": None,
+            },
+        )
+        return snap
 
     @property
     def event(self) -> tuple[int, int] | None:

@@ -31,6 +31,9 @@ class StreamOrder:
         # (device, stream handle) -> the stream it stands for: a CUDA-graph capture (or its
         # warm-up) runs on a side stream on behalf of the training stream (graphs.py)
         self._alias: dict[tuple[int, int], torch.cuda.Stream] = {}
+        # Whether more than one CUDA stream has touched the bank (an attribute: callers on every
+        # quantize test it before calling use())
+        self.active = False
 
     def alias(self, stream: torch.cuda.Stream, as_stream: torch.cuda.Stream) -> None:
         """Treat work on ``stream`` as work of ``as_stream`` (one entrant, not a second stream)."""
@@ -47,10 +50,6 @@ class StreamOrder:
             return stream
         return self._alias.get((stream.device_index, stream.cuda_stream), stream)
 
-    @property
-    def active(self) -> bool:
-        """Whether more than one CUDA stream has touched the bank."""
-        return len(self._streams) > 1
 
     def _current(self, device: torch.device | None, stream: torch.cuda.Stream | None = None):
         """The current stream (registered under the stream it stands for)."""
@@ -63,6 +62,7 @@ class StreamOrder:
         if key not in self._streams:
             with self._lock:
                 self._streams.setdefault(key, entrant)
+                self.active = len(self._streams) > 1
         return stream
 
     def enter(self, device: torch.device | None, stream: torch.cuda.Stream | None = None) -> None:

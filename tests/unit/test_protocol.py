@@ -155,6 +155,49 @@ def test_stamps_refuse_another_step_layer_or_role():
         snap.expect(role="weight")
 
 
+def test_stamped_snapshot_is_the_constructed_one_and_check_consumer_refuses_another_call():
+    import dataclasses
+
+    from lightning_fp8state.state import OwnerKey, QuantSnapshot
+
+    owner, s = OwnerKey("a", "input"), torch.ones(())
+    args = (owner, 3, 1, ("region", 0), 2, torch.float8_e4m3fn, s, s * 2, None, None)
+    fast, built = QuantSnapshot.stamped(*args), QuantSnapshot(*args)
+    assert [getattr(fast, f.name) for f in dataclasses.fields(QuantSnapshot)] == [
+        getattr(built, f.name) for f in dataclasses.fields(QuantSnapshot)
+    ]
+    assert set(vars(fast)) == {f.name for f in dataclasses.fields(QuantSnapshot)} and repr(fast) == repr(built)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.step = 4
+    # the consumer check (its fast path and the fallback) on a real call's record, in two events
+    state = f8s.Fp8State(f8s.QuantConfig())
+    model = state.convert(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
+    captured = {}
+
+    class Grab:
+        def observe(self, record, phase, output, snaps):
+            captured[record.layer] = (record, dict(snaps))
+
+    state.protocol.auditors.append(Grab())
+    for step in range(2):
+        with state.step(step):
+            model(torch.randn(2, 8)).sum().backward()
+            rec0, snaps0 = captured["0"]
+            rec1, snaps1 = captured["1"]
+            assert rec0.owners is not rec1.owners and rec0.owners["input"] != rec1.owners["input"]
+            assert state.protocol.check_consumer(rec0, "input", snaps0["input"]) is snaps0["input"]
+            with pytest.raises(f8s.StaleSnapshotError, match="owner"):
+                state.protocol.check_consumer(rec0, "input", snaps1["input"])
+            with pytest.raises(f8s.StaleSnapshotError, match="owner"):
+                state.protocol.check_consumer(rec0, "weight", snaps0["input"])
+        stale = snaps0["input"]
+    with state.step(2):
+        model(torch.randn(2, 8)).sum().backward()
+        rec0, _ = captured["0"]
+        with pytest.raises(f8s.StaleSnapshotError, match="event"):
+            state.protocol.check_consumer(rec0, "input", stale)
+
+
 def test_backward_in_a_later_event_is_refused():
     state, model = one_linear()
     with state.step(0):
@@ -361,3 +404,34 @@ def test_an_owner_first_seen_under_inference_mode_trains_afterwards():
     with state.step(0):
         model(torch.randn(2, 16)).float().pow(2).mean().backward()
     assert all(state.ledger.commits(o) == 1 for o in state.bank.owners)
+
+
+def test_an_entrant_s_cached_owners_follow_the_bank_when_it_changes():
+    """The per-entrant cache (QuantProtocol._entrant) is keyed by the bank's version: a later
+    registration, a load into a fresh state and a reset all give indices of the bank in use."""
+    state = f8s.Fp8State(f8s.QuantConfig())
+    model = state.convert(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
+    captured = {}
+
+    class Grab:
+        def observe(self, record, phase, output, snaps):
+            captured[record.layer] = record
+
+    state.protocol.auditors.append(Grab())
+
+    def check(step, run):
+        with state.step(step):
+            run(torch.randn(2, 8)).sum().backward()
+        bank = state.protocol.bank
+        for rec in captured.values():
+            assert rec.indices == {role: bank.index[o] for role, o in rec.owners.items()}
+
+    with pytest.warns(f8s.ConversionWarning, match="1"):  # (the second layer did not run yet)
+        check(0, model[0])  # only the first layer: its owners registered
+    check(1, model)  # the second registers (the bank grows): the first's cached indices are re-derived
+    saved = state.state_dict()
+    state.protocol.reset()
+    check(2, model)
+    state.protocol.reset()
+    state.load_state_dict(saved)
+    check(3, model)

@@ -81,6 +81,9 @@ class GraphedStep:
     ) -> None:
         if state is not None:
             require_type("state", _protocol_of(state), QuantProtocol, "an Fp8State or None")
+            problem = _protocol_of(state).recipe.graph_problem()
+            if problem is not None:
+                raise ConfigError(f"GraphedStep: {problem}")
         if not torch.cuda.is_available():
             raise ConfigError("GraphedStep needs a CUDA device (CUDA graphs); none is available")
         require_warmup(warmup)

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..errors import ConfigError, DiskFullError
 from ..models import GPT, ResumableLoader, make_dataset
 from ..ops import cuda as cuda_ext
+from ..quant_recipes import RECIPE_CLASSES, Recipe, recipe_for
 from .audit import model_config
 from .config import load_config, quant_config
 from .rundir import (
@@ -276,6 +277,10 @@ def require_cuda_graphs_setup(cfg: DictConfig) -> None:
     ]
     for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
         needs.append((f"strategy.{key}", not s[key], "true", "false", f"{why_blocks}, not DeepSpeed's"))
+    problem = recipe_for(quant_config(cfg)).graph_problem()
+    if problem is not None:
+        graphable = [name for name, cls in RECIPE_CLASSES.items() if cls.graph_problem is Recipe.graph_problem]
+        needs.append(("quant.recipe", False, repr(cfg.quant.recipe), f"one of {graphable}", problem))
     for key, ok, found, allowed, why in needs:
         if not ok:
             raise ConfigError(

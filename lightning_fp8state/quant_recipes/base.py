@@ -111,6 +111,11 @@ class Recipe:
         """``dX = g @ W`` from grad_output's input-gradient operand and the saved weight."""
         raise NotImplementedError
 
+    def graph_problem(self) -> str | None:
+        """Why a whole-step CUDA graph (``GraphedStep``, ``trainer.cuda_graphs=true``) must not
+        replay this recipe (``None``: it may)."""
+        return None
+
     # -- distributed and telemetry ------------------------------------------------------
     def all_gather_problem(self) -> str | None:
         """Why FSDP2 cannot all-gather this recipe's weights as FP8 (``None``: it can: at the

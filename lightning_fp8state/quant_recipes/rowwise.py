@@ -157,6 +157,16 @@ class Fp8Rowwise(PerCallScales, Recipe):
         wq, w_descale = self._columns(w_saved, "weight")
         return rowwise_matmul(g_x, wq, sg.descale, w_descale, out_dtype, backend)
 
+    def graph_problem(self) -> str | None:
+        # Measured on the H200 (2026-12-02, tests/gpu/test_graphed_training_cuda.py): the CLI's
+        # graphed run of fp8_rowwise differed from its eager run from the first step on, while
+        # every GEMM it uses repeats bitwise eagerly and replayed (benchmarks/gemm_determinism.py)
+        # and per-block graphs at a small shape replay bitwise. Until the cause is found, fail closed.
+        return (
+            f"recipe={self.name!r}: its graphed training was not bitwise its eager training on the H200 "
+            "(the cause is not found yet); train it eagerly"
+        )
+
     def all_gather_problem(self) -> str | None:
         # The forward's per-row scales would need no collective (FSDP2 shards dim 0, so each
         # output row is whole on one rank: codes + [rows, 1] scales could travel); the refusal

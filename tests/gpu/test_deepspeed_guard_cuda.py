@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent(
     g = torch.Generator(device="cuda").manual_seed(1)
     flags, skipped, syncs = [], [], []
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchronizing" in str(message):
+        if str(message).startswith("called a synchronizing"):  # not set_sync_debug_mode's own notice
             frames = [f for f in traceback.extract_stack() if "deepspeed" in f.filename]
             syncs.append(f"{frames[-1].filename.split('deepspeed/')[-1]}:{frames[-1].lineno} {frames[-1].name}"
                          if frames else "outside deepspeed")

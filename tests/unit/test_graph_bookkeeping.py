@@ -43,3 +43,10 @@ def test_graphed_step_refuses_what_it_cannot_capture():
         f8s.GraphedStep(state, lambda x: x, torch.zeros(2, device="cuda"), warmup=0)
     with pytest.raises(f8s.ConfigError, match=r"sample_inputs\[0\]: expected a CUDA tensor"):
         f8s.GraphedStep(state, lambda x: x, torch.zeros(2))
+
+
+def test_graphed_step_refuses_a_recipe_with_a_graph_problem():
+    """fp8_rowwise's graphed training was not bitwise its eager training on the H200: fail closed."""
+    state = f8s.Fp8State(f8s.QuantConfig(recipe="fp8_rowwise", backward_format="e4m3"))
+    with pytest.raises(f8s.ConfigError, match=r"GraphedStep: recipe='fp8_rowwise': its graphed training"):
+        f8s.GraphedStep(state, lambda x: x, torch.zeros(2))

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 
@@ -39,3 +40,10 @@ def spawn(worker, args: tuple, *, nprocs: int = 2, timeout: float = 300, what: s
             for p in ctx.processes:
                 p.kill()
             pytest.fail(f"the {nprocs} {what} did not finish within {timeout} s")
+
+
+def spawn_pair_results(worker, out, device_type: str = "cpu", timeout: float = 300) -> list[dict]:
+    """Run ``worker(rank, port, out, device_type)`` in two spawned ranks (gloo on the CPU, NCCL on
+    two GPUs) and load what each saved to ``out/rank{r}.pt``."""
+    spawn(worker, (str(out), device_type), timeout=timeout, what=f"{device_type} workers")
+    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(2)]

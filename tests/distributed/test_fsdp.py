@@ -26,7 +26,7 @@ from lightning_fp8state import ops
 from lightning_fp8state.nn.fsdp import Fp8GatheredWeight, enable_fp8_all_gather, gathered_layers, plain_shard
 from lightning_fp8state.recompute import Phase
 from tests.conftest import bitwise_equal, event_inputs, make_stack
-from tests.distributed.spawn import spawn
+from tests.distributed.spawn import spawn_pair_results
 
 N_EVENTS = 4
 N_LAYERS = 4  # 2 blocks x (fc1, fc2)
@@ -274,8 +274,7 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
 
 def run_pair(out, device_type: str = "cpu", timeout: float = 300) -> list[dict]:
     """Run every scenario in two spawned ranks (gloo on the CPU, NCCL on two GPUs); what each saw."""
-    spawn(_worker, (str(out), device_type), timeout=timeout, what=f"{device_type} workers")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return spawn_pair_results(_worker, out, device_type, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import lightning_fp8state as f8s
 from lightning_fp8state.nn.fsdp import enable_fp8_all_gather
 from lightning_fp8state.ops.library_dynamic import quantize_fp8_current
 from tests.conftest import bitwise_equal, event_inputs, make_stack
-from tests.distributed.spawn import spawn
+from tests.distributed.spawn import spawn_pair_results
 from tests.distributed.test_fsdp import N_EVENTS, N_LAYERS, D, _CollectiveCounter, _full_weights, _layers, _Recorder
 
 SKEW = 16.0  # the first half of every weight's rows (rank 0's shard) divided by this
@@ -133,8 +133,7 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
 
 def run_pair(out, device_type: str = "cpu", timeout: float = 300) -> list[dict]:
     """Every scenario in two spawned ranks (gloo on the CPU, NCCL on two GPUs); what each saw."""
-    spawn(_worker, (str(out), device_type), timeout=timeout, what=f"{device_type} workers")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return spawn_pair_results(_worker, out, device_type, timeout)
 
 
 @pytest.fixture(scope="module")

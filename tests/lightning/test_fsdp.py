@@ -26,6 +26,7 @@ PLAN = [
     {**FSDP, "name": "fsdp_interrupted", "save_at": [[0, 4, "fsdp_step.ckpt"]], "stop_after_save": True},
     {**FSDP, "name": "fsdp_resumed", "resume_from": "fsdp_step.ckpt"},
     {**FSDP, "name": "fsdp_bf16_gather", "strategy_kwargs": {"fp8_all_gather": False}, "max_epochs": 1},
+    {**FSDP, "name": "fsdp_current", "config": {"recipe": "fp8_current"}, "max_epochs": 1},
 ]
 
 
@@ -105,3 +106,19 @@ def test_a_one_rank_resume_of_the_two_rank_checkpoint_is_refused_before_loading(
     assert "StateLoadError" in done.stderr and "2 rank(s), this run has 1" in done.stderr, done.stderr[-3000:]
     assert "refused, not resharded" in done.stderr
     assert "lightning/fsdp.py" in done.stderr  # raised by the strategy, before the DCP load
+
+
+def test_fp8_current_gathers_fp8_under_the_lightning_strategy(out):
+    """quant.recipe=fp8_current through Trainer(strategy="fp8state_fsdp"): every converted weight
+    all-gathered in FP8 at the full weight's scale (issue 28), recompute bitwise (audited), one
+    ledger commit per owner per event, and both ranks end with the same weights."""
+    a, b = ranks(out, "fsdp_current")
+    for r, d in enumerate((a, b)):
+        assert d["audit_ok"] and d["audit_recomputed"] > 0, f"rank {r}:\n{d['audit_table']}"
+        assert d["owners"] == []  # stateless: nothing in the bank
+        assert d["events"] == [(s, 0) for s in range(BATCHES_PER_EPOCH)]
+        for event, rows in d["per_event"].items():
+            assert len(rows) == N_OWNERS and all(c == 1 for c, _, _ in rows.values()), event
+        assert d["violations"] == 0
+        assert len(d["fp8_gathered"]) == 6
+    assert all(bitwise(a["params"][k], b["params"][k]) for k in a["params"])

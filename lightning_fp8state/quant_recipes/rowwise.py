@@ -32,6 +32,7 @@ from .gemm import _mm_device
 __all__ = ["Fp8Rowwise", "Fp8RowwiseGwHp", "RowwiseFp8Encoder", "rowwise_matmul"]
 
 _E4M3 = torch.float8_e4m3fn
+_MM_OUT = (torch.bfloat16, torch.float32)  # outputs the rowwise _scaled_mm path serves (float32: widened)
 
 
 def rowwise_matmul(a, b, descale_a, descale_b, out_dtype, backend: str = "auto", bias=None) -> torch.Tensor:
@@ -39,13 +40,20 @@ def rowwise_matmul(a, b, descale_a, descale_b, out_dtype, backend: str = "auto",
     [M, 1]`` and ``b [K, N]`` with ``descale_b [1, N]``.
 
     ``backend``: ``auto`` (``_scaled_mm`` where the GPU has it and the operands allow it: both
-    E4M3, a bfloat16 output, K and N multiples of 16), ``emulated`` or ``scaled_mm``.
+    E4M3, a bfloat16 or float32 output, K and N multiples of 16), ``emulated`` or ``scaled_mm``.
+
+    cuBLASLt's rowwise GEMM writes bfloat16 only. A float32 output (the backward's gradients
+    of float32 master weights, or of a float32 input such as a LayerNorm's under autocast) is
+    its bfloat16 result widened, the bias added in float32: what autocast's own linear and
+    torchao's rowwise recipe compute. The float32 emulation instead is a float32 GEMM (without
+    TF32 some milliseconds each at the 350M shape; the likely cause of fp8_rowwise's 0.28x on
+    the H200 before this path, docs/PERFORMANCE.md: not re-measured yet).
     """
     use_mm = backend == "scaled_mm" or (
         backend == "auto"
         and a.dtype == _E4M3
         and b.dtype == _E4M3
-        and out_dtype == torch.bfloat16
+        and out_dtype in _MM_OUT
         and a.shape[1] % 16 == 0
         and b.shape[1] % 16 == 0
         and _mm_device(a.device)
@@ -65,6 +73,9 @@ def rowwise_matmul(a, b, descale_a, descale_b, out_dtype, backend: str = "auto",
         b = b.t().contiguous().t()
     sa = descale_a.to(torch.float32).reshape(a.shape[0], 1).contiguous()
     sb = descale_b.to(torch.float32).reshape(1, b.shape[1]).contiguous()
+    if out_dtype == torch.float32:  # the bfloat16 GEMM, widened; the bias in float32
+        out = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16).to(torch.float32)
+        return out if bias is None else out + bias.to(torch.float32)
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)
     return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=bias, out_dtype=out_dtype)

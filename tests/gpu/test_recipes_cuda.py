@@ -50,6 +50,12 @@ def test_rowwise_scaled_mm_agrees_with_the_emulation():
     em = rowwise_matmul(a, w.t(), da, dw.t(), torch.bfloat16, "emulated", bias)
     # cuBLASLt accumulates in another order: equal to the emulation within bf16 rounding
     assert torch.allclose(mm.float(), em.float(), rtol=2**-7, atol=1e-2)
+    # a float32 output (the backward's gradients of float32 tensors): the bf16 GEMM widened, the
+    # bias added in float32, not the float32 emulation; bitwise that by construction
+    mm32 = rowwise_matmul(a, w.t(), da, dw.t(), torch.float32, "auto", bias)
+    widened = rowwise_matmul(a, w.t(), da, dw.t(), torch.bfloat16, "scaled_mm", None).float() + bias.float()
+    assert mm32.dtype == torch.float32 and torch.equal(mm32, widened)
+    assert torch.allclose(mm32, em.float(), rtol=2**-7, atol=1e-2)
 
 
 def run(recipe, ckpt, n_events=3):

@@ -42,6 +42,19 @@ def spawn(worker, args: tuple, *, nprocs: int = 2, timeout: float = 300, what: s
             pytest.fail(f"the {nprocs} {what} did not finish within {timeout} s")
 
 
+def save_rank_results(out, rank: int, results: dict) -> None:
+    """A worker's last act: its results as host copies (ranks' tensors lived on different
+    devices) to ``out/rank{rank}.pt``, then a barrier (rank 1 waits for rank 0's extra runs) and
+    the process group's end."""
+    import torch.distributed as dist  # noqa: PLC0415  (workers only)
+    import torch.utils._pytree as pytree  # noqa: PLC0415
+
+    results = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), results)
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def spawn_pair_results(worker, out, device_type: str = "cpu", timeout: float = 300) -> list[dict]:
     """Run ``worker(rank, port, out, device_type)`` in two spawned ranks (gloo on the CPU, NCCL on
     two GPUs) and load what each saved to ``out/rank{r}.pt``."""

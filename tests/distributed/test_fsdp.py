@@ -19,14 +19,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 import lightning_fp8state as f8s
 from lightning_fp8state import ops
 from lightning_fp8state.nn.fsdp import Fp8GatheredWeight, enable_fp8_all_gather, gathered_layers, plain_shard
 from lightning_fp8state.recompute import Phase
 from tests.conftest import bitwise_equal, event_inputs, make_stack
-from tests.distributed.spawn import spawn_pair_results
+from tests.distributed.spawn import save_rank_results, spawn_pair_results
 
 N_EVENTS = 4
 N_LAYERS = 4  # 2 blocks x (fc1, fc2)
@@ -265,11 +264,7 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
     }
     if rank == 0:  # the unsharded run: one process, the same model and data as each rank of "same"
         results["unsharded"] = _train(rank, device, fsdp=False)
-    # host copies: the test compares ranks whose tensors lived on different GPUs
-    results = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), results)
-    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    dist.barrier()  # rank 1 waits for rank 0's unsharded run before the group goes
-    dist.destroy_process_group()
+    save_rank_results(out, rank, results)
 
 
 def run_pair(out, device_type: str = "cpu", timeout: float = 300) -> list[dict]:

@@ -15,14 +15,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch import nn
 
 import lightning_fp8state as f8s
 from lightning_fp8state.nn.fsdp import enable_fp8_all_gather
 from lightning_fp8state.ops.library_dynamic import quantize_fp8_current
 from tests.conftest import bitwise_equal, event_inputs, make_stack
-from tests.distributed.spawn import spawn_pair_results
+from tests.distributed.spawn import save_rank_results, spawn_pair_results
 from tests.distributed.test_fsdp import N_EVENTS, N_LAYERS, D, _CollectiveCounter, _full_weights, _layers, _Recorder
 
 SKEW = 16.0  # the first half of every weight's rows (rank 0's shard) divided by this
@@ -125,10 +124,7 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
     if rank == 0:  # the unsharded runs: one process, the same model and data as each rank's
         results["unsharded"] = _train(rank, device, fsdp=False)
         results["unsharded_skew"] = _train(rank, device, fsdp=False, skew=SKEW)
-    results = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), results)
-    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    save_rank_results(out, rank, results)
 
 
 def run_pair(out, device_type: str = "cpu", timeout: float = 300) -> list[dict]:

@@ -5,6 +5,11 @@ device time per step, and the CUDA kernels sorted by total device time, so the s
 split into GEMMs, quantize kernels, transposes and everything else.
 
     python benchmarks/profile_step.py [--d 4096] [--tokens 8192] [--steps 10]
+                                      [--recipe fp8_rowwise] [--autocast]
+
+``--recipe`` picks the quant recipe (E4M3 backward for the rowwise ones, as their configs ship
+them); ``--autocast`` keeps float32 master weights and runs under bf16 autocast, as the
+Lightning recipes train (the backward's weight gradients are then float32 outputs).
 """
 
 from __future__ import annotations
@@ -27,18 +32,23 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--mode", default="safe")
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--recipe", default="fp8_delayed")
+    p.add_argument("--autocast", action="store_true", help="float32 weights under bf16 autocast")
     args = p.parse_args()
     torch.manual_seed(0)
     d = args.d
-    model = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(args.layers)]).cuda().bfloat16()
-    state = f8s.Fp8State(f8s.QuantConfig(mode=args.mode))
+    model = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(args.layers)]).cuda()
+    if not args.autocast:
+        model = model.bfloat16()
+    backward = "e4m3" if "rowwise" in args.recipe else "e5m2"
+    state = f8s.Fp8State(f8s.QuantConfig(mode=args.mode, recipe=args.recipe, backward_format=backward))
     state.convert(model)
     x = torch.randn(args.tokens, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(args.tokens, d, device="cuda", dtype=torch.bfloat16)
     n = {"i": 0}
 
     def step():
-        with state.step(n["i"]):
+        with state.step(n["i"]), torch.autocast("cuda", torch.bfloat16, enabled=args.autocast):
             model(x).backward(g)
         n["i"] += 1
 
@@ -59,7 +69,8 @@ def main() -> None:
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / args.steps
     print(
-        f"d={d} tokens={args.tokens} layers={args.layers} mode={args.mode}: host {host:.2f} ms/step "
+        f"d={d} tokens={args.tokens} layers={args.layers} mode={args.mode} recipe={args.recipe} "
+        f"autocast={args.autocast}: host {host:.2f} ms/step "
         f"(issue only), wall {wall:.2f} ms/step, device busy {device_us / 1e3:.2f} ms/step"
     )
     print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))

@@ -32,6 +32,7 @@ from .gemm import _mm_device
 __all__ = ["Fp8Rowwise", "Fp8RowwiseGwHp", "RowwiseFp8Encoder", "rowwise_matmul"]
 
 _E4M3 = torch.float8_e4m3fn
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 _MM_OUT = (torch.bfloat16, torch.float32)  # outputs the rowwise _scaled_mm path serves (float32: widened)
 
 
@@ -158,7 +159,10 @@ class Fp8Rowwise(PerCallScales, Recipe):
 
     def grad_weight(self, g_w, x_saved, sg, sx, out_dtype, backend):
         if self.high_precision_weight_grad:
-            dtype = torch.promote_types(g_w.dtype, x_saved.dtype)
+            # in grad_output's dtype when it is 16-bit (under autocast: the dtype autocast's own
+            # linear computes in, as torchao's rowwise_with_gw_hp), else the operands' common one;
+            # a float32 GEMM here cost the 350M step most of its time on the H200
+            dtype = g_w.dtype if g_w.dtype in _SIXTEEN_BIT else torch.promote_types(g_w.dtype, x_saved.dtype)
             return (g_w.t().to(dtype) @ x_saved.to(dtype)).to(out_dtype)
         q_t, descale_t = g_w  # g^T per row: [N, M], [N, 1]
         xq, x_descale = self._columns(x_saved, "input")

@@ -53,9 +53,10 @@ def repeat_one_step(recipe: str) -> None:
         for p in model.parameters():
             p.grad = None
         x = x0.clone().requires_grad_(True)
-        with state.step(i), torch.autocast("cuda", torch.bfloat16):
-            y = model(x)
-        y.backward(g)
+        with state.step(i):
+            with torch.autocast("cuda", torch.bfloat16):
+                y = model(x)
+            y.backward(g)
         runs.append({"y": y.detach().clone(), "dx": x.grad.clone(), **{n: p.grad.clone() for n, p in model.named_parameters()}})
     for key in runs[0]:
         same = [_equal(runs[0][key], r[key]) for r in runs[1:]]

@@ -72,10 +72,7 @@ __all__ = [
 _ops = torch.ops.fp8state
 
 
-def _on_cuda(t: torch.Tensor) -> None:
-    # one dict lookup after the first call: builds/loads the kernels on first CUDA use
-    if t.is_cuda and not cuda._state["tried"]:
-        cuda.ensure_loaded()
+_on_cuda = cuda.load_for  # builds/loads the kernels on first CUDA use
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -51,6 +51,7 @@ __all__ = [
     "extension_info",
     "is_loaded",
     "load_check",
+    "load_for",
     "source_dir",
     "source_hash",
 ]
@@ -211,6 +212,16 @@ def ensure_loaded() -> bool:
         finally:
             _state["tried"] = True
     return _state["loaded"]
+
+
+def load_for(t: torch.Tensor) -> None:
+    """Load the kernels before ``t``'s first CUDA op (one dict lookup after the first call).
+
+    Every public op wrapper calls this: an op reached on a CUDA tensor before the extension is
+    loaded dispatches to the reference (``CompositeExplicitAutograd``), correct but several
+    times slower (fp8_rowwise ran its whole training on the reference so, 2026-12-02)."""
+    if t.is_cuda and not _state["tried"]:
+        ensure_loaded()
 
 
 def is_loaded() -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..config import MARGIN_MAX
+from . import cuda
 from . import reference_dynamic as ref
 from .library import _FP8_DTYPES, _IN_DTYPES, LIB, _expect
 
@@ -76,14 +77,17 @@ def _quantize_fp8_rowwise_fake(x, dtype, margin):
 
 def quantize_fp8_current(x: torch.Tensor, dtype: torch.dtype, margin: int = 0):
     """Per-tensor current scaling of ``x``: ``(codes, scale, descale, amax)`` (0-d float32)."""
+    cuda.load_for(x)
     return torch.ops.fp8state.quantize_fp8_current(x, dtype, margin)
 
 
 def current_scale(x: torch.Tensor, dtype: torch.dtype, margin: int = 0):
     """``(scale, descale, amax)`` of per-tensor current scaling of ``x`` (0-d float32), no codes."""
+    cuda.load_for(x)
     return torch.ops.fp8state.current_scale(x, dtype, margin)
 
 
 def quantize_fp8_rowwise(x: torch.Tensor, dtype: torch.dtype, margin: int = 0):
     """Rowwise scaling of the 2-D ``x``: ``(codes, scale, descale, amax)``, each ``[R, 1]``."""
+    cuda.load_for(x)
     return torch.ops.fp8state.quantize_fp8_rowwise(x, dtype, margin)

@@ -274,3 +274,17 @@ def test_rowwise_with_an_e5m2_operand_warns_that_its_gemms_fall_back_to_float32(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         f8s.Fp8State(f8s.QuantConfig(recipe=recipe, backward_format="e4m3"))  # as the shipped config: quiet
+
+
+@pytest.mark.parametrize("op", ["quantize_fp8_rowwise", "quantize_fp8_current", "current_scale"])
+def test_every_dynamic_op_wrapper_loads_the_kernels_before_dispatching(monkeypatch, op):
+    """Before its first dispatch each wrapper asks ``ops.cuda.load_for`` to load the extension
+    (on a CUDA tensor the reference would otherwise serve the call: tests/ops/test_cuda_dynamic.py)."""
+    from lightning_fp8state.ops import cuda
+    from lightning_fp8state.ops import library_dynamic as dyn
+
+    seen = []
+    monkeypatch.setattr(cuda, "load_for", seen.append)
+    x = torch.randn(4, 32)
+    getattr(dyn, op)(x, torch.float8_e4m3fn, 0)
+    assert seen == [x]

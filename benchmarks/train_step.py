@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 import lightning_fp8state as f8s
+from lightning_fp8state.errors import ConfigError
 from lightning_fp8state.models import GPT, GPTConfig, MarkovTokens
 
 VARIANTS = ("bf16", "safe", "naive", "torchao")
@@ -367,7 +368,11 @@ def main(argv=None) -> list[dict]:
     for rep in range(args.repeat):  # repeats interleaved: a noisy host affects every variant alike
         for v in args.variants:
             for mode in (args.peer_modes or modes) if v in TORCHAO_RECIPES else modes:
-                r = measure(v, cfg, args, data, mode)
+                try:
+                    r = measure(v, cfg, args, data, mode)
+                except ConfigError as exc:  # a mode the library refuses for this variant, by key
+                    print(f"  refused {v} ({mode}): {exc}", flush=True)
+                    continue
                 runs.setdefault((v, mode), []).append(r)
                 tag = f" [repeat {rep + 1}/{args.repeat}]" if args.repeat > 1 else ""
                 print(

@@ -15,8 +15,8 @@ grad_output is E4M3 in the shipped config (``configs/quant/fp8_rowwise.yaml``: c
 rowwise FP8 GEMM takes E4M3 operands only). On the CPU the GEMM is the delayed emulation's:
 codes multiplied in float32, then the outer product of the paired descales, the bias, one
 rounding. On a GPU with FP8 it is ``torch._scaled_mm`` with ``scale_a [M, 1]`` and
-``scale_b [1, N]`` (float32): written, NOT YET RUN ON A GPU (no device this session; the
-tests in tests/gpu/test_recipes_cuda.py are its check).
+``scale_b [1, N]`` (float32), bitwise its emulation's codes and scales on the H200
+(tests/gpu/test_recipes_cuda.py).
 """
 
 from __future__ import annotations
@@ -171,16 +171,6 @@ class Fp8Rowwise(PerCallScales, Recipe):
     def grad_input(self, g_x, w_saved, sg, sw, out_dtype, backend):
         wq, w_descale = self._columns(w_saved, "weight")
         return rowwise_matmul(g_x, wq, sg.descale, w_descale, out_dtype, backend)
-
-    def graph_problem(self) -> str | None:
-        # Measured on the H200 (2026-12-02, tests/gpu/test_graphed_training_cuda.py): the CLI's
-        # graphed run of fp8_rowwise differed from its eager run from the first step on, while
-        # every GEMM it uses repeats bitwise eagerly and replayed (benchmarks/gemm_determinism.py)
-        # and per-block graphs at a small shape replay bitwise. Until the cause is found, fail closed.
-        return (
-            f"recipe={self.name!r}: its graphed training was not bitwise its eager training on the H200 "
-            "(the cause is not found yet); train it eagerly"
-        )
 
     def all_gather_problem(self) -> str | None:
         # The forward's per-row scales would need no collective (FSDP2 shards dim 0, so each

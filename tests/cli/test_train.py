@@ -364,8 +364,6 @@ def test_two_rank_ddp_with_trainer_compile_is_bitwise_the_eager_run(run_root):
         ("strategy.name=fp8state_ddp trainer.compile=true", "trainer.compile=true"),
         ("strategy.name=fp8state_deepspeed strategy.partition_activations=true", "strategy.partition_activations=true"),
         ("strategy.name=fp8state_deepspeed strategy.cpu_checkpointing=true", "strategy.cpu_checkpointing=true"),
-        ("quant.recipe=fp8_rowwise_gw_hp", "quant.recipe='fp8_rowwise_gw_hp'"),
-        ("strategy.name=fp8state_ddp quant.recipe=fp8_rowwise", "quant.recipe='fp8_rowwise'"),
     ],
 )
 def test_trainer_cuda_graphs_outside_its_setup_is_refused_by_key(run_root, capsys, override, key):

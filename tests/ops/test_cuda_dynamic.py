@@ -206,7 +206,7 @@ assert not cuda._state["tried"]
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
     dyn.{op}(x, torch.float8_e4m3fn, 0)
     torch.cuda.synchronize()
-names = sorted({{e.name for e in prof.key_averages()}})
+names = sorted({{e.key for e in prof.key_averages()}})
 print(names)
 assert cuda.is_loaded(), cuda.extension_info()
 assert any("{kernel}" in n for n in names), names

@@ -45,8 +45,23 @@ def test_graphed_step_refuses_what_it_cannot_capture():
         f8s.GraphedStep(state, lambda x: x, torch.zeros(2))
 
 
-def test_graphed_step_refuses_a_recipe_with_a_graph_problem():
-    """fp8_rowwise's graphed training was not bitwise its eager training on the H200: fail closed."""
+def test_graphed_step_and_the_cli_refuse_a_recipe_with_a_graph_problem(monkeypatch, tmp_path, capsys):
+    """A recipe that declares a graph problem (none of the shipped ones does since fp8_rowwise's
+    op wrappers load the kernels: its graphed run is bitwise its eager run on the H200) is
+    refused by GraphedStep and by ``trainer.cuda_graphs=true``, by key, with its reason."""
+    from lightning_fp8state.cli.main import main
+    from lightning_fp8state.quant_recipes.rowwise import Fp8Rowwise
+
     state = f8s.Fp8State(f8s.QuantConfig(recipe="fp8_rowwise", backward_format="e4m3"))
-    with pytest.raises(f8s.ConfigError, match=r"GraphedStep: recipe='fp8_rowwise': its graphed training"):
+    state_ok = f8s.Fp8State(f8s.QuantConfig(recipe="fp8_current"))
+    monkeypatch.setattr(Fp8Rowwise, "graph_problem", lambda self: "recipe='fp8_rowwise': a reason")
+    with pytest.raises(f8s.ConfigError, match=r"GraphedStep: recipe='fp8_rowwise': a reason"):
         f8s.GraphedStep(state, lambda x: x, torch.zeros(2))
+    with pytest.raises(f8s.ConfigError) as other:  # fp8_current passes the recipe check (then: no CUDA here)
+        f8s.GraphedStep(state_ok, lambda x: x, torch.zeros(2))
+    assert "recipe=" not in str(other.value)
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "quant.recipe=fp8_rowwise", "trainer.cuda_graphs=true", "trainer.accelerator=gpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "trainer.cuda_graphs=true with quant.recipe='fp8_rowwise' is not allowed" in err, err
+    assert "a reason" in err and not (tmp_path / "runs").exists()

@@ -192,12 +192,13 @@ def require_finite(cfg: DictConfig) -> None:
 
 
 COMPILE_STRATEGIES = ("auto", "fp8state_ddp")
-FUSED_OPTIMIZER_STRATEGIES = ("auto", "fp8state_ddp")  # plain-tensor parameters the optimizer owns
+# the optimizer owns the parameters (plain tensors, or FSDP2's DTensor shards)
+FUSED_OPTIMIZER_STRATEGIES = ("auto", "fp8state_ddp", "fp8state_fsdp")
 
 
 def fused_optimizer(cfg: DictConfig) -> bool:
-    """Whether the run's AdamW is fused: the guard then skips on the device. Under ``auto`` and
-    ``fp8state_ddp`` the telemetry clips (:func:`telemetry_clips`); under DeepSpeed ZeRO-1/2 the
+    """Whether the run's AdamW is fused: the guard then skips on the device. Under ``auto``,
+    ``fp8state_ddp`` and ``fp8state_fsdp`` the telemetry clips (:func:`telemetry_clips`); under DeepSpeed ZeRO-1/2 the
     optimizer steps DeepSpeed's flat fp32 partitions, and the strategy's device guard
     (``lightning.deepspeed_guard``) checks and clips there."""
     s = cfg.strategy

@@ -54,6 +54,20 @@ def gradient_norms(grads: Sequence[torch.Tensor], ord: float = 2.0) -> torch.Ten
     return out
 
 
+_SHARD_MASKS: dict[tuple[tuple[bool, ...], torch.device], torch.Tensor] = {}
+
+
+def _shard_mask(sharded: tuple[bool, ...], device: torch.device) -> torch.Tensor:
+    """Which gradients are sharded, as a bool device tensor made once per layout: building it
+    from a list every step was a host-to-device copy that synchronized (FSDP2's one sync a
+    step on the H200, benchmarks/lightning_host.py)."""
+    key = (sharded, device)
+    mask = _SHARD_MASKS.get(key)
+    if mask is None:
+        mask = _SHARD_MASKS[key] = torch.tensor(sharded, device=device)
+    return mask
+
+
 def _sharded_norms(grads: Sequence[torch.Tensor], ord: float) -> torch.Tensor:
     """:func:`gradient_norms` of DTensor gradients (FSDP2: sharded on a mesh): each rank's
     local norms, combined over the mesh in one all-reduce (SUM of squares, or MAX for the
@@ -66,7 +80,7 @@ def _sharded_norms(grads: Sequence[torch.Tensor], ord: float) -> torch.Tensor:
     mesh = next(g.device_mesh for g in grads if hasattr(g, "device_mesh"))
     if mesh.ndim != 1:
         raise ValueError(f"gradient norms of DTensors on a {mesh.ndim}-D mesh are not supported: expected a 1-D mesh")
-    mask = torch.tensor(sharded, device=norms.device)
+    mask = _shard_mask(tuple(sharded), norms.device)
     group = mesh.get_group()
     if math.isinf(ord):
         part = torch.where(mask, norms, torch.zeros_like(norms))

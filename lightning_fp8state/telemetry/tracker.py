@@ -79,8 +79,9 @@ class _Pending:
 def skips_on_device(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
     """Whether ``optimizer.step()`` skips a step flagged in ``optimizer.found_inf`` by itself, on
     the device: torch's fused optimizers (``fused=True`` Adam, AdamW, SGD, Adagrad; the flag
-    ``torch.amp.GradScaler`` sets), with plain (not DTensor) parameters. Their kernels leave
-    parameters and state (moments, step count) untouched when the flag is 1.
+    ``torch.amp.GradScaler`` sets). Their kernels leave parameters and state (moments, step
+    count) untouched when the flag is 1. FSDP2's DTensor parameters included: DTensor runs the
+    fused kernels per shard and replicates the 0-d flag (``tests/lightning/test_fsdp.py``).
 
     Every param group must still be fused: ``load_state_dict`` takes the saved groups'
     settings, so an optimizer built fused that loaded a non-fused one's state steps unfused
@@ -88,7 +89,6 @@ def skips_on_device(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
     return (
         bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         and all(group.get("fused") for group in optimizer.param_groups)
-        and not any(hasattr(p, "device_mesh") for p in params)
     )
 
 

@@ -117,7 +117,9 @@ def main(argv=None) -> list[dict]:
     x = torch.randint(0, cfg.vocab_size, (1, args.tokens))
     linears = 4 * args.layers  # qkv, proj, fc, out per block (the head stays plain)
     rows = []
-    print(f"torch {torch.__version__}; GPT layers={args.layers} d={args.d_model} tokens={args.tokens}, kernels stubbed{', bf16 autocast' if args.autocast else ''}")
+    print(
+        f"torch {torch.__version__}; GPT layers={args.layers} d={args.d_model} tokens={args.tokens}, kernels stubbed{', bf16 autocast' if args.autocast else ''}"
+    )
     for mode in args.modes:
         steps, times = {}, {}
         torch._dynamo.reset()

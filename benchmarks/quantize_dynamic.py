@@ -4,7 +4,8 @@ ceiling, torch eager and torch.compile of the same numerics.
 For 2^20 ... 2^28 bf16 elements laid out ``[n / cols, cols]``, in one run: a device copy of the
 same bytes (the ceiling; its GB/s count read + write), the pure-torch reference
 (``ops/reference_dynamic.py``) eager and under ``torch.compile`` (how torchao derives its dynamic
-scales: compiled torch), and ours (``fp8state::quantize_fp8_current`` / ``_rowwise``). Every
+scales: compiled torch), and ours (``fp8state::quantize_fp8_current`` / ``_rowwise`` / ``_colwise``; ``t+rowwise``: torch's transpose
+copy then the rowwise kernel, the colwise operands before their kernel). Every
 variant is timed as a CUDA graph of ``--calls`` calls (each in its best mode: no host launch
 cost in any of them), over several inputs when they would fit in L2, so HBM is what is timed.
 Effective bandwidth counts the ideal bytes: 2 read + 1 written per element. ``/copy`` is ours
@@ -58,8 +59,16 @@ def main() -> None:
     peers = {
         "current": (ref.quantize_fp8_current_reference, dyn.quantize_fp8_current),
         "rowwise": (ref.quantize_fp8_rowwise_reference, dyn.quantize_fp8_rowwise),
+        # fp8_rowwise's backward operands: per-column scales, codes transposed; "t+rowwise" is what
+        # the recipe ran before the colwise kernel (torch's transpose copy, then the rowwise kernel)
+        "colwise": (ref.quantize_fp8_colwise_reference, dyn.quantize_fp8_colwise),
+        "t+rowwise": (
+            ref.quantize_fp8_colwise_reference,
+            lambda x, dtype, margin: dyn.quantize_fp8_rowwise(x.t().contiguous(), dtype, margin),
+        ),
     }
-    compiled = {k: torch.compile(v[0]) for k, v in peers.items()}
+    compiled = {k: torch.compile(v[0]) for k, v in peers.items() if k != "t+rowwise"}
+    compiled["t+rowwise"] = compiled["colwise"]
     results = {"device": dev, "torch": torch.__version__, "rows": []}
     lines = []
     for cols in args.cols:
@@ -84,7 +93,7 @@ def main() -> None:
                     {"recipe": recipe, "cols": cols, "log2": log2, "copy_GBs": copy_gbs, "ms": t, "GBs": gbs}
                 )
                 lines.append(
-                    f"{recipe:<8} {cols:>6} 2^{log2:<3} {copy_gbs:8.0f} {gbs['eager']:8.0f} {gbs['compile']:8.0f} "
+                    f"{recipe:<9} {cols:>6} 2^{log2:<3} {copy_gbs:8.0f} {gbs['eager']:8.0f} {gbs['compile']:8.0f} "
                     f"{gbs['ours']:8.0f} {gbs['ours'] / copy_gbs:7.3f} {gbs['ours'] / gbs['compile']:9.2f} "
                     f"{gbs['ours_call']:10.0f}"
                 )
@@ -92,7 +101,7 @@ def main() -> None:
     print("FP8 E4M3 stateless quantize from bf16 [n / cols, cols]; GB/s of ideal bytes (3 per element), each")
     print("variant a CUDA graph of calls; copy counts read + write; 'ours call': one eager call, host included")
     print(
-        f"{'recipe':<8} {'cols':>6} {'n':<5} {'copy':>8} {'eager':>8} {'compile':>8} {'ours':>8} {'/copy':>7} "
+        f"{'recipe':<9} {'cols':>6} {'n':<5} {'copy':>8} {'eager':>8} {'compile':>8} {'ours':>8} {'/copy':>7} "
         f"{'/compile':>9} {'ours call':>10}"
     )
     print("\n".join(lines))

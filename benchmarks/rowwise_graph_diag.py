@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 import lightning_fp8state as f8s
+from lightning_fp8state.cli.main import main as cli_main
+from lightning_fp8state.telemetry.sinks import read_jsonl
 from lightning_fp8state.quant_recipes import rowwise
 
 CLI = [
@@ -57,21 +59,20 @@ def repeat_one_step(recipe: str) -> None:
             with torch.autocast("cuda", torch.bfloat16):
                 y = model(x)
             y.backward(g)
-        runs.append({"y": y.detach().clone(), "dx": x.grad.clone(), **{n: p.grad.clone() for n, p in model.named_parameters()}})
+        runs.append(
+            {"y": y.detach().clone(), "dx": x.grad.clone(), **{n: p.grad.clone() for n, p in model.named_parameters()}}
+        )
     for key in runs[0]:
         same = [_equal(runs[0][key], r[key]) for r in runs[1:]]
         print(f"one step repeated: {key:12s} bitwise {same}")
 
 
 def cli_runs(out: Path, recipe: str) -> None:
-    from lightning_fp8state.cli.main import main
-    from lightning_fp8state.telemetry.sinks import read_jsonl
-
     common = [*CLI, f"quant.recipe={recipe}", "quant.backward_format=e4m3"]
     names = ("eager", "graphed", "eager2")
     for name in names:
         extra = ["trainer.cuda_graphs=true"] if name == "graphed" else []
-        assert main(["train", *common, *extra, f"out_dir={out / name}"]) == 0, name
+        assert cli_main(["train", *common, *extra, f"out_dir={out / name}"]) == 0, name
     runs = [out / n / "tiny_gpt_cpu" for n in names]
     ckpts = [torch.load(r / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu") for r in runs]
     logged = [[(r["train/loss"], r["train/grad_norm"]) for r in read_jsonl(r / "telemetry.jsonl")] for r in runs]

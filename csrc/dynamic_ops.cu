@@ -258,10 +258,223 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fp8_rowwise_
   return {q, scale, descale, amax};
 }
 
+// ---------------------------------------------------------------------------------------
+// fp8_rowwise's backward operands scaled per column, written transposed: codes of x^T [C, R]
+// with one scale per column of x, i.e. quantize_fp8_rowwise(x^T) without materializing x^T in
+// high precision (cuBLASLt's FP8 GEMM takes K-major operands only, and the weight gradient's
+// K is the token dimension). Three launches:
+//   colwise_amax_kernel: blocks of 256 threads over a 128-column strip and a chunk of rows,
+//     16-byte loads along the row; each column's max over the chunk reduced in shared memory
+//     and folded into amax_bits[c] with atomicMax on the float's bits (every value is >= +0 or
+//     the canonical NaN, whose bits order as the floats do: the result does not depend on the
+//     order of the folds);
+//   colwise_scale_kernel: each column's scale and descale from its amax (dynamic_scale);
+//   colwise_t_kernel: 128 x 128 tiles as quantize_t_kernel (fp8_ops.cu) reads them, each
+//     element encoded with its column's scale, the codes written transposed from a swizzled
+//     shared tile (store_tile_transposed).
+// ---------------------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(256) colwise_amax_kernel(const T* __restrict__ x, unsigned* __restrict__ amax_bits,
+                                                           int64_t R, int64_t C, int64_t rows_per_block, bool vec) {
+  constexpr int EPL = 16 / sizeof(T);
+  constexpr int LPR = kTile / EPL;
+  constexpr int RPP = 256 / LPR;
+  __shared__ float s_max[RPP][kTile];
+  const int t = threadIdx.x, i = t / LPR, g = t % LPR;
+  const int64_t c0 = int64_t(blockIdx.y) * kTile;
+  const int64_t rb = int64_t(blockIdx.x) * rows_per_block;
+  const int64_t re = rb + rows_per_block < R ? rb + rows_per_block : R;
+  float m[EPL];
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) m[e] = 0.0f;
+  if (vec && c0 + kTile <= C) {
+    for (int64_t r = rb + i; r < re; r += RPP) {
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(x + r * C + c0 + g * EPL));
+      const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) m[e] = fmax_nan(m[e], fabsf(to_f32<T>(v[e])));
+    }
+  } else {
+    for (int64_t r = rb + i; r < re; r += RPP) {
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) {
+        const int64_t c = c0 + g * EPL + e;
+        if (c < C) m[e] = fmax_nan(m[e], fabsf(to_f32<T>(x[r * C + c])));
+      }
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) s_max[i][g * EPL + e] = m[e];
+  __syncthreads();
+  if (t < kTile && c0 + t < C) {
+    float mm = 0.0f;
+#pragma unroll
+    for (int k = 0; k < RPP; ++k) mm = fmax_nan(mm, s_max[k][t]);
+    atomicMax(amax_bits + c0 + t, __float_as_uint(canonical_amax(mm)));
+  }
+}
+
+__global__ void colwise_scale_kernel(const unsigned* __restrict__ amax_bits, float* __restrict__ scale,
+                                     float* __restrict__ descale, float* __restrict__ amax_out, int64_t C, float fmax,
+                                     float pow2_margin) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const float amax = __uint_as_float(amax_bits[c]);
+  amax_out[c] = amax;
+  dynamic_scale(amax, fmax, pow2_margin, scale + c, descale + c);
+}
+
+template <typename T, bool E4M3>
+__global__ void __launch_bounds__(256) colwise_t_kernel(const T* __restrict__ x, uint8_t* __restrict__ qt,
+                                                        const float* __restrict__ col_scale, int64_t R, int64_t C,
+                                                        bool vec_ok) {
+  constexpr int EPL = 16 / sizeof(T);
+  constexpr int LPR = kTile / EPL;
+  constexpr int RPP = 256 / LPR;
+  constexpr int P = kTile / RPP;
+  constexpr int WPL = EPL / 4;  // words of codes per load
+  __shared__ uint32_t tile[kTile * kTile / 4];  // 128 rows x 32 words of codes, swizzled
+  const int t = threadIdx.x, i = t / LPR, g = t % LPR;
+  const int64_t r0 = int64_t(blockIdx.x) * kTile, c0 = int64_t(blockIdx.y) * kTile;
+  const bool full = vec_ok && r0 + kTile <= R && c0 + kTile <= C;
+  if (full) {
+    float sc[EPL];
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) sc[e] = col_scale[c0 + g * EPL + e];
+    uint4 raw[P];
+#pragma unroll
+    for (int j = 0; j < P; ++j) raw[j] = __ldcs(reinterpret_cast<const uint4*>(x + (r0 + i + RPP * j) * C + c0 + g * EPL));
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      const int row = i + RPP * j;
+      const T* v = reinterpret_cast<const T*>(&raw[j]);
+      uint32_t words[WPL];
+#pragma unroll
+      for (int w = 0; w < WPL; ++w) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          word |= uint32_t(encode1<E4M3>(to_f32<T>(v[4 * w + k]) * sc[4 * w + k])) << (8 * k);
+        }
+        words[w] = word;
+      }
+      const int word = (g * WPL) ^ (((row >> 4) & 7) << 2);
+#pragma unroll
+      for (int w = 0; w < WPL; ++w) tile[row * 32 + word + w] = words[w];
+    }
+  } else {
+    uint8_t* tile_bytes = reinterpret_cast<uint8_t*>(tile);
+    for (int j = 0; j < P; ++j) {
+      const int row = i + RPP * j;
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) {
+        const int col = g * EPL + e;
+        const bool in = r0 + row < R && c0 + col < C;
+        const float v = in ? to_f32<T>(x[(r0 + row) * C + c0 + col]) : 0.0f;
+        const float scale = c0 + col < C ? col_scale[c0 + col] : 1.0f;
+        tile_bytes[(row * 32 + ((col >> 2) ^ (((row >> 4) & 7) << 2))) * 4 + (col & 3)] = encode1<E4M3>(v * scale);
+      }
+    }
+  }
+  __syncthreads();
+  if (full) {
+    store_tile_transposed(tile, qt, R, r0, c0);
+  } else {
+    const uint8_t* tile_bytes = reinterpret_cast<const uint8_t*>(tile);
+    for (int k = 0; k < kTile * kTile / 256; ++k) {
+      const int idx = t + 256 * k, cc = idx / kTile, rr = idx % kTile;
+      if (c0 + cc < C && r0 + rr < R) {
+        qt[(c0 + cc) * R + r0 + rr] = tile_bytes[(rr * 32 + ((cc >> 2) ^ (((rr >> 4) & 7) << 2))) * 4 + (cc & 3)];
+      }
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fp8_colwise_cuda(const at::Tensor& x_in,
+                                                                                     at::ScalarType dtype,
+                                                                                     int64_t margin) {
+  check_input(x_in, dtype);
+  FP8S_CHECK(x_in.dim() == 2, "x.dim()", "2", x_in.dim());
+  FP8S_CHECK(margin >= 0 && margin < 127, "margin", "an integer in [0, 127)", margin);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = contiguous16(x_in);
+  const int64_t R = x.size(0), C = x.size(1);
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor qt = at::empty({C, R}, x.options().dtype(dtype));
+  at::Tensor scale = at::empty({C, 1}, f32), descale = at::empty({C, 1}, f32), amax = at::empty({C, 1}, f32);
+  if (C == 0) return {qt, scale, descale, amax};
+  const int64_t col_tiles = (C + kTile - 1) / kTile, row_tiles = (R + kTile - 1) / kTile;
+  TORCH_CHECK(col_tiles <= 65535, "fp8state: quantize_fp8_colwise: x.shape[1] too large (more than 2^23 columns)");
+  TORCH_CHECK(row_tiles <= 0x7fffffff, "fp8state: quantize_fp8_colwise: x.shape[0] too large");
+  auto stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor bits = at::zeros({C}, x.options().dtype(at::kInt));  // +0.0 in every column
+  auto* bp = reinterpret_cast<unsigned*>(bits.data_ptr<int>());
+  const int64_t epl = 16 / int64_t(x.element_size());
+  const bool vec = C % epl == 0;  // contiguous16: the base is aligned, so is every row then
+  if (R > 0) {
+    // about 1024 blocks: each a 128-column strip and a chunk of rows (a multiple of 16 rows)
+    int64_t chunks = (1024 + col_tiles - 1) / col_tiles;
+    const int64_t max_chunks = (R + 15) / 16;
+    chunks = chunks < max_chunks ? chunks : max_chunks;
+    int64_t rows_per_block = (R + chunks - 1) / chunks;
+    rows_per_block = (rows_per_block + 15) / 16 * 16;
+    chunks = (R + rows_per_block - 1) / rows_per_block;
+    const dim3 grid{unsigned(chunks), unsigned(col_tiles), 1u};
+    switch (x.scalar_type()) {
+      case at::kFloat:
+        colwise_amax_kernel<float><<<grid, 256, 0, stream>>>(x.data_ptr<float>(), bp, R, C, rows_per_block, vec);
+        break;
+      case at::kBFloat16:
+        colwise_amax_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(
+            reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), bp, R, C, rows_per_block, vec);
+        break;
+      default:
+        colwise_amax_kernel<__half><<<grid, 256, 0, stream>>>(reinterpret_cast<const __half*>(x.data_ptr()), bp, R,
+                                                             C, rows_per_block, vec);
+        break;
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  const bool e4m3 = dtype == at::kFloat8_e4m3fn;
+  const float fmax = e4m3 ? Fp8Traits<true>::kMax : Fp8Traits<false>::kMax;
+  colwise_scale_kernel<<<unsigned((C + 255) / 256), 256, 0, stream>>>(
+      bp, scale.data_ptr<float>(), descale.data_ptr<float>(), amax.data_ptr<float>(), C, fmax,
+      ldexpf(1.0f, int(margin)));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (R == 0) return {qt, scale, descale, amax};
+  const bool vec_ok = vec && R % 16 == 0;  // the transposed tile's 16-byte stores
+  const dim3 grid{unsigned(row_tiles), unsigned(col_tiles), 1u};
+  auto* qp = reinterpret_cast<uint8_t*>(qt.data_ptr());
+  const float* sp = scale.data_ptr<float>();
+#define FP8S_COL(T, E) \
+  colwise_t_kernel<T, E><<<grid, 256, 0, stream>>>(reinterpret_cast<const T*>(x.data_ptr()), qp, sp, R, C, vec_ok)
+#define FP8S_COL_BY_FORMAT(T) \
+  if (e4m3)                   \
+    FP8S_COL(T, true);        \
+  else                        \
+    FP8S_COL(T, false);
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      FP8S_COL_BY_FORMAT(float);
+      break;
+    case at::kBFloat16:
+      FP8S_COL_BY_FORMAT(__nv_bfloat16);
+      break;
+    default:
+      FP8S_COL_BY_FORMAT(__half);
+      break;
+  }
+#undef FP8S_COL_BY_FORMAT
+#undef FP8S_COL
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {qt, scale, descale, amax};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fp8state, CUDA, m) {
   m.impl("quantize_fp8_current", &quantize_fp8_current_cuda);
   m.impl("quantize_fp8_rowwise", &quantize_fp8_rowwise_cuda);
   m.impl("current_scale", &current_scale_cuda);
+  m.impl("quantize_fp8_colwise", &quantize_fp8_colwise_cuda);
 }

@@ -182,37 +182,7 @@ void update_scales_cuda(const at::Tensor& amax_history, const at::Tensor& scale,
 // four output rows. Tiles that are not full (or shapes not multiples of 16) take a simple
 // 32 x 32 shared-memory kernel.
 // ---------------------------------------------------------------------------------------
-constexpr int kTile = 128;
-
-// Writes a 128 x 128 tile of codes (in shared memory, swizzled as the kernels below store it: word
-// w ^ ((row / 16) % 8) * 4 of each 32-word row) transposed to out[c0.., r0..] (row pitch R):
-// thread t owns input rows 16 rg .. 16 rg + 15 and input columns 4 cw .. 4 cw + 3, reads them as
-// 16 words, transposes 4 x 4 byte blocks with byte permutes and writes four 16-byte runs.
-// Called by all 256 threads of the CTA, after the barrier that completes the tile.
-__device__ __forceinline__ void store_tile_transposed(const uint32_t* tile, uint8_t* __restrict__ out, int64_t R,
-                                                      int64_t r0, int64_t c0) {
-  const int t = threadIdx.x;
-  const int rg = t & 7, cw = t >> 3;
-  uint32_t w[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) w[i] = tile[(rg * 16 + i) * 32 + (cw ^ (rg << 2))];
-  uint32_t o[4][4];  // o[k][m]: output row 4 cw + k, bytes of input rows 16 rg + 4 m .. + 3
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    const uint32_t a = w[4 * m], b = w[4 * m + 1], c = w[4 * m + 2], d = w[4 * m + 3];
-    const uint32_t t0 = __byte_perm(a, b, 0x5140), t1 = __byte_perm(c, d, 0x5140);
-    const uint32_t t2 = __byte_perm(a, b, 0x7362), t3 = __byte_perm(c, d, 0x7362);
-    o[0][m] = __byte_perm(t0, t1, 0x5410);
-    o[1][m] = __byte_perm(t0, t1, 0x7632);
-    o[2][m] = __byte_perm(t2, t3, 0x5410);
-    o[3][m] = __byte_perm(t2, t3, 0x7632);
-  }
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    *reinterpret_cast<uint4*>(out + (c0 + cw * 4 + k) * R + r0 + rg * 16) =
-        make_uint4(o[k][0], o[k][1], o[k][2], o[k][3]);
-  }
-}
+// kTile and store_tile_transposed: fp8_encode.cuh (shared with dynamic_ops.cu's colwise kernel)
 
 __global__ void __launch_bounds__(256) transpose_tile128_kernel(const uint8_t* __restrict__ in,
                                                                  uint8_t* __restrict__ out, int64_t R, int64_t C) {

@@ -108,7 +108,9 @@ class Prologue:
             return ops.quantize_fp8_record_amax(y, scale, amax_pending, slot, dtype)
         if self.kind == "gelu":
             return ops.gelu_quantize_fp8(x, scale, dtype, amax_pending, slot)
-        q, mean, rstd = ops.layer_norm_quantize_fp8(x, self.weight, self.bias, self.eps, scale, dtype, amax_pending, slot)
+        q, mean, rstd = ops.layer_norm_quantize_fp8(
+            x, self.weight, self.bias, self.eps, scale, dtype, amax_pending, slot
+        )
         self.stats, self.fused = (mean, rstd), True
         return q
 

@@ -272,7 +272,9 @@ class QuantProtocol:
     def _commit(self, ev: _OpenEvent, phases: set[str], *, reduce_phases: set[str]) -> None:
         with self._lock:
             # (the roles of ``phases``, looked up once: an observed owner's role is a known one)
-            roles = (FORWARD_ROLES if "forward" in phases else set()) | (BACKWARD_ROLES if "backward" in phases else set())
+            roles = (FORWARD_ROLES if "forward" in phases else set()) | (
+                BACKWARD_ROLES if "backward" in phases else set()
+            )
             committed = ev.committed
             owners = [o for o in ev.observed if o.role in roles and o not in committed]
             # a stateless owner (index -1) commits in the ledger only: it has no bank state
@@ -529,7 +531,9 @@ class QuantProtocol:
         known = self._entrants.get(key)
         if known is not None and known.version == bank.version:
             return known
-        owners, indices = self._owners(layer, roles, device, stream, site, channels) if self.config.quantized else ({}, {})
+        owners, indices = (
+            self._owners(layer, roles, device, stream, site, channels) if self.config.quantized else ({}, {})
+        )
         widths = {role: bank.center_width[i] for role, i in indices.items() if i >= 0}
         known = self._entrants[key] = _Entrant(bank.version, owners, indices, widths, bool(widths))
         return known

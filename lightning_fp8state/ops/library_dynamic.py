@@ -18,11 +18,12 @@ from . import cuda
 from . import reference_dynamic as ref
 from .library import _FP8_DTYPES, _IN_DTYPES, LIB, _expect
 
-__all__ = ["current_scale", "quantize_fp8_current", "quantize_fp8_rowwise"]
+__all__ = ["current_scale", "quantize_fp8_colwise", "quantize_fp8_current", "quantize_fp8_rowwise"]
 
 LIB.define("quantize_fp8_current(Tensor x, ScalarType dtype, int margin) -> (Tensor, Tensor, Tensor, Tensor)")
 LIB.define("quantize_fp8_rowwise(Tensor x, ScalarType dtype, int margin) -> (Tensor, Tensor, Tensor, Tensor)")
 LIB.define("current_scale(Tensor x, ScalarType dtype, int margin) -> (Tensor, Tensor, Tensor)")
+LIB.define("quantize_fp8_colwise(Tensor x, ScalarType dtype, int margin) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def _check(x: torch.Tensor, dtype: torch.dtype, margin: int, *, rows: bool) -> None:
@@ -47,6 +48,14 @@ def _quantize_fp8_rowwise(x: torch.Tensor, dtype: torch.dtype, margin: int):
     _check(x, dtype, margin, rows=True)
     q, scale, descale, amax = ref.quantize_fp8_rowwise_reference(x, dtype, margin)
     return q.contiguous(), scale, descale, amax
+
+
+# CUDA: csrc/dynamic_ops.cu (the columns' amaxes, their scales, then 128 x 128 tiles encoded
+# and written transposed)
+@torch.library.impl(LIB, "quantize_fp8_colwise", "CompositeExplicitAutograd")
+def _quantize_fp8_colwise(x: torch.Tensor, dtype: torch.dtype, margin: int):
+    _check(x, dtype, margin, rows=True)
+    return ref.quantize_fp8_colwise_reference(x, dtype, margin)
 
 
 @torch.library.impl(LIB, "current_scale", "CompositeExplicitAutograd")
@@ -75,6 +84,13 @@ def _quantize_fp8_rowwise_fake(x, dtype, margin):
     return q, col, torch.empty_like(col), torch.empty_like(col)
 
 
+@torch.library.register_fake("fp8state::quantize_fp8_colwise")
+def _quantize_fp8_colwise_fake(x, dtype, margin):
+    col = x.new_empty((x.shape[1], 1), dtype=torch.float32)
+    q = x.new_empty((x.shape[1], x.shape[0]), dtype=dtype)
+    return q, col, torch.empty_like(col), torch.empty_like(col)
+
+
 def quantize_fp8_current(x: torch.Tensor, dtype: torch.dtype, margin: int = 0):
     """Per-tensor current scaling of ``x``: ``(codes, scale, descale, amax)`` (0-d float32)."""
     cuda.load_for(x)
@@ -91,3 +107,11 @@ def quantize_fp8_rowwise(x: torch.Tensor, dtype: torch.dtype, margin: int = 0):
     """Rowwise scaling of the 2-D ``x``: ``(codes, scale, descale, amax)``, each ``[R, 1]``."""
     cuda.load_for(x)
     return torch.ops.fp8state.quantize_fp8_rowwise(x, dtype, margin)
+
+
+def quantize_fp8_colwise(x: torch.Tensor, dtype: torch.dtype, margin: int = 0):
+    """Each column of the 2-D ``x [R, C]`` scaled by its own amax, codes transposed: ``(codes
+    [C, R], scale, descale, amax)``, the last three ``[C, 1]``; bitwise
+    ``quantize_fp8_rowwise(x.t().contiguous())`` without the high-precision transpose."""
+    cuda.load_for(x)
+    return torch.ops.fp8state.quantize_fp8_colwise(x, dtype, margin)

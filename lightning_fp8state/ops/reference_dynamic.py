@@ -18,6 +18,7 @@ from .reference import CANONICAL_NAN_FP8, amax_reference, canonical_nan
 __all__ = [
     "current_scale_reference",
     "dynamic_scale_reference",
+    "quantize_fp8_colwise_reference",
     "quantize_fp8_current_reference",
     "quantize_fp8_rowwise_reference",
     "quantize_fp8_scaled_reference",
@@ -74,3 +75,12 @@ def quantize_fp8_rowwise_reference(x: torch.Tensor, dtype: torch.dtype, margin: 
     amax = row_amax_reference(x)
     scale, descale = dynamic_scale_reference(amax, fp8_format(dtype).max, margin)
     return quantize_fp8_scaled_reference(x, scale, dtype), scale, descale, amax
+
+
+def quantize_fp8_colwise_reference(x: torch.Tensor, dtype: torch.dtype, margin: int):
+    """Each column of the 2-D ``x [R, C]`` scaled by its own amax, the codes written transposed:
+    ``quantize_fp8_rowwise_reference(x^T)``, i.e. ``(codes [C, R] contiguous, scale, descale,
+    amax)``, the last three float32 ``[C, 1]``. The operands of fp8_rowwise's weight gradient and
+    input gradient (scaled along the dimension the GEMM keeps, K-major as cuBLASLt wants them)."""
+    q, scale, descale, amax = quantize_fp8_rowwise_reference(x.t(), dtype, margin)
+    return q.contiguous(), scale, descale, amax

@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-from ..ops.library_dynamic import quantize_fp8_rowwise
+from ..ops.library_dynamic import quantize_fp8_colwise, quantize_fp8_rowwise
 from .base import PerCallFp8Encoder, PerCallScales, Recipe, register
 from .gemm import _mm_device
 
@@ -104,7 +104,7 @@ class RowwiseFp8Encoder(PerCallFp8Encoder):
             if stage.high_precision:
                 g_w = x
             else:
-                q_t, _, descale_t, _ = quantize_fp8_rowwise(x.t().contiguous(), self.dtype, self.margin)
+                q_t, _, descale_t, _ = quantize_fp8_colwise(x, self.dtype, self.margin)  # g^T's rows
                 g_w = (q_t, descale_t)
             sums = x.sum(0, dtype=torch.float32) if stage.column_sum else None
             return (q, g_w, sums), scale, descale, amax
@@ -152,9 +152,7 @@ class Fp8Rowwise(PerCallScales, Recipe):
     def _columns(self, t: torch.Tensor, role: str):
         """``t [R, C]`` scaled per column: codes ``[R, C]`` (a transposed view) and descale ``[1, C]``."""
         with torch.no_grad():
-            q_t, _, descale_t, _ = quantize_fp8_rowwise(
-                t.t().contiguous(), self.encoder(role).dtype, self.config.margin
-            )
+            q_t, _, descale_t, _ = quantize_fp8_colwise(t, self.encoder(role).dtype, self.config.margin)
         return q_t.t(), descale_t.t()
 
     def grad_weight(self, g_w, x_saved, sg, sx, out_dtype, backend):

@@ -50,7 +50,6 @@ class StreamOrder:
             return stream
         return self._alias.get((stream.device_index, stream.cuda_stream), stream)
 
-
     def _current(self, device: torch.device | None, stream: torch.cuda.Stream | None = None):
         """The current stream (registered under the stream it stands for)."""
         if device is None or device.type != "cuda":

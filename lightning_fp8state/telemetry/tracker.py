@@ -86,9 +86,8 @@ def skips_on_device(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
     Every param group must still be fused: ``load_state_dict`` takes the saved groups'
     settings, so an optimizer built fused that loaded a non-fused one's state steps unfused
     (and would refuse the flag)."""
-    return (
-        bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-        and all(group.get("fused") for group in optimizer.param_groups)
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+        group.get("fused") for group in optimizer.param_groups
     )
 
 

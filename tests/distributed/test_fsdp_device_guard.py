@@ -19,8 +19,10 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
     import torch.distributed as dist  # noqa: PLC0415
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
-    from lightning_fp8state.telemetry import TrainingTelemetry  # noqa: PLC0415
-    from lightning_fp8state.telemetry import metrics  # noqa: PLC0415
+    from lightning_fp8state.telemetry import (
+        TrainingTelemetry,  # noqa: PLC0415
+        metrics,  # noqa: PLC0415
+    )
     from lightning_fp8state.telemetry.tracker import skips_on_device  # noqa: PLC0415
     from tests.telemetry.helpers import TinyNet, regression_batches  # noqa: PLC0415
 

@@ -144,6 +144,75 @@ def test_rowwise_full_range_views_and_empty(dtype):
         assert_matches(dyn.quantize_fp8_rowwise(t, f8s.E5M2.dtype, 1), rowwise_reference(t, f8s.E5M2, 1))
 
 
+# -- fp8_rowwise's backward operands: per-column scales, codes transposed ----------------------
+# (rows, columns): whole 128 x 128 tiles; partial tiles on either edge; rows not a multiple of 16
+# (the element-wise tile path); widths that are not whole 16-byte loads; one row; one column;
+# the backward's shapes (tokens x features), tall and wide.
+COL_SHAPES = [
+    (1, 1),
+    (3, 17),
+    (16, 8),
+    (128, 128),
+    (130, 200),
+    (200, 130),
+    (256, 1000),
+    (1000, 264),
+    (37, 4096),
+    (4096, 96),
+]
+
+
+def colwise_reference(x, fmt, margin):
+    return ref.quantize_fp8_colwise_reference(x.cpu(), fmt.dtype, margin)
+
+
+@FORMATS
+@DTYPES
+@pytest.mark.parametrize("shape", COL_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_colwise_matches_reference_bitwise(fmt, dtype, shape):
+    r, c = shape
+    x = fresh(r * c, dtype, seed=r * 131 + c).view(r, c)
+    # every column its own magnitude, so that a scale taken from the wrong column shows
+    x = (x.float() * torch.logspace(-6, 6, c, device="cuda").unsqueeze(0)).to(dtype)
+    for margin in (0, 2):
+        got = dyn.quantize_fp8_colwise(x, fmt.dtype, margin)
+        assert_matches(got, colwise_reference(x, fmt, margin))
+        assert got[0].shape == (c, r) and got[0].is_contiguous() and got[1].shape == (c, 1)
+        # the same as the rowwise kernel of the high-precision transpose, bit for bit
+        assert_matches(got, dyn.quantize_fp8_rowwise(x.t().contiguous(), fmt.dtype, margin))
+
+
+@FORMATS
+@DTYPES
+def test_colwise_edge_columns(fmt, dtype):
+    """A column with NaN, one with an infinity, one of zeros, one subnormal, beside plain ones,
+    across several row chunks of the amax kernel: each column's guard applies to it only."""
+    x = (fresh(4096 * 256, torch.float32, seed=12) * 1e-3).to(dtype).view(4096, 256)  # finite in float16
+    edges = edge_values(dtype, fmt).cuda()
+    x[3000 : 3000 + edges.numel(), 1] = edges
+    x[4095, 3] = float("-inf")
+    x[:, 4] = 0
+    x[:, 6] = (x[:, 6].float().sign() * torch.finfo(dtype).tiny / 4).to(dtype)
+    x[2049, 200] = float("nan")
+    got = dyn.quantize_fp8_colwise(x, fmt.dtype, 0)
+    assert_matches(got, colwise_reference(x, fmt, 0))
+    assert got[1][0].item() != 1.0 and got[1][4].item() == 1.0 and torch.isnan(got[3][200]).item()
+
+
+@DTYPES
+def test_colwise_full_range_views_and_empty(dtype):
+    x = full_range((130, 48), dtype, seed=6, device="cuda")
+    for t in (
+        x,
+        x[1:],
+        x.t(),
+        x[:, 1:],
+        torch.empty(0, 8, dtype=dtype, device="cuda"),
+        torch.empty(4, 0, dtype=dtype, device="cuda"),
+    ):
+        assert_matches(dyn.quantize_fp8_colwise(t, f8s.E5M2.dtype, 1), colwise_reference(t, f8s.E5M2, 1))
+
+
 # -- argument checks, opcheck, graphs, no host sync -----------------------------------------
 def test_bad_arguments_name_what_is_allowed():
     x = fresh(64, torch.bfloat16, seed=1)
@@ -166,7 +235,7 @@ def test_current_scale_opcheck():
     )
 
 
-@pytest.mark.parametrize("op", ["quantize_fp8_current", "quantize_fp8_rowwise"])
+@pytest.mark.parametrize("op", ["quantize_fp8_current", "quantize_fp8_rowwise", "quantize_fp8_colwise"])
 def test_opcheck_graph_capture_and_no_host_sync(op):
     fn = getattr(dyn, op)
     x = fresh(384 * 512, torch.bfloat16, seed=4).view(384, 512)
@@ -191,7 +260,9 @@ def test_opcheck_graph_capture_and_no_host_sync(op):
     torch.cuda.current_stream().wait_stream(side)
     x.copy_(fresh(384 * 512, torch.bfloat16, seed=5).view(384, 512) * 3)
     graph.replay()
-    want = (current_reference if op.endswith("current") else rowwise_reference)(x, f8s.E4M3, 0)
+    want = {"current": current_reference, "rowwise": rowwise_reference, "colwise": colwise_reference}[
+        op.rsplit("_", 1)[1]
+    ](x, f8s.E4M3, 0)
     assert_matches(captured, want)  # the replay read the new x and derived its scales on the device
     assert not same_bits(eager[1], captured[1])
 
@@ -216,7 +287,12 @@ assert not any(n.startswith("aten::") for n in names), names
 
 @pytest.mark.parametrize(
     ("op", "kernel"),
-    [("quantize_fp8_rowwise", "rowwise_kernel"), ("quantize_fp8_current", "amax_kernel"), ("current_scale", "amax_kernel")],
+    [
+        ("quantize_fp8_rowwise", "rowwise_kernel"),
+        ("quantize_fp8_current", "amax_kernel"),
+        ("current_scale", "amax_kernel"),
+        ("quantize_fp8_colwise", "colwise_t_kernel"),
+    ],
 )
 def test_the_first_call_in_a_fresh_process_runs_the_kernel_not_the_reference(op, kernel):
     """An op reached on a CUDA tensor before anything loaded the extension ran the reference

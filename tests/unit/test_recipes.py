@@ -276,7 +276,9 @@ def test_rowwise_with_an_e5m2_operand_warns_that_its_gemms_fall_back_to_float32(
         f8s.Fp8State(f8s.QuantConfig(recipe=recipe, backward_format="e4m3"))  # as the shipped config: quiet
 
 
-@pytest.mark.parametrize("op", ["quantize_fp8_rowwise", "quantize_fp8_current", "current_scale"])
+@pytest.mark.parametrize(
+    "op", ["quantize_fp8_rowwise", "quantize_fp8_current", "current_scale", "quantize_fp8_colwise"]
+)
 def test_every_dynamic_op_wrapper_loads_the_kernels_before_dispatching(monkeypatch, op):
     """Before its first dispatch each wrapper asks ``ops.cuda.load_for`` to load the extension
     (on a CUDA tensor the reference would otherwise serve the call: tests/ops/test_cuda_dynamic.py)."""

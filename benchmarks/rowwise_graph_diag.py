@@ -22,8 +22,8 @@ from torch import nn
 
 import lightning_fp8state as f8s
 from lightning_fp8state.cli.main import main as cli_main
-from lightning_fp8state.telemetry.sinks import read_jsonl
 from lightning_fp8state.quant_recipes import rowwise
+from lightning_fp8state.telemetry.sinks import read_jsonl
 
 CLI = [
     "model.d_model=128",

@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--max-log2", type=int, default=28)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--recipes", nargs="+", default=None, help="only these rows (default: all)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     assert ops.cuda.ensure_loaded(), ops.cuda.extension_info()
@@ -67,6 +68,10 @@ def main() -> None:
             lambda x, dtype, margin: dyn.quantize_fp8_rowwise(x.t().contiguous(), dtype, margin),
         ),
     }
+    if args.recipes:
+        peers = {
+            k: v for k, v in peers.items() if k in args.recipes or (k == "colwise" and "t+rowwise" in args.recipes)
+        }
     compiled = {k: torch.compile(v[0]) for k, v in peers.items() if k != "t+rowwise"}
     compiled["t+rowwise"] = compiled["colwise"]
     results = {"device": dev, "torch": torch.__version__, "rows": []}

@@ -73,16 +73,39 @@ class CudaGraphBackend:
         return torch.cuda.get_rng_state(device)
 
 
-class _BlockGraphs:
-    """One block's two graphs and their static buffers."""
+def fsdp_unit(block: nn.Module) -> bool:
+    """Whether ``block`` is an FSDP2 unit (``fully_shard``): its parameters are gathered by its
+    own hooks into memory that is freed after use and allocated again by the next gather."""
+    try:
+        from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
+    except ImportError:  # a torch without FSDP2
+        return False
+    return isinstance(block, FSDPModule)
 
-    def __init__(self, block: nn.Module) -> None:
+
+class _BlockGraphs:
+    """One block's two graphs and their static buffers.
+
+    ``copy_params`` (an FSDP2 unit, gathered when this is built): the graphs read static copies
+    of the gathered parameters, refilled from the live ones before each replay, because FSDP2
+    frees the gathered memory after each use and allocates it again (at another address) at the
+    next gather. Without it the graphs read the parameters' own memory through aliases."""
+
+    def __init__(self, block: nn.Module, copy_params: bool = False) -> None:
         self.block = block
+        self.copy_params = copy_params
         self.params = [p for p in block.parameters() if p.requires_grad]
-        # the capture differentiates leaf aliases of the parameters (same memory), not the
-        # parameters: a strategy's hooks keep the parameters' AccumulateGrad nodes alive, bound
-        # to the stream they were made on, and the capture's backward may not wait on it
-        self.aliases = {name: p.detach().requires_grad_(p.requires_grad) for name, p in block.named_parameters()}
+        if copy_params:
+            self.aliases = {
+                name: p.detach().clone().requires_grad_(p.requires_grad) for name, p in block.named_parameters()
+            }
+        else:
+            # the capture differentiates leaf aliases of the parameters (same memory), not the
+            # parameters: a strategy's hooks keep the parameters' AccumulateGrad nodes alive,
+            # bound to the stream they were made on, and the capture's backward may not wait on it
+            self.aliases = {name: p.detach().requires_grad_(p.requires_grad) for name, p in block.named_parameters()}
+        # (an FSDP2 unit) where each parameter's gradient goes among all its parameters
+        self.grad_slots = [i for i, a in enumerate(self.aliases.values()) if a.requires_grad]
         self.fwd = self.bwd = None
         self.static_in: torch.Tensor | None = None
         self.static_out: torch.Tensor | None = None
@@ -91,7 +114,34 @@ class _BlockGraphs:
         self.static_grad_params: tuple = ()
 
     def call_with_aliases(self, x: torch.Tensor) -> torch.Tensor:
+        if self.copy_params:
+            # the unit's own forward, past FSDP2's hooks (they would gather inside the capture)
+            with torch.nn.utils.stateless._reparametrize_module(self.block, self.aliases):
+                return type(self.block).forward(self.block, x)
         return torch.func.functional_call(self.block, self.aliases, (x,))
+
+    def load_params(self, live: Sequence[torch.Tensor]) -> None:
+        """Copy the live (gathered) parameters into the graphs' static ones."""
+        with torch.no_grad():
+            for alias, p in zip(self.aliases.values(), live, strict=True):
+                alias.copy_(p)
+
+    def run_unit(self, x: torch.Tensor) -> torch.Tensor:
+        """The replayed block, called through the FSDP2 unit's ``__call__``: its pre-forward hook
+        gathers the parameters (registered on the module until its post-forward reshards them)
+        and hooks the backward (gather again, then reduce-scatter the gradients autograd
+        accumulates into the gathered parameters)."""
+        block, names = self.block, list(self.aliases)
+
+        def forward(inp):
+            live = dict(block.named_parameters())
+            return _BlockReplay.apply(self, inp, *(live[n] for n in names))
+
+        block.forward = forward
+        try:
+            return block(x)
+        finally:
+            del block.forward
 
 
 class _BlockReplay(torch.autograd.Function):
@@ -99,6 +149,9 @@ class _BlockReplay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, graphs: _BlockGraphs, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        if graphs.copy_params:  # an FSDP2 unit: every parameter, as gathered now
+            graphs.load_params(params)
+            ctx.params = params  # not saved_tensors: the backward's gather rewrites them in place
         if x.data_ptr() != graphs.static_in.data_ptr():  # chained blocks read the last output in place
             graphs.static_in.copy_(x)
         graphs.fwd.replay()
@@ -108,12 +161,19 @@ class _BlockReplay(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         graphs = ctx.graphs
+        if graphs.copy_params:  # FSDP2's pre-backward hook gathered them again
+            graphs.load_params(ctx.params)
         if grad.data_ptr() != graphs.static_grad_out.data_ptr():
             graphs.static_grad_out.copy_(grad)
         graphs.bwd.replay()
         # the parameters' gradients leave the graph's memory: autograd may keep (accumulate
         # into) what it is given, and the next replay overwrites the graph's buffers
         grads = tuple(None if g is None else g.clone() for g in graphs.static_grad_params)
+        if graphs.copy_params:  # one slot per parameter, None for the frozen ones
+            spread: list = [None] * len(graphs.aliases)
+            for slot, g in zip(graphs.grad_slots, grads, strict=True):
+                spread[slot] = g
+            grads = tuple(spread)
         return (None, graphs.static_grad_in, *grads)
 
 
@@ -272,7 +332,15 @@ class GraphedBlocks:
         before = None if protocol is None else protocol.graph_template()  # what eager calls did first
         backend = self.backend
         pool = backend.new_pool()
-        graphs = [_BlockGraphs(block) for block in self.blocks]
+        units = [block for block in self.blocks if fsdp_unit(block)]
+        for block in units:  # gathered for the capture, which reads copies of them
+            block.unshard()
+        try:
+            _refuse_fp8_gathered(units)
+            graphs = [_BlockGraphs(block, copy_params=block in units) for block in self.blocks]
+        finally:
+            for block in units:
+                block.reshard()
 
         def capture_all():
             device = x.device.type
@@ -326,6 +394,21 @@ class GraphedBlocks:
 
     def _replay(self, x: torch.Tensor) -> torch.Tensor:
         for g in self.graphs:
-            x = _BlockReplay.apply(g, x, *g.params)
+            x = g.run_unit(x) if g.copy_params else _BlockReplay.apply(g, x, *g.params)
         self.replays += 1
         return x
+
+
+def _refuse_fp8_gathered(units: list[nn.Module]) -> None:
+    """An FSDP2 unit whose weights are all-gathered in FP8 hands its layers codes and a snapshot
+    (``nn.fsdp.Fp8GatheredWeight``), which a static high-precision copy cannot stand in for."""
+    from .nn.fsdp import Fp8GatheredWeight  # noqa: PLC0415
+
+    for block in units:
+        for name, p in block.named_parameters():
+            if isinstance(p, Fp8GatheredWeight):
+                raise ConfigError(
+                    f"GraphedBlocks: {type(block).__name__}.{name} is all-gathered in FP8 by FSDP2; per-block "
+                    "graphs read the gathered weights from their own buffers, in high precision: gather them so "
+                    "(Fp8StateFSDPStrategy(fp8_all_gather=False), strategy.fp8_all_gather=false)"
+                )

@@ -224,7 +224,7 @@ def require_compile_strategy(cfg: DictConfig) -> None:
 CUDA_GRAPHS_ACCELERATORS = ("gpu", "cuda")
 # trainer.cuda_graphs under a data-parallel strategy: per-block graphs (GraphedBlocks), its hooks eager;
 # under auto: the whole step (GraphedTrainingStep)
-BLOCK_GRAPH_STRATEGIES = ("fp8state_ddp", "fp8state_deepspeed")
+BLOCK_GRAPH_STRATEGIES = ("fp8state_ddp", "fp8state_deepspeed", "fp8state_fsdp")
 CUDA_GRAPH_STRATEGIES = ("auto", *BLOCK_GRAPH_STRATEGIES)
 
 
@@ -251,7 +251,15 @@ def require_cuda_graphs_setup(cfg: DictConfig) -> None:
             s.name in CUDA_GRAPH_STRATEGIES,
             f"{s.name!r}",
             f"one of {list(CUDA_GRAPH_STRATEGIES)}",
-            "FSDP2 all-gathers each block's parameters into memory it frees again, which a graph cannot hold",
+            "graphs run under these strategies only",
+        ),
+        (
+            "strategy.fp8_all_gather",
+            s.name != "fp8state_fsdp" or not s.fp8_all_gather or not quant_config(cfg).quantized,
+            "true",
+            "false under strategy.name='fp8state_fsdp'",
+            "per-block graphs read FSDP2's gathered weights from their own buffers, refilled before each "
+            "replay, in high precision; an FP8 gather hands the layers codes and a snapshot instead",
         ),
         (
             "trainer.devices",

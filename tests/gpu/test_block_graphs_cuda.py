@@ -1,7 +1,7 @@
 """GraphedBlocks with real CUDA graphs: bitwise the eager checkpointed run (the CUDA kernels and
 torch._scaled_mm), one commit per owner, naive caught on replay, replays free of host syncs, and
-``fp8state train trainer.cuda_graphs=true`` under fp8state_ddp and fp8state_deepspeed bitwise
-the eager run of the same strategy."""
+``fp8state train trainer.cuda_graphs=true`` under fp8state_ddp, fp8state_deepspeed and fp8state_fsdp
+bitwise the eager run of the same strategy (FSDP2's: written, not yet run on a GPU)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_cuda_graphed_blocks_replays_never_sync(recipe):
     assert model.runner.replays == 5
 
 
-@pytest.mark.parametrize("strategy", ["fp8state_ddp", "fp8state_deepspeed"])
+@pytest.mark.parametrize("strategy", ["fp8state_ddp", "fp8state_deepspeed", "fp8state_fsdp"])
 def test_cli_cuda_graphs_under_a_data_parallel_strategy_is_bitwise_its_eager_run(tmp_path, monkeypatch, strategy):
     from lightning_fp8state.cli.main import main
     from lightning_fp8state.telemetry.sinks import read_jsonl
@@ -75,6 +75,8 @@ def test_cli_cuda_graphs_under_a_data_parallel_strategy_is_bitwise_its_eager_run
     common = [
         *CLI_ON_THE_GPU,
         f"strategy.name={strategy}",
+        # FSDP2: per-block graphs read the gathered weights from static copies, in high precision
+        *(["strategy.fp8_all_gather=false"] if strategy == "fp8state_fsdp" else []),
         "trainer.devices=1",
         "telemetry.log_every_n_steps=1",
         "trainer.max_steps=8",

@@ -175,3 +175,17 @@ def test_blocks_that_draw_random_numbers_are_refused_at_the_warmup():
     runner = GraphedBlocks(blocks, warmup=1, backend=EmulatedGraphBackend())
     with state.step(0), pytest.raises(f8s.ConfigError, match="draw random numbers"):
         runner(torch.randn(2, D, requires_grad=True))
+
+
+def test_an_fsdp2_unit_gathering_fp8_weights_is_refused_by_name():
+    """Per-block graphs under FSDP2 read the gathered weights from static high-precision copies;
+    a weight gathered in FP8 (codes and a snapshot) is refused, naming it and the setting."""
+    from lightning_fp8state.block_graphs import _refuse_fp8_gathered
+    from lightning_fp8state.nn.fsdp import Fp8GatheredWeight
+
+    block = Block(D)
+    codes = torch.zeros(2 * D, D, dtype=torch.float8_e4m3fn)
+    block.fc1.weight = nn.Parameter(Fp8GatheredWeight(codes, None, torch.float32), requires_grad=False)
+    _refuse_fp8_gathered([Block(D)])  # plain weights pass
+    with pytest.raises(f8s.ConfigError, match=r"Block\.fc1\.weight is all-gathered in FP8.*fp8_all_gather=false"):
+        _refuse_fp8_gathered([block])

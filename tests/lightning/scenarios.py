@@ -186,6 +186,9 @@ def run(spec: dict, out: str) -> None:
     ckpt = None if spec["resume_from"] is None else os.path.join(out, spec["resume_from"])
     trainer.fit(model, ckpt_path=ckpt)
     result = observe(trainer, model, cb)
+    bad = [k for k, v in result["params"].items() if not torch.isfinite(v).all()]
+    if bad:  # two diverged runs compare equal as NaN: nothing the plan's tests assert would hold
+        raise AssertionError(f"scenario {spec['name']!r}: non-finite weights after the fit: {bad}")
     result["replays"] = None if model.blocks_runner is None else model.blocks_runner.replays
     folder = os.path.join(out, spec["name"])
     os.makedirs(folder, exist_ok=True)

@@ -36,6 +36,8 @@ PLAN = [
         **COMMON,
     },
     {"name": "graphed_resumed", "graphed": True, "resume_from": "graphed_step.ckpt", **COMMON},
+    {"name": "eager_current", "config": {"recipe": "fp8_current"}, **COMMON},
+    {"name": "graphed_current", "graphed": True, "config": {"recipe": "fp8_current"}, **COMMON},
 ]
 
 
@@ -70,3 +72,15 @@ def test_graphed_fsdp_resume_is_bitwise_the_uninterrupted_graphed_run(out):
     uninterrupted, resumed = load_ranks(out, "graphed", 2), load_ranks(out, "graphed_resumed", 2)
     for r in range(2):
         assert_same_run(uninterrupted[r], resumed[r], f"rank {r}")
+
+
+def test_graphed_fsdp_fit_of_a_stateless_recipe_is_bitwise_its_eager_fit(out):
+    """fp8_current: scales derived on the device from each call's tensors, replayed so."""
+    eager, graphed = load_ranks(out, "eager_current", 2), load_ranks(out, "graphed_current", 2)
+    for r in range(2):
+        assert graphed[r]["replays"] == BATCHES_PER_EPOCH * EPOCHS - 2
+        assert all(torch.isfinite(v).all() for v in eager[r]["params"].values())
+        assert eager[r]["global_step"] == graphed[r]["global_step"]
+        for k in eager[r]["params"]:
+            assert torch.equal(eager[r]["params"][k], graphed[r]["params"][k]), (r, k)
+        assert graphed[r]["violations"] == 0

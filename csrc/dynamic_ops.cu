@@ -126,6 +126,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fp8_current_
 // ---------------------------------------------------------------------------------------
 // fp8_rowwise: one group of tpr threads per row, the row's amax then its codes
 // ---------------------------------------------------------------------------------------
+// The per-row and per-column ops' argument checks, and their outputs: x made contiguous16, the
+// codes ([R, C], or [C, R] transposed), and the scale, descale and amax of each row (column) [n, 1].
+void check_scaled_args(const at::Tensor& x, at::ScalarType dtype, int64_t margin) {
+  check_input(x, dtype);
+  FP8S_CHECK(x.dim() == 2, "x.dim()", "2", x.dim());
+  FP8S_CHECK(margin >= 0 && margin < 127, "margin", "an integer in [0, 127)", margin);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> scaled_outputs(const at::Tensor& x_in,
+                                                                                      at::ScalarType dtype,
+                                                                                      bool transposed) {
+  at::Tensor x = contiguous16(x_in);
+  const int64_t R = x.size(0), C = x.size(1), n = transposed ? C : R;
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor q = transposed ? at::empty({C, R}, x.options().dtype(dtype)) : at::empty({R, C}, x.options().dtype(dtype));
+  return {x, q, at::empty({n, 1}, f32), at::empty({n, 1}, f32), at::empty({n, 1}, f32)};
+}
+
 constexpr int kRowThreads = 256;
 constexpr int kRowRegs = 8;  // 16-byte loads held in registers per thread
 
@@ -209,15 +227,10 @@ __global__ void __launch_bounds__(kRowThreads) rowwise_kernel(const T* __restric
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fp8_rowwise_cuda(const at::Tensor& x_in,
                                                                                      at::ScalarType dtype,
                                                                                      int64_t margin) {
-  check_input(x_in, dtype);
-  FP8S_CHECK(x_in.dim() == 2, "x.dim()", "2", x_in.dim());
-  FP8S_CHECK(margin >= 0 && margin < 127, "margin", "an integer in [0, 127)", margin);
+  check_scaled_args(x_in, dtype, margin);
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = contiguous16(x_in);
+  auto [x, q, scale, descale, amax] = scaled_outputs(x_in, dtype, /*transposed=*/false);
   const int64_t R = x.size(0), C = x.size(1);
-  const auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor q = at::empty({R, C}, x.options().dtype(dtype));
-  at::Tensor scale = at::empty({R, 1}, f32), descale = at::empty({R, 1}, f32), amax = at::empty({R, 1}, f32);
   if (R == 0) return {q, scale, descale, amax};
   const int64_t epl = 16 / int64_t(x.element_size());
   const bool vec = C % epl == 0;  // contiguous16: the base is aligned, so is every row then
@@ -372,7 +385,7 @@ __global__ void __launch_bounds__(256) colwise_t_kernel(const T* __restrict__ x,
         const bool in = r0 + row < R && c0 + col < C;
         const float v = in ? to_f32<T>(x[(r0 + row) * C + c0 + col]) : 0.0f;
         const float scale = c0 + col < C ? col_scale[c0 + col] : 1.0f;
-        tile_bytes[(row * 32 + ((col >> 2) ^ (((row >> 4) & 7) << 2))) * 4 + (col & 3)] = encode1<E4M3>(v * scale);
+        tile_bytes[tile_byte(row, col)] = encode1<E4M3>(v * scale);
       }
     }
   }
@@ -380,28 +393,17 @@ __global__ void __launch_bounds__(256) colwise_t_kernel(const T* __restrict__ x,
   if (full) {
     store_tile_transposed(tile, qt, R, r0, c0);
   } else {
-    const uint8_t* tile_bytes = reinterpret_cast<const uint8_t*>(tile);
-    for (int k = 0; k < kTile * kTile / 256; ++k) {
-      const int idx = t + 256 * k, cc = idx / kTile, rr = idx % kTile;
-      if (c0 + cc < C && r0 + rr < R) {
-        qt[(c0 + cc) * R + r0 + rr] = tile_bytes[(rr * 32 + ((cc >> 2) ^ (((rr >> 4) & 7) << 2))) * 4 + (cc & 3)];
-      }
-    }
+    store_tile_transposed_partial(tile, qt, R, C, r0, c0);
   }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fp8_colwise_cuda(const at::Tensor& x_in,
                                                                                      at::ScalarType dtype,
                                                                                      int64_t margin) {
-  check_input(x_in, dtype);
-  FP8S_CHECK(x_in.dim() == 2, "x.dim()", "2", x_in.dim());
-  FP8S_CHECK(margin >= 0 && margin < 127, "margin", "an integer in [0, 127)", margin);
+  check_scaled_args(x_in, dtype, margin);
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = contiguous16(x_in);
+  auto [x, qt, scale, descale, amax] = scaled_outputs(x_in, dtype, /*transposed=*/true);
   const int64_t R = x.size(0), C = x.size(1);
-  const auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor qt = at::empty({C, R}, x.options().dtype(dtype));
-  at::Tensor scale = at::empty({C, 1}, f32), descale = at::empty({C, 1}, f32), amax = at::empty({C, 1}, f32);
   if (C == 0) return {qt, scale, descale, amax};
   const int64_t col_tiles = (C + kTile - 1) / kTile, row_tiles = (R + kTile - 1) / kTile;
   TORCH_CHECK(col_tiles <= 65535, "fp8state: quantize_fp8_colwise: x.shape[1] too large (more than 2^23 columns)");

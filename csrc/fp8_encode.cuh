@@ -421,4 +421,22 @@ __device__ __forceinline__ void store_tile_transposed(const uint32_t* tile, uint
   }
 }
 
+// The byte at (row, col) of a 128 x 128 tile of codes in shared memory, swizzled as
+// store_tile_transposed reads it (word col / 4 of the row, XOR ((row / 16) % 8) * 4).
+__device__ __forceinline__ int tile_byte(int row, int col) {
+  return (row * 32 + ((col >> 2) ^ (((row >> 4) & 7) << 2))) * 4 + (col & 3);
+}
+
+// A tile that is not full (at an edge of x[R, C], or of a shape the 16-byte stores cannot
+// take), written transposed to out[c0.., r0..] element by element, what lies outside x skipped.
+// Called by all 256 threads of the CTA, after the barrier that completes the tile.
+__device__ __forceinline__ void store_tile_transposed_partial(const uint32_t* tile, uint8_t* __restrict__ out,
+                                                              int64_t R, int64_t C, int64_t r0, int64_t c0) {
+  const uint8_t* tile_bytes = reinterpret_cast<const uint8_t*>(tile);
+  for (int k = 0; k < kTile * kTile / 256; ++k) {
+    const int idx = int(threadIdx.x) + 256 * k, cc = idx / kTile, rr = idx % kTile;
+    if (c0 + cc < C && r0 + rr < R) out[(c0 + cc) * R + r0 + rr] = tile_bytes[tile_byte(rr, cc)];
+  }
+}
+
 }  // namespace

@@ -334,7 +334,7 @@ __global__ void __launch_bounds__(256) quantize_t_kernel(const T* __restrict__ x
         amax = fmax_nan(amax, fabsf(v));
         const uint8_t code = encode1<E4M3>(v * scale);
         if (in) q[(r0 + row) * C + c0 + col] = code;
-        tile_bytes[(row * 32 + ((col >> 2) ^ (((row >> 4) & 7) << 2))) * 4 + (col & 3)] = code;
+        tile_bytes[tile_byte(row, col)] = code;
         if (COLSUM) acc[e] += v;
       }
     }
@@ -347,13 +347,7 @@ __global__ void __launch_bounds__(256) quantize_t_kernel(const T* __restrict__ x
   if (full) {
     store_tile_transposed(tile, qt, R, r0, c0);
   } else {
-    const uint8_t* tile_bytes = reinterpret_cast<const uint8_t*>(tile);
-    for (int k = 0; k < kTile * kTile / 256; ++k) {
-      const int idx = t + 256 * k, cc = idx / kTile, rr = idx % kTile;
-      if (c0 + cc < C && r0 + rr < R) {
-        qt[(c0 + cc) * R + r0 + rr] = tile_bytes[(rr * 32 + ((cc >> 2) ^ (((rr >> 4) & 7) << 2))) * 4 + (cc & 3)];
-      }
-    }
+    store_tile_transposed_partial(tile, qt, R, C, r0, c0);
   }
   if (COLSUM && t < kTile) {
     float s = 0.0f;

@@ -37,6 +37,13 @@ PLAN = [
     },
     {"name": "graphed_resumed", "graphed": True, "resume_from": "graphed_step.ckpt", **COMMON},
     {"name": "eager_current", "config": {"recipe": "fp8_current"}, **COMMON},
+    {"name": "eager_kept", **COMMON, "strategy_kwargs": {"fp8_all_gather": False, "reshard_after_forward": False}},
+    {
+        "name": "graphed_kept",
+        "graphed": True,
+        **COMMON,
+        "strategy_kwargs": {"fp8_all_gather": False, "reshard_after_forward": False},
+    },
     {"name": "graphed_current", "graphed": True, "config": {"recipe": "fp8_current"}, **COMMON},
 ]
 
@@ -74,9 +81,16 @@ def test_graphed_fsdp_resume_is_bitwise_the_uninterrupted_graphed_run(out):
         assert_same_run(uninterrupted[r], resumed[r], f"rank {r}")
 
 
-def test_graphed_fsdp_fit_of_a_stateless_recipe_is_bitwise_its_eager_fit(out):
-    """fp8_current: scales derived on the device from each call's tensors, replayed so."""
-    eager, graphed = load_ranks(out, "eager_current", 2), load_ranks(out, "graphed_current", 2)
+@pytest.mark.parametrize(
+    ("eager_name", "graphed_name"), [("eager_current", "graphed_current"), ("eager_kept", "graphed_kept")]
+)
+def test_graphed_fsdp_fit_is_bitwise_its_eager_fit_with_a_stateless_recipe_or_kept_parameters(
+    out, eager_name, graphed_name
+):
+    """fp8_current: scales derived on the device from each call's tensors, replayed so;
+    reshard_after_forward=False: FSDP2 keeps the gathered parameters from the forward to the
+    backward (no second gather), and the backward's copies read those."""
+    eager, graphed = load_ranks(out, eager_name, 2), load_ranks(out, graphed_name, 2)
     for r in range(2):
         assert graphed[r]["replays"] == BATCHES_PER_EPOCH * EPOCHS - 2
         assert all(torch.isfinite(v).all() for v in eager[r]["params"].values())

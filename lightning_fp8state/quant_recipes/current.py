@@ -83,7 +83,6 @@ class Fp8Current(PerCallScales, PerTensorFp8):
     name = "fp8_current"
     per_call_encoder = CurrentFp8Encoder
     fuses_prologues = False  # the amax of the prologue's output is needed before its encode
-    compiled_op = False
     summary = (
         "per-tensor FP8, scale from this call's own amax (stateless: no bank state, nothing committed); "
         "owners, stamps and ledger counts; recompute re-derives the scale, exact when its input is bitwise "

@@ -97,10 +97,15 @@ def _train(model, state, data, compiled: str | None, reentrant: bool = False):
     return losses, grads, state.bank.scale.clone()
 
 
-def _gpt(reentrant: bool, fuse: bool, exclude: tuple[str, ...] = ()):
+def _gpt(reentrant: bool, fuse: bool, exclude: tuple[str, ...] = (), recipe: str = "fp8_delayed"):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_layers=2, n_heads=4, use_reentrant=reentrant))
-    state = f8s.Fp8State(f8s.QuantConfig(mode="safe", strict=True, fuse_prologues=fuse, exclude=exclude))
+    backward = "e4m3" if "rowwise" in recipe else "e5m2"
+    state = f8s.Fp8State(
+        f8s.QuantConfig(
+            mode="safe", strict=True, fuse_prologues=fuse, exclude=exclude, recipe=recipe, backward_format=backward
+        )
+    )
     state.convert(model)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randint(0, 64, (4, 32), generator=g), torch.randint(0, 64, (4, 32), generator=g)) for _ in range(3)]
@@ -134,6 +139,20 @@ def test_compiled_gpt_is_one_graph_per_block_and_bitwise_the_eager_run(reentrant
     eager = _train(*_gpt(reentrant, fuse), compiled=None)
     model, state, data = _gpt(reentrant, fuse)
     compiled = _train(model, state, data, compiled="aot_eager")  # fullgraph: a graph break raises
+    _assert_same_run(eager, compiled)
+    assert not state.ledger.violations
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused-prologues", "unfused"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_fp8_current_compiles_to_one_graph_per_block_bitwise_the_eager_run(reentrant, fuse):
+    """fp8_current runs as the compiled op too (no graph break: fullgraph), each call's scale
+    derived inside it, bitwise the eager run. (fp8_rowwise saves its high-precision input and
+    weight for the backward, which the op's outputs cannot alias: it runs eagerly, a graph break
+    per call.)"""
+    eager = _train(*_gpt(reentrant, fuse, recipe="fp8_current"), compiled=None)
+    model, state, data = _gpt(reentrant, fuse, recipe="fp8_current")
+    compiled = _train(model, state, data, compiled="aot_eager")
     _assert_same_run(eager, compiled)
     assert not state.ledger.violations
 

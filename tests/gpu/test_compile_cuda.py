@@ -28,10 +28,10 @@ CLI_ON_THE_GPU = [
 ]
 
 
-def build(compiled: bool, graphs: bool = False):
+def build(compiled: bool, graphs: bool = False, recipe: str = "fp8_delayed"):
     torch.manual_seed(0)
     model = GPT(CFG).cuda()
-    state = f8s.Fp8State(f8s.QuantConfig(mode="safe", strict=True))
+    state = f8s.Fp8State(f8s.QuantConfig(mode="safe", strict=True, recipe=recipe))
     state.convert(model)
     if compiled:
         torch._dynamo.reset()
@@ -41,8 +41,8 @@ def build(compiled: bool, graphs: bool = False):
     return model, state, opt
 
 
-def run(data, compiled: bool, sync_check_from: int | None = None):
-    model, state, opt = build(compiled)
+def run(data, compiled: bool, sync_check_from: int | None = None, recipe: str = "fp8_delayed"):
+    model, state, opt = build(compiled, recipe=recipe)
     body = make_body(model, state)
     losses = []
     for n, (x, y) in enumerate(data):
@@ -67,10 +67,12 @@ def assert_same(run_a, run_b):
     assert bitwise_equal(sa.bank.amax_history, sb.bank.amax_history)
 
 
-def test_compiled_training_is_bitwise_the_eager_run_and_never_syncs():
+@pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_current"])
+def test_compiled_training_is_bitwise_the_eager_run_and_never_syncs(recipe):
+    """(fp8_current as the compiled op: written, not yet run on a GPU.)"""
     data = batches(STEPS)
-    eager = run(data, compiled=False)
-    compiled = run(data, compiled=True, sync_check_from=2)  # steps 0-1 compile and calibrate
+    eager = run(data, compiled=False, recipe=recipe)
+    compiled = run(data, compiled=True, sync_check_from=2, recipe=recipe)  # steps 0-1 compile and calibrate
     assert_same(eager, compiled)
     assert not compiled[1].ledger.violations
 

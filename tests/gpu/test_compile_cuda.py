@@ -5,6 +5,7 @@ fastest mode) with the replay bitwise the compiled eager run."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import lightning_fp8state as f8s

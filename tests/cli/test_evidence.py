@@ -47,7 +47,16 @@ def test_every_run_ran_on_both_audits_and_they_agree(evidence):
 
 @pytest.mark.parametrize(
     "name",
-    ["bf16", "fp8_safe", "fp8_naive_snapshot", "fp4_safe", "fp4c_safe", "fp8_current", "fp8_rowwise", "fp8_rowwise_gw_hp"],
+    [
+        "bf16",
+        "fp8_safe",
+        "fp8_naive_snapshot",
+        "fp4_safe",
+        "fp4c_safe",
+        "fp8_current",
+        "fp8_rowwise",
+        "fp8_rowwise_gw_hp",
+    ],
 )
 def test_safe_runs_and_the_control_recompute_bit_identically(evidence, name):
     run = evidence[1]["runs"][name]

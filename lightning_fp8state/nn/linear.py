@@ -151,8 +151,8 @@ class Fp8Linear(nn.Linear):
         # (reads no per-module value but the key tensor: the blocks of a model share one graph)
         if not (config.quantized and protocol.recipe.compiled_op) or protocol.gathered_layers:
             return self._forward_outside_graph(x, prologue, norm)
-        if kind is not None and not config.fuse_prologues:
-            x = norm(x) if kind == "layer_norm" else F.gelu(x)  # the same op, unfused
+        if kind is not None and not (config.fuse_prologues and protocol.recipe.fuses_prologues):
+            x = norm(x) if kind == "layer_norm" else F.gelu(x)  # the same op, unfused (as _forward does)
             kind = None
         return fp8_linear_op(self, x, self.weight, self.bias, norm if kind == "layer_norm" else None, kind)
 

@@ -145,16 +145,22 @@ def test_compiled_gpt_is_one_graph_per_block_and_bitwise_the_eager_run(reentrant
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused-prologues", "unfused"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
-def test_fp8_current_compiles_to_one_graph_per_block_bitwise_the_eager_run(reentrant, fuse):
+def test_fp8_current_compiles_to_one_graph_per_block_bitwise_the_eager_run(reentrant, fuse, monkeypatch):
     """fp8_current runs as the compiled op too (no graph break: fullgraph), each call's scale
     derived inside it, bitwise the eager run. (fp8_rowwise saves its high-precision input and
     weight for the backward, which the op's outputs cannot alias: it runs eagerly, a graph break
     per call.)"""
+    from lightning_fp8state.nn import linear_call
+
     eager = _train(*_gpt(reentrant, fuse, recipe="fp8_current"), compiled=None)
     model, state, data = _gpt(reentrant, fuse, recipe="fp8_current")
+    prologues = []  # the op runs no prologue: as eagerly, torch's LayerNorm / GELU run before it
+    real = linear_call.Prologue
+    monkeypatch.setattr(linear_call, "Prologue", lambda *a: prologues.append(a) or real(*a))
     compiled = _train(model, state, data, compiled="aot_eager")
     _assert_same_run(eager, compiled)
     assert not state.ledger.violations
+    assert prologues == []
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])

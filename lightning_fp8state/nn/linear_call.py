@@ -164,7 +164,7 @@ _HOST_CALL = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsa
 LIB.define(
     "fp8_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, Tensor? norm_bias, Tensor module, "
     "str prologue, float eps, ScalarType out_dtype, ScalarType input_dtype, ScalarType weight_dtype, bool training, "
-    "Tensor instance) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "Tensor instance, bool saves_inputs=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     tags=_HOST_CALL,
 )
 LIB.define(
@@ -187,11 +187,12 @@ def fp8_linear_op(module, x, weight, bias, norm, prologue: str | None) -> torch.
     nw, nb, eps = (norm.weight, norm.bias, float(norm.eps)) if norm is not None else (None, None, 0.0)
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    config = module.protocol.config  # the codes' formats: pure functions of the config (no cache to guard on)
+    protocol = module.protocol
+    config = protocol.config  # the codes' formats: pure functions of the config (no cache to guard on)
     input_dtype, weight_dtype = (fp8_format(role_format(config, role)).dtype for role in ("input", "weight"))
     return _CompiledFp8LinearFn.apply(
         x.contiguous(), weight, bias, nw, nb, module._op_key, prologue or "", eps, out_dtype,
-        input_dtype, weight_dtype, torch.is_grad_enabled(),
+        input_dtype, weight_dtype, torch.is_grad_enabled(), protocol.recipe.saves_inputs,
     )  # fmt: skip
 
 
@@ -208,6 +209,13 @@ def _autocast_off(device: str, fn, *args):
 def _codes_key(xq: torch.Tensor) -> int:
     """The address a call's state is kept under: its input codes' (unique among live tensors)."""
     return xq.data_ptr() if xq.numel() else xq.untyped_storage().data_ptr()
+
+
+def _input_key(x: torch.Tensor) -> torch.Tensor:
+    """(A recipe that saves its high-precision input: ``Recipe.saves_inputs``) the op's stand-in
+    for the input codes, ``[0, K]`` in x's dtype: it carries K to the backward's shapes, and the
+    call's state is kept under its storage."""
+    return x.new_empty((0, x.shape[-1]))
 
 
 def _stats_empty(x: torch.Tensor) -> torch.Tensor:
@@ -229,6 +237,7 @@ def _fp8_linear(
     weight_dtype,
     training,
     instance,
+    saves_inputs=False,
 ):
     mod = module_of(module.item())  # a CPU tensor: no device sync
     protocol = mod.protocol
@@ -245,6 +254,8 @@ def _fp8_linear(
     protocol.observe_output(record, phase, y, record.used)
     xq, wq, *rest = saved  # rest: the prologue's input, then the LayerNorm's (mean, rstd)
     mean, rstd = rest[1:] if len(rest) == 3 else (_stats_empty(x), _stats_empty(x))
+    if saves_inputs:  # saved: x (reshaped) and the weight themselves, which the Function saves
+        xq, wq = _input_key(x), weight.new_empty((0, weight.shape[-1]))
     if training and phase is not Phase.INFERENCE:  # the backward finds it by its codes' address
         if xq.numel() == 0:  # empty codes have no address: give them a storage of their own
             xq = xq.new_empty(1).as_strided(xq.shape, xq.stride())
@@ -267,11 +278,15 @@ def _fp8_linear_fake(
     weight_dtype,
     training,
     instance,
+    saves_inputs=False,
 ):
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
-    xq = x2.new_empty(x2.shape, dtype=input_dtype)
-    wq = weight.new_empty((n, k), dtype=weight_dtype)
+    if saves_inputs:
+        xq, wq = _input_key(x), weight.new_empty((0, k))
+    else:
+        xq = x2.new_empty(x2.shape, dtype=input_dtype)
+        wq = weight.new_empty((n, k), dtype=weight_dtype)
     if prologue == "layer_norm":
         if Prologue(prologue, norm_weight, norm_bias, eps).fusable(x2):  # the fused kernel's statistics
             mean = x2.new_empty((x2.shape[0], 1), dtype=torch.float32)
@@ -288,6 +303,8 @@ def _fp8_linear_fake(
 def _fp8_linear_backward(grad, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, bias_dtype, norm_dtype):
     call = take_kept(_codes_key(xq))
     saved = (xq, wq)
+    if call.protocol.recipe.saves_inputs:  # xq is the key, wq the weight, x the call's input
+        saved = (x.reshape(-1, x.shape[-1]), wq)
     if call.prologue is not None:
         saved = (xq, wq, x, mean, rstd) if call.prologue.kind == "layer_norm" else (xq, wq, x)
     device = grad.device.type
@@ -315,14 +332,19 @@ class _CompiledFp8LinearFn(torch.autograd.Function):
     without torch's Python autograd wrapper in between."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, norm_weight, norm_bias, key, prologue, eps, out_dtype, in_dt, w_dt, training):
+    def forward(
+        ctx, x, weight, bias, norm_weight, norm_bias, key, prologue, eps, out_dtype, in_dt, w_dt, training, saves_inputs
+    ):
         instance = torch.empty(0, device=x.device)  # distinct per call: see the op's definition
         y, xq, wq, mean, rstd = torch.ops.fp8state.fp8_linear(
-            x, weight, bias, norm_weight, norm_bias, key, prologue, eps, out_dtype, in_dt, w_dt, training, instance
-        )
-        # what the eager Function saves: the codes; with a prologue its input (and the LayerNorm's statistics)
-        ln = prologue == "layer_norm"
-        ctx.save_for_backward(xq, wq, x if prologue else None, mean if ln else None, rstd if ln else None)
+            x, weight, bias, norm_weight, norm_bias, key, prologue, eps, out_dtype, in_dt, w_dt, training, instance,
+            saves_inputs,
+        )  # fmt: skip
+        if saves_inputs:  # what the eager Function saves: the input and the weight (no prologue: run before)
+            ctx.save_for_backward(xq, weight, x, None, None)
+        else:  # the codes; with a prologue its input (and the LayerNorm's statistics)
+            ln = prologue == "layer_norm"
+            ctx.save_for_backward(xq, wq, x if prologue else None, mean if ln else None, rstd if ln else None)
         norm = norm_weight if norm_weight is not None else norm_bias
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype, None if norm is None else norm.dtype)
         return y
@@ -335,4 +357,4 @@ class _CompiledFp8LinearFn(torch.autograd.Function):
         grads = torch.ops.fp8state.fp8_linear_backward(
             grad_y, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, bias_dtype, norm_dtype
         )
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)

@@ -59,6 +59,10 @@ class Recipe:
     # Whether torch.compile runs a linear call as the opaque fp8state::fp8_linear op (its saved
     # tensors are the input and weight codes); False: a graph break, the call run eagerly.
     compiled_op: ClassVar[bool] = True
+    # Whether a call saves its high-precision input and weight (saved_for_backward returns them)
+    # rather than codes: the compiled op then saves the op's own inputs (its outputs may not
+    # alias them) and returns only a key for the backward.
+    saves_inputs: ClassVar[bool] = False
     # What one line of the README's feature table says the recipe guarantees.
     summary: ClassVar[str] = ""
 

@@ -117,10 +117,7 @@ class Fp8Rowwise(PerCallScales, Recipe):
     name = "fp8_rowwise"
     per_call_encoder = RowwiseFp8Encoder
     fuses_prologues = False
-    # the compiled op's outputs carry what a call saves for the backward: FP8 codes, new tensors;
-    # this recipe saves its high-precision input and weight, which the op's outputs may not alias
-    # (a graph break per call under torch.compile: the call runs eagerly)
-    compiled_op = False
+    saves_inputs = True  # the backward scales input and weight along their other dimension
     # the weight-gradient GEMM in high precision (fp8_rowwise_gw_hp)
     high_precision_weight_grad = False
     summary = (

@@ -143,17 +143,20 @@ def test_compiled_gpt_is_one_graph_per_block_and_bitwise_the_eager_run(reentrant
     assert not state.ledger.violations
 
 
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_rowwise", "fp8_rowwise_gw_hp"])
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused-prologues", "unfused"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
-def test_fp8_current_compiles_to_one_graph_per_block_bitwise_the_eager_run(reentrant, fuse, monkeypatch):
-    """fp8_current runs as the compiled op too (no graph break: fullgraph), each call's scale
-    derived inside it, bitwise the eager run. (fp8_rowwise saves its high-precision input and
-    weight for the backward, which the op's outputs cannot alias: it runs eagerly, a graph break
-    per call.)"""
+def test_a_stateless_recipe_compiles_to_one_graph_per_block_bitwise_the_eager_run(reentrant, fuse, recipe, monkeypatch):
+    """The stateless recipes run as the compiled op too (no graph break: fullgraph), each call's
+    scales derived inside it, bitwise the eager run under aot_eager. fp8_rowwise saves its
+    high-precision input and weight (``Recipe.saves_inputs``): the Function saves the op's inputs,
+    the op returns a key. (They fuse no prologue: the LayerNorm / GELU before a linear is torch's
+    op in the graph, which Inductor generates kernels of its own for, with other bits than
+    eager's, as for any compiled model.)"""
     from lightning_fp8state.nn import linear_call
 
-    eager = _train(*_gpt(reentrant, fuse, recipe="fp8_current"), compiled=None)
-    model, state, data = _gpt(reentrant, fuse, recipe="fp8_current")
+    eager = _train(*_gpt(reentrant, fuse, recipe=recipe), compiled=None)
+    model, state, data = _gpt(reentrant, fuse, recipe=recipe)
     prologues = []  # the op runs no prologue: as eagerly, torch's LayerNorm / GELU run before it
     real = linear_call.Prologue
     monkeypatch.setattr(linear_call, "Prologue", lambda *a: prologues.append(a) or real(*a))

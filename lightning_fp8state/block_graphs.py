@@ -43,6 +43,7 @@ from torch import nn
 from .config import require_bool
 from .errors import ConfigError, StateTransitionError
 from .graphs import on_side_stream, require_warmup
+from .nn.fsdp import Fp8GatheredWeight
 from .protocol import GraphTemplate, QuantProtocol
 from .recompute import checkpoint
 
@@ -96,9 +97,7 @@ class _BlockGraphs:
         self.copy_params = copy_params
         self.params = [p for p in block.parameters() if p.requires_grad]
         if copy_params:
-            self.aliases = {
-                name: p.detach().clone().requires_grad_(p.requires_grad) for name, p in block.named_parameters()
-            }
+            self.aliases = {name: _static_copy(p) for name, p in block.named_parameters()}
         else:
             # the capture differentiates leaf aliases of the parameters (same memory), not the
             # parameters: a strategy's hooks keep the parameters' AccumulateGrad nodes alive,
@@ -121,10 +120,14 @@ class _BlockGraphs:
         return torch.func.functional_call(self.block, self.aliases, (x,))
 
     def load_params(self, live: Sequence[torch.Tensor]) -> None:
-        """Copy the live (gathered) parameters into the graphs' static ones."""
+        """Copy the live (gathered) parameters into the graphs' static ones (an FP8-gathered
+        weight: its codes; its scale is the event's frozen copy, which the graphs read in place)."""
         with torch.no_grad():
             for alias, p in zip(self.aliases.values(), live, strict=True):
-                alias.copy_(p)
+                if isinstance(alias, Fp8GatheredWeight):
+                    alias.fp8.copy_(p.fp8)
+                else:
+                    alias.copy_(p)
 
     def run_unit(self, x: torch.Tensor) -> torch.Tensor:
         """The replayed block, called through the FSDP2 unit's ``__call__``: its pre-forward hook
@@ -333,14 +336,18 @@ class GraphedBlocks:
         backend = self.backend
         pool = backend.new_pool()
         units = [block for block in self.blocks if fsdp_unit(block)]
-        for block in units:  # gathered for the capture, which reads copies of them
+        # gathered for the capture, which reads copies of them, and left gathered: the event's
+        # run after the capture finds them so (FSDP2's pre-forward does not gather twice, and an
+        # FP8 gather happens once per event)
+        for block in units:
             block.unshard()
         try:
-            _refuse_fp8_gathered(units)
+            _refuse_fp8_gathered(units, protocol)
             graphs = [_BlockGraphs(block, copy_params=block in units) for block in self.blocks]
-        finally:
+        except BaseException:
             for block in units:
                 block.reshard()
+            raise
 
         def capture_all():
             device = x.device.type
@@ -399,16 +406,27 @@ class GraphedBlocks:
         return x
 
 
-def _refuse_fp8_gathered(units: list[nn.Module]) -> None:
-    """An FSDP2 unit whose weights are all-gathered in FP8 hands its layers codes and a snapshot
-    (``nn.fsdp.Fp8GatheredWeight``), which a static high-precision copy cannot stand in for."""
-    from .nn.fsdp import Fp8GatheredWeight  # noqa: PLC0415
+def _static_copy(p: torch.Tensor) -> torch.Tensor:
+    """The graphs' own copy of a gathered parameter: a leaf like it. An FP8-gathered weight
+    (``nn.fsdp.Fp8GatheredWeight``) keeps its snapshot: its scale and descale are views of the
+    event's frozen copy, which every replayed event freezes into in place."""
+    if isinstance(p, Fp8GatheredWeight):
+        return Fp8GatheredWeight(p.fp8.detach().clone(), p.snapshot, p.dtype).requires_grad_(p.requires_grad)
+    return p.detach().clone().requires_grad_(p.requires_grad)
 
+
+def _refuse_fp8_gathered(units: list[nn.Module], protocol: QuantProtocol | None) -> None:
+    """An FP8-gathered weight whose scale is derived per call (a stateless recipe: the full
+    weight's, computed at each event's start into new tensors) would leave the captured
+    snapshot's scale stale on replay: refused by name. A delayed weight scale is the event's
+    frozen copy, which a replayed event refills in place."""
+    if protocol is not None and protocol.recipe.stateful("weight"):
+        return
     for block in units:
         for name, p in block.named_parameters():
             if isinstance(p, Fp8GatheredWeight):
                 raise ConfigError(
-                    f"GraphedBlocks: {type(block).__name__}.{name} is all-gathered in FP8 by FSDP2; per-block "
-                    "graphs read the gathered weights from their own buffers, in high precision: gather them so "
+                    f"GraphedBlocks: {type(block).__name__}.{name} is all-gathered in FP8 by FSDP2 at a per-call "
+                    "scale, which a replay cannot refresh; gather it in high precision "
                     "(Fp8StateFSDPStrategy(fp8_all_gather=False), strategy.fp8_all_gather=false)"
                 )

@@ -255,11 +255,14 @@ def require_cuda_graphs_setup(cfg: DictConfig) -> None:
         ),
         (
             "strategy.fp8_all_gather",
-            s.name != "fp8state_fsdp" or not s.fp8_all_gather or not quant_config(cfg).quantized,
+            s.name != "fp8state_fsdp"
+            or not s.fp8_all_gather
+            or not quant_config(cfg).quantized
+            or recipe_for(quant_config(cfg)).stateful("weight"),
             "true",
-            "false under strategy.name='fp8state_fsdp'",
-            "per-block graphs read FSDP2's gathered weights from their own buffers, refilled before each "
-            "replay, in high precision; an FP8 gather hands the layers codes and a snapshot instead",
+            f"false under strategy.name='fp8state_fsdp' with quant.recipe={cfg.quant.recipe!r}",
+            "per-block graphs read FSDP2's gathered FP8 weights from their own buffers with the scale they "
+            "captured; this recipe derives a new weight scale every event, which a replay cannot refresh",
         ),
         (
             "trainer.devices",

@@ -75,8 +75,6 @@ def test_cli_cuda_graphs_under_a_data_parallel_strategy_is_bitwise_its_eager_run
     common = [
         *CLI_ON_THE_GPU,
         f"strategy.name={strategy}",
-        # FSDP2: per-block graphs read the gathered weights from static copies, in high precision
-        *(["strategy.fp8_all_gather=false"] if strategy == "fp8state_fsdp" else []),
         "trainer.devices=1",
         "telemetry.log_every_n_steps=1",
         "trainer.max_steps=8",

@@ -120,12 +120,21 @@ class _BlockGraphs:
         return torch.func.functional_call(self.block, self.aliases, (x,))
 
     def load_params(self, live: Sequence[torch.Tensor]) -> None:
-        """Copy the live (gathered) parameters into the graphs' static ones (an FP8-gathered
-        weight: its codes; its scale is the event's frozen copy, which the graphs read in place)."""
+        """Copy the live (gathered) parameters into the graphs' static ones. An FP8-gathered
+        weight: its codes, and its snapshot's scale, descale (and amax) into the captured
+        snapshot's tensors, which the graphs read (a delayed scale's are views of the event's
+        frozen copy, refilled by the template already: the same values; a stateless recipe's are
+        the full weight's, derived anew every event)."""
         with torch.no_grad():
             for alias, p in zip(self.aliases.values(), live, strict=True):
                 if isinstance(alias, Fp8GatheredWeight):
                     alias.fp8.copy_(p.fp8)
+                    held, now = alias.snapshot, p.snapshot
+                    if held is not now:
+                        held.scale.copy_(now.scale)
+                        held.descale.copy_(now.descale)
+                        if held.amax is not None and now.amax is not None:
+                            held.amax.copy_(now.amax)
                 else:
                     alias.copy_(p)
 
@@ -342,7 +351,6 @@ class GraphedBlocks:
         for block in units:
             block.unshard()
         try:
-            _refuse_fp8_gathered(units, protocol)
             graphs = [_BlockGraphs(block, copy_params=block in units) for block in self.blocks]
         except BaseException:
             for block in units:
@@ -408,25 +416,8 @@ class GraphedBlocks:
 
 def _static_copy(p: torch.Tensor) -> torch.Tensor:
     """The graphs' own copy of a gathered parameter: a leaf like it. An FP8-gathered weight
-    (``nn.fsdp.Fp8GatheredWeight``) keeps its snapshot: its scale and descale are views of the
-    event's frozen copy, which every replayed event freezes into in place."""
+    (``nn.fsdp.Fp8GatheredWeight``) keeps the capture's snapshot, whose tensors the graphs read
+    and each replay refreshes (:meth:`_BlockGraphs.load_params`)."""
     if isinstance(p, Fp8GatheredWeight):
         return Fp8GatheredWeight(p.fp8.detach().clone(), p.snapshot, p.dtype).requires_grad_(p.requires_grad)
     return p.detach().clone().requires_grad_(p.requires_grad)
-
-
-def _refuse_fp8_gathered(units: list[nn.Module], protocol: QuantProtocol | None) -> None:
-    """An FP8-gathered weight whose scale is derived per call (a stateless recipe: the full
-    weight's, computed at each event's start into new tensors) would leave the captured
-    snapshot's scale stale on replay: refused by name. A delayed weight scale is the event's
-    frozen copy, which a replayed event refills in place."""
-    if protocol is not None and protocol.recipe.stateful("weight"):
-        return
-    for block in units:
-        for name, p in block.named_parameters():
-            if isinstance(p, Fp8GatheredWeight):
-                raise ConfigError(
-                    f"GraphedBlocks: {type(block).__name__}.{name} is all-gathered in FP8 by FSDP2 at a per-call "
-                    "scale, which a replay cannot refresh; gather it in high precision "
-                    "(Fp8StateFSDPStrategy(fp8_all_gather=False), strategy.fp8_all_gather=false)"
-                )

@@ -254,17 +254,6 @@ def require_cuda_graphs_setup(cfg: DictConfig) -> None:
             "graphs run under these strategies only",
         ),
         (
-            "strategy.fp8_all_gather",
-            s.name != "fp8state_fsdp"
-            or not s.fp8_all_gather
-            or not quant_config(cfg).quantized
-            or recipe_for(quant_config(cfg)).stateful("weight"),
-            "true",
-            f"false under strategy.name='fp8state_fsdp' with quant.recipe={cfg.quant.recipe!r}",
-            "per-block graphs read FSDP2's gathered FP8 weights from their own buffers with the scale they "
-            "captured; this recipe derives a new weight scale every event, which a replay cannot refresh",
-        ),
-        (
             "trainer.devices",
             not whole_step or (t.devices == 1 and t.num_nodes == 1),
             f"{t.devices} x {t.num_nodes} node(s)",

@@ -357,7 +357,6 @@ def test_two_rank_ddp_with_trainer_compile_is_bitwise_the_eager_run(run_root):
     ("override", "key"),
     [
         ("trainer.accelerator=cpu", "trainer.accelerator='cpu'"),
-        ("strategy.name=fp8state_fsdp quant.recipe=fp8_current", "strategy.fp8_all_gather=true"),
         ("trainer.devices=2", "trainer.devices=2 x 1 node(s)"),
         ("trainer.accumulate_grad_batches=2", "trainer.accumulate_grad_batches=2"),
         ("telemetry.audit=true", "telemetry.audit=true"),

@@ -39,6 +39,14 @@ PLAN = [
     {"name": "eager_current", "config": {"recipe": "fp8_current"}, **COMMON},
     {"name": "eager_fp8_gather", **COMMON, "strategy_kwargs": {}},
     {"name": "graphed_fp8_gather", "graphed": True, **COMMON, "strategy_kwargs": {}},
+    {"name": "eager_current_fp8_gather", "config": {"recipe": "fp8_current"}, **COMMON, "strategy_kwargs": {}},
+    {
+        "name": "graphed_current_fp8_gather",
+        "graphed": True,
+        "config": {"recipe": "fp8_current"},
+        **COMMON,
+        "strategy_kwargs": {},
+    },
     {"name": "eager_kept", **COMMON, "strategy_kwargs": {"fp8_all_gather": False, "reshard_after_forward": False}},
     {
         "name": "graphed_kept",
@@ -85,18 +93,24 @@ def test_graphed_fsdp_resume_is_bitwise_the_uninterrupted_graphed_run(out):
 
 @pytest.mark.parametrize(
     ("eager_name", "graphed_name"),
-    [("eager_current", "graphed_current"), ("eager_kept", "graphed_kept"), ("eager_fp8_gather", "graphed_fp8_gather")],
+    [
+        ("eager_current", "graphed_current"),
+        ("eager_kept", "graphed_kept"),
+        ("eager_fp8_gather", "graphed_fp8_gather"),
+        ("eager_current_fp8_gather", "graphed_current_fp8_gather"),
+    ],
 )
 def test_graphed_fsdp_fit_is_bitwise_its_eager_fit_with_a_stateless_recipe_kept_parameters_or_fp8_gathers(
     out, eager_name, graphed_name
 ):
     """fp8_current: scales derived on the device from each call's tensors, replayed so;
     reshard_after_forward=False: FSDP2 keeps the gathered parameters from the forward to the
-    backward (no second gather), and the backward's copies read those; FP8 all-gather (delayed
-    scaling): the graphs read static copies of the gathered codes, and their scales from the
-    event's frozen copy, which each replayed event refills in place."""
+    backward (no second gather), and the backward's copies read those; FP8 all-gather: the graphs
+    read static copies of the gathered codes and of their snapshot's scales, refreshed before
+    every replay (delayed: the event's frozen copy; fp8_current: the full weight's scale, derived
+    anew every event)."""
     eager, graphed = load_ranks(out, eager_name, 2), load_ranks(out, graphed_name, 2)
-    fp8_gathers = 4 if graphed_name == "graphed_fp8_gather" else 0  # the blocks' weights (inp, head: not units)
+    fp8_gathers = 4 if graphed_name.endswith("fp8_gather") else 0  # the blocks' weights (inp, head: not units)
     for r in range(2):
         assert len([k for k in graphed[r]["fp8_gathered"] if k.startswith("blocks.")]) == fp8_gathers
         assert eager[r]["collectives"] == graphed[r]["collectives"]

@@ -175,24 +175,3 @@ def test_blocks_that_draw_random_numbers_are_refused_at_the_warmup():
     runner = GraphedBlocks(blocks, warmup=1, backend=EmulatedGraphBackend())
     with state.step(0), pytest.raises(f8s.ConfigError, match="draw random numbers"):
         runner(torch.randn(2, D, requires_grad=True))
-
-
-def test_an_fsdp2_unit_gathering_fp8_weights_at_a_per_call_scale_is_refused_by_name():
-    """Per-block graphs under FSDP2 read an FP8-gathered weight's codes from their own buffer and
-    its scale from the captured snapshot: a delayed scale is the event's frozen copy, refilled in
-    place each event (tests/lightning/test_block_graphs_fsdp.py); a stateless recipe's weight scale
-    is new every event, which a replay cannot refresh: refused, naming the weight and the setting."""
-    from lightning_fp8state.block_graphs import _refuse_fp8_gathered
-    from lightning_fp8state.nn.fsdp import Fp8GatheredWeight
-
-    block = Block(D)
-    codes = torch.zeros(2 * D, D, dtype=torch.float8_e4m3fn)
-    block.fc1.weight = nn.Parameter(Fp8GatheredWeight(codes, None, torch.float32), requires_grad=False)
-    delayed = f8s.Fp8State(f8s.QuantConfig(recipe="fp8_delayed")).protocol
-    current = f8s.Fp8State(f8s.QuantConfig(recipe="fp8_current")).protocol
-    _refuse_fp8_gathered([Block(D)], current)  # plain weights pass
-    _refuse_fp8_gathered([block], delayed)  # a delayed scale replays
-    with pytest.raises(
-        f8s.ConfigError, match=r"Block\.fc1\.weight is all-gathered in FP8 .* per-call scale.*fp8_all_gather=false"
-    ):
-        _refuse_fp8_gathered([block], current)

@@ -342,8 +342,7 @@ class GraphedBlocks:
             protocol.freeze_event(x.device)  # eagerly, outside the graphs' memory: they read it
         version = None if protocol is None else protocol.bank.version
         before = None if protocol is None else protocol.graph_template()  # what eager calls did first
-        backend = self.backend
-        pool = backend.new_pool()
+        pool = self.backend.new_pool()
         units = [block for block in self.blocks if fsdp_unit(block)]
         # gathered for the capture, which reads copies of them, and left gathered: the event's
         # run after the capture finds them so (FSDP2's pre-forward does not gather twice, and an
@@ -351,11 +350,17 @@ class GraphedBlocks:
         for block in units:
             block.unshard()
         try:
-            graphs = [_BlockGraphs(block, copy_params=block in units) for block in self.blocks]
-        except BaseException:
+            self._capture_gathered(x, protocol, units, version, before, pool)
+        except BaseException:  # a failed capture leaves no unit gathered
             for block in units:
                 block.reshard()
             raise
+        return self._replay(x)  # the capture recorded this event's work; run it
+
+    def _capture_gathered(self, x, protocol, units, version, before, pool) -> None:
+        """Capture every block's two graphs (FSDP2 units gathered by the caller)."""
+        backend = self.backend
+        graphs = [_BlockGraphs(block, copy_params=block in units) for block in self.blocks]
 
         def capture_all():
             device = x.device.type
@@ -405,7 +410,6 @@ class GraphedBlocks:
         self._captured_protocol = protocol
         self.graphs = graphs
         self._input_spec = (tuple(x.shape), x.dtype, x.device)
-        return self._replay(x)  # the capture recorded this event's work; run it
 
     def _replay(self, x: torch.Tensor) -> torch.Tensor:
         for g in self.graphs:

@@ -35,6 +35,7 @@ accumulates them, so gradient accumulation works as without graphs.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -105,6 +106,8 @@ class _BlockGraphs:
             self.aliases = {name: p.detach().requires_grad_(p.requires_grad) for name, p in block.named_parameters()}
         # (an FSDP2 unit) where each parameter's gradient goes among all its parameters
         self.grad_slots = [i for i, a in enumerate(self.aliases.values()) if a.requires_grad]
+        # (aliases) where the parameters live: checked before each replay, which reads them there
+        self.addresses = None if copy_params else [a.data_ptr() for a in self.aliases.values()]
         self.fwd = self.bwd = None
         self.static_in: torch.Tensor | None = None
         self.static_out: torch.Tensor | None = None
@@ -112,10 +115,25 @@ class _BlockGraphs:
         self.static_grad_in: torch.Tensor | None = None
         self.static_grad_params: tuple = ()
 
+    def check_addresses(self) -> None:
+        """The aliased parameters are still where the capture read them (an FSDP2 unit above
+        the blocks, or anything else that re-allocates them, would leave the graphs reading freed
+        memory): a host check per replay, no device work."""
+        if self.addresses is None:
+            return
+        for (name, p), where in zip(self.block.named_parameters(), self.addresses, strict=True):
+            if p.data_ptr() != where:
+                raise StateTransitionError(
+                    f"GraphedBlocks: {type(self.block).__name__}.{name} moved since the capture (its memory was "
+                    "re-allocated: an FSDP2 unit above the blocks gathers it anew each step?); the graphs read "
+                    "it where it was. Make every block an FSDP2 unit of its own (fully_shard each block), or "
+                    "train without graphs"
+                )
+
     def call_with_aliases(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_params:
             # the unit's own forward, past FSDP2's hooks (they would gather inside the capture)
-            with torch.nn.utils.stateless._reparametrize_module(self.block, self.aliases):
+            with torch.nn.utils.stateless._reparametrize_module(self.block, self.aliases, tie_weights=True):
                 return type(self.block).forward(self.block, x)
         return torch.func.functional_call(self.block, self.aliases, (x,))
 
@@ -149,11 +167,15 @@ class _BlockGraphs:
             live = dict(block.named_parameters())
             return _BlockReplay.apply(self, inp, *(live[n] for n in names))
 
+        own = block.__dict__.get("forward")  # an instance's own forward, put back after
         block.forward = forward
         try:
             return block(x)
         finally:
-            del block.forward
+            if own is None:
+                del block.forward
+            else:
+                block.forward = own
 
 
 class _BlockReplay(torch.autograd.Function):
@@ -344,16 +366,20 @@ class GraphedBlocks:
         before = None if protocol is None else protocol.graph_template()  # what eager calls did first
         pool = self.backend.new_pool()
         units = [block for block in self.blocks if fsdp_unit(block)]
+        _refuse_nested_units(self.blocks)
         # gathered for the capture, which reads copies of them, and left gathered: the event's
         # run after the capture finds them so (FSDP2's pre-forward does not gather twice, and an
         # FP8 gather happens once per event)
-        for block in units:
-            block.unshard()
+        gathered = []
         try:
-            self._capture_gathered(x, protocol, units, version, before, pool)
-        except BaseException:  # a failed capture leaves no unit gathered
             for block in units:
-                block.reshard()
+                block.unshard()
+                gathered.append(block)
+            self._capture_gathered(x, protocol, units, version, before, pool)
+        except BaseException:  # a failed capture leaves no unit gathered (the first error is raised)
+            for block in gathered:
+                with contextlib.suppress(Exception):
+                    block.reshard()
             raise
         return self._replay(x)  # the capture recorded this event's work; run it
 
@@ -374,6 +400,8 @@ class GraphedBlocks:
             with cache_off:
                 inp = x.detach().clone().requires_grad_(x.requires_grad)
                 for g in graphs:
+                    if g.copy_params:  # the replay's input is FSDP2's cast of it: capture with that
+                        inp = _unit_input(g.block, inp)
                     g.static_in = inp
                     g.fwd = backend.new_graph()
                     with backend.capture(g.fwd, pool, self._side):
@@ -413,7 +441,11 @@ class GraphedBlocks:
 
     def _replay(self, x: torch.Tensor) -> torch.Tensor:
         for g in self.graphs:
-            x = g.run_unit(x) if g.copy_params else _BlockReplay.apply(g, x, *g.params)
+            if g.copy_params:
+                x = g.run_unit(x)
+            else:
+                g.check_addresses()
+                x = _BlockReplay.apply(g, x, *g.params)
         self.replays += 1
         return x
 
@@ -425,3 +457,30 @@ def _static_copy(p: torch.Tensor) -> torch.Tensor:
     if isinstance(p, Fp8GatheredWeight):
         return Fp8GatheredWeight(p.fp8.detach().clone(), p.snapshot, p.dtype).requires_grad_(p.requires_grad)
     return p.detach().clone().requires_grad_(p.requires_grad)
+
+
+def _unit_input(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x`` as an FSDP2 unit's pre-forward hands it to the unit's forward: cast to the unit's
+    ``MixedPrecisionPolicy.param_dtype`` when the policy casts forward inputs (a leaf again, for
+    the capture). The capture calls the forward past the hooks; a replay runs through them."""
+    state = block._get_fsdp_state() if hasattr(block, "_get_fsdp_state") else None
+    policy = getattr(state, "_mp_policy", None)
+    dtype = getattr(policy, "param_dtype", None)
+    if policy is None or not getattr(policy, "cast_forward_inputs", False) or dtype is None:
+        return x
+    if not x.is_floating_point() or x.dtype == dtype:
+        return x
+    return x.detach().to(dtype).requires_grad_(x.requires_grad)
+
+
+def _refuse_nested_units(blocks: Sequence[nn.Module]) -> None:
+    """A block with an FSDP2 unit inside it (``shard_modules`` finer than the blocks) gathers
+    part of itself in hooks the capture does not run: refused by name."""
+    for block in blocks:
+        for name, sub in block.named_modules():
+            if name and fsdp_unit(sub):
+                raise ConfigError(
+                    f"GraphedBlocks: {type(block).__name__}.{name} is an FSDP2 unit inside a graphed block; per-block "
+                    "graphs take each block whole: make the blocks the FSDP2 units (fully_shard each block, "
+                    "not its parts), or train without graphs"
+                )

@@ -88,6 +88,16 @@ def lr_factor(cfg: DictConfig, step: int) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * frac))
 
 
+def _set_fused(optimizers, fused: bool) -> None:
+    """Every param group of ``optimizers`` (optimizers or their state dicts) fused or not."""
+    for opt in optimizers:
+        groups = opt.get("param_groups", ()) if isinstance(opt, dict) else opt.param_groups
+        for group in groups:
+            group["fused"] = fused
+            if fused:
+                group["foreach"] = None  # fused and foreach are exclusive
+
+
 def _module_and_data(cfg: DictConfig):
     import lightning.pytorch as pl
 
@@ -127,16 +137,19 @@ def _module_and_data(cfg: DictConfig):
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(cfg, step))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+        def on_train_start(self):
+            # Under FSDP2 the optimizer state comes back through DCP in the strategy's
+            # load_checkpoint, past on_load_checkpoint below: put the configured setting back
+            if cfg.strategy.name == "fp8state_fsdp":
+                _set_fused(self.trainer.optimizers, fused_optimizer(cfg))
+
         def on_load_checkpoint(self, checkpoint):
             # load_state_dict takes the saved param groups' settings: a run saved by an earlier
             # version (AdamW not fused) would continue unfused, its guard syncing every step.
             # The optimizer of this run is what the configuration says (the state is the same).
             fused = fused_optimizer(cfg)
             for opt_state in checkpoint.get("optimizer_states", ()):
-                for group in opt_state.get("param_groups", ()):
-                    group["fused"] = fused
-                    if fused:
-                        group["foreach"] = None  # fused and foreach are exclusive
+                _set_fused([opt_state], fused)
 
     class TokenData(pl.LightningDataModule):
         def train_dataloader(self):

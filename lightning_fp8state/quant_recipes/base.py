@@ -66,6 +66,13 @@ class Recipe:
     # What one line of the README's feature table says the recipe guarantees.
     summary: ClassVar[str] = ""
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.saves_inputs and cls.fuses_prologues:
+            # the compiled op's backward takes the saved input in the slot a fused prologue's
+            # input uses (nn/linear_call.py): a recipe cannot have both
+            raise TypeError(f"{cls.__name__}: saves_inputs=True needs fuses_prologues=False")
+
     def __init__(self, config: QuantConfig) -> None:
         self.config = config
         self._encoders: dict[str, object] = {}

@@ -436,3 +436,20 @@ def test_trainer_cuda_graphs_trains_bitwise_the_eager_run_and_resumes(run_root, 
         for k in ("scale", "amax_history"):
             assert torch.equal(a["fp8state"]["ranks"][0]["bank"][k], other["fp8state"]["ranks"][0]["bank"][k]), k
         assert other["fp8state"]["ranks"][0]["clock"]["last"] == a["fp8state"]["ranks"][0]["clock"]["last"]
+
+
+def test_under_fsdp2_a_resumed_unfused_optimizer_is_fused_again_at_train_start():
+    """FSDP2's optimizer state loads through DCP in the strategy, after on_load_checkpoint: a
+    run saved with an unfused AdamW would resume unfused, its guard syncing every step.
+    on_train_start puts the configured setting back on the live optimizer."""
+    from types import SimpleNamespace
+
+    from lightning_fp8state.cli.config import load_config
+    from lightning_fp8state.cli.train import _module_and_data
+
+    cfg = load_config("tiny_gpt_cpu", ["strategy.name=fp8state_fsdp"])
+    module, _ = _module_and_data(cfg)
+    opt = torch.optim.AdamW(module.parameters(), foreach=True)  # as a loaded unfused state leaves it
+    module._trainer = SimpleNamespace(optimizers=[opt])
+    module.on_train_start()
+    assert all(g["fused"] is True and g["foreach"] is None for g in opt.param_groups)

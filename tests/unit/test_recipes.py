@@ -290,3 +290,15 @@ def test_every_dynamic_op_wrapper_loads_the_kernels_before_dispatching(monkeypat
     x = torch.randn(4, 32)
     getattr(dyn, op)(x, torch.float8_e4m3fn, 0)
     assert seen == [x]
+
+
+def test_a_recipe_that_saves_its_inputs_cannot_fuse_prologues():
+    """The compiled op's backward takes a saved input where a fused prologue's input goes."""
+    from lightning_fp8state.quant_recipes.base import Recipe
+
+    with pytest.raises(TypeError, match=r"saves_inputs=True needs fuses_prologues=False"):
+
+        class _Both(Recipe):  # noqa: F841  (defining it is the test)
+            name = "both"
+            saves_inputs = True
+            fuses_prologues = True

@@ -1,0 +1,96 @@
+"""GraphedBlocks over FSDP2 layouts other than "each block a unit", on one gloo rank with the
+graphs emulated (tests/graph_emulation.py): a unit whose MixedPrecisionPolicy casts its inputs
+(the capture must see what FSDP2's pre-forward hands the block), blocks whose parameters an
+outer unit gathers (the graphs would read freed memory: refused at the first replay), and a unit
+inside a block (refused at the capture)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.distributed.spawn import spawn
+
+EVENTS, WARMUP, D = 6, 2, 16
+
+
+def _train(layout: str, graphed: bool):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+
+    import lightning_fp8state as f8s  # noqa: PLC0415
+    from lightning_fp8state.block_graphs import GraphedBlocks  # noqa: PLC0415
+    from tests.unit.test_block_graphs import Net, inputs  # noqa: PLC0415
+
+    state = f8s.Fp8State(f8s.QuantConfig(strict=False))
+    model = state.convert(Net())
+    if layout == "cast_inputs":  # every block a unit computing in bf16, fed float32 activations
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+    elif layout == "inner_units":
+        for block in model.blocks:
+            fully_shard(block.fc1)
+    fully_shard(model)  # "outer_unit": the root alone gathers the blocks' parameters
+    if graphed:
+        from tests.graph_emulation import EmulatedGraphBackend  # noqa: PLC0415
+
+        model.runner = GraphedBlocks(model.blocks, warmup=WARMUP, backend=EmulatedGraphBackend())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    outs = []
+    for i, x in enumerate(inputs(EVENTS)):
+        with state.step(i):
+            y = model(x)
+            y.float().pow(2).mean().backward()
+        outs.append(y.detach().float().clone())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return outs, {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+
+
+def _worker(rank: int, port: int, out: str, layout: str) -> None:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=1)
+    result = {}
+    try:
+        if layout == "cast_inputs":
+            result["eager"] = _train(layout, graphed=False)
+        result["graphed"] = _train(layout, graphed=True)
+    except Exception as exc:  # noqa: BLE001  (the refusals are the result)
+        result["error"] = (type(exc).__name__, str(exc))
+    torch.save(result, os.path.join(out, "result.pt"))
+    dist.destroy_process_group()
+
+
+def _run(tmp_path, layout: str) -> dict:
+    spawn(_worker, (str(tmp_path), layout), nprocs=1, what="gloo worker")
+    return torch.load(tmp_path / "result.pt", weights_only=False)
+
+
+def test_a_unit_that_casts_its_inputs_is_captured_with_the_cast_input(tmp_path):
+    r = _run(tmp_path, "cast_inputs")
+    assert "error" not in r, r.get("error")
+    (eager_out, eager_w), (graphed_out, graphed_w) = r["eager"], r["graphed"]
+    assert all(torch.isfinite(y).all() for y in eager_out)
+    for a, b in zip(eager_out, graphed_out, strict=True):
+        assert torch.equal(a, b)
+    for k in eager_w:
+        assert torch.equal(eager_w[k], graphed_w[k]), k
+
+
+@pytest.mark.parametrize(
+    ("layout", "kind", "says"),
+    [
+        ("outer_unit", "StateTransitionError", r"moved since the capture"),
+        ("inner_units", "ConfigError", r"Block\.fc1 is an FSDP2 unit inside a graphed block"),
+    ],
+)
+def test_layouts_the_graphs_cannot_hold_are_refused_by_name(tmp_path, layout, kind, says):
+    import re  # noqa: PLC0415
+
+    r = _run(tmp_path, layout)
+    assert "error" in r, "expected a refusal"
+    assert r["error"][0] == kind and re.search(says, r["error"][1]), r["error"]

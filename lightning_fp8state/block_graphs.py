@@ -93,12 +93,12 @@ class _BlockGraphs:
     frees the gathered memory after each use and allocates it again (at another address) at the
     next gather. Without it the graphs read the parameters' own memory through aliases."""
 
-    def __init__(self, block: nn.Module, copy_params: bool = False) -> None:
+    def __init__(self, block: nn.Module, copy_params: bool = False, shared: dict | None = None) -> None:
         self.block = block
         self.copy_params = copy_params
         self.params = [p for p in block.parameters() if p.requires_grad]
         if copy_params:
-            self.aliases = {name: _static_copy(p) for name, p in block.named_parameters()}
+            self.aliases = _static_copies(block, {} if shared is None else shared)
         else:
             # the capture differentiates leaf aliases of the parameters (same memory), not the
             # parameters: a strategy's hooks keep the parameters' AccumulateGrad nodes alive,
@@ -386,7 +386,8 @@ class GraphedBlocks:
     def _capture_gathered(self, x, protocol, units, version, before, pool) -> None:
         """Capture every block's two graphs (FSDP2 units gathered by the caller)."""
         backend = self.backend
-        graphs = [_BlockGraphs(block, copy_params=block in units) for block in self.blocks]
+        shared: dict = {}  # the units' static parameters, one set per layout
+        graphs = [_BlockGraphs(block, copy_params=block in units, shared=shared) for block in self.blocks]
 
         def capture_all():
             device = x.device.type
@@ -450,13 +451,30 @@ class GraphedBlocks:
         return x
 
 
-def _static_copy(p: torch.Tensor) -> torch.Tensor:
-    """The graphs' own copy of a gathered parameter: a leaf like it. An FP8-gathered weight
-    (``nn.fsdp.Fp8GatheredWeight``) keeps the capture's snapshot, whose tensors the graphs read
-    and each replay refreshes (:meth:`_BlockGraphs.load_params`)."""
-    if isinstance(p, Fp8GatheredWeight):
-        return Fp8GatheredWeight(p.fp8.detach().clone(), p.snapshot, p.dtype).requires_grad_(p.requires_grad)
-    return p.detach().clone().requires_grad_(p.requires_grad)
+def _static_copies(block: nn.Module, shared: dict) -> dict[str, torch.Tensor]:
+    """The graphs' own copies of a gathered block's parameters, leaves like them. Blocks of the
+    same parameter layout share one set (``shared``, by layout): every replay of a block fills
+    them with that block's parameters first and the blocks replay one after another, so one
+    block's worth of memory serves the stack. An FP8-gathered weight
+    (``nn.fsdp.Fp8GatheredWeight``) shares its codes' buffer and keeps its own layer's captured
+    snapshot, whose tensors the graphs read and each replay refreshes (:meth:`_BlockGraphs.load_params`)."""
+    params = list(block.named_parameters())
+    layout = tuple((n, type(p), tuple(p.shape), p.dtype, p.requires_grad) for n, p in params)
+    buffers = shared.get(layout)
+    if buffers is None:
+        buffers = shared[layout] = {
+            n: (p.fp8 if isinstance(p, Fp8GatheredWeight) else p)
+            .detach()
+            .clone()
+            .requires_grad_(p.requires_grad and not isinstance(p, Fp8GatheredWeight))
+            for n, p in params
+        }
+    return {
+        n: Fp8GatheredWeight(buffers[n], p.snapshot, p.dtype).requires_grad_(p.requires_grad)
+        if isinstance(p, Fp8GatheredWeight)
+        else buffers[n]
+        for n, p in params
+    }
 
 
 def _unit_input(block: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,13 @@ def _train(layout: str, graphed: bool):
         outs.append(y.detach().float().clone())
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return outs, {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    weights = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    if graphed:  # the units' static parameters: one set for the blocks of one layout
+        first, *rest = model.runner.graphs
+        weights["shared"] = torch.tensor(
+            [all(g.aliases[n] is first.aliases[n] for n in first.aliases) for g in rest], dtype=torch.bool
+        )
+    return outs, weights
 
 
 def _worker(rank: int, port: int, out: str, layout: str) -> None:
@@ -77,6 +83,7 @@ def test_a_unit_that_casts_its_inputs_is_captured_with_the_cast_input(tmp_path):
     assert all(torch.isfinite(y).all() for y in eager_out)
     for a, b in zip(eager_out, graphed_out, strict=True):
         assert torch.equal(a, b)
+    assert graphed_w.pop("shared").all()
     for k in eager_w:
         assert torch.equal(eager_w[k], graphed_w[k]), k
 

@@ -36,6 +36,7 @@ accumulates them, so gradient accumulation works as without graphs.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -367,6 +368,7 @@ class GraphedBlocks:
         pool = self.backend.new_pool()
         units = [block for block in self.blocks if fsdp_unit(block)]
         _refuse_nested_units(self.blocks)
+        _warn_unit_hooks(units)
         # gathered for the capture, which reads copies of them, and left gathered: the event's
         # run after the capture finds them so (FSDP2's pre-forward does not gather twice, and an
         # FP8 gather happens once per event)
@@ -489,6 +491,26 @@ def _unit_input(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if not x.is_floating_point() or x.dtype == dtype:
         return x
     return x.detach().to(dtype).requires_grad_(x.requires_grad)
+
+
+def _warn_unit_hooks(units: Sequence[nn.Module]) -> None:
+    """The capture runs an FSDP2 unit's forward past its ``__call__``, so forward hooks of the
+    unit itself (not FSDP2's) do not run there, while every replay runs them: a hook that
+    changes the input or output would leave the graphs computing something else. Named in a
+    warning (a hook that only observes is harmless)."""
+    for block in units:
+        state = block._get_fsdp_state() if hasattr(block, "_get_fsdp_state") else None
+        hooks = [*block._forward_pre_hooks.values(), *block._forward_hooks.values()]
+        other = [h for h in hooks if getattr(h, "__self__", None) is not state]
+        if other:
+            names = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in other)
+            warnings.warn(
+                f"GraphedBlocks: {type(block).__name__} (an FSDP2 unit) has forward hooks of its own ({names}); "
+                "the capture runs its forward without them and every replay with them. A hook that changes the "
+                "block's input or output belongs inside the block's forward",
+                UserWarning,
+                stacklevel=4,
+            )
 
 
 def _refuse_nested_units(blocks: Sequence[nn.Module]) -> None:

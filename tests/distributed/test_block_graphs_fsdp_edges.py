@@ -29,6 +29,10 @@ def _train(layout: str, graphed: bool):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.blocks:
             fully_shard(block, mp_policy=policy)
+    elif layout == "unit_hook":  # a hook of the user's on a unit (FSDP2's own are not named)
+        for block in model.blocks:
+            fully_shard(block)
+            block.register_forward_pre_hook(_observe)
     elif layout == "inner_units":
         for block in model.blocks:
             fully_shard(block.fc1)
@@ -55,18 +59,27 @@ def _train(layout: str, graphed: bool):
     return outs, weights
 
 
+def _observe(module, args):
+    return None
+
+
 def _worker(rank: int, port: int, out: str, layout: str) -> None:
     import torch.distributed as dist  # noqa: PLC0415
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=1)
+    import warnings  # noqa: PLC0415
+
     result = {}
-    try:
-        if layout == "cast_inputs":
-            result["eager"] = _train(layout, graphed=False)
-        result["graphed"] = _train(layout, graphed=True)
-    except Exception as exc:  # noqa: BLE001  (the refusals are the result)
-        result["error"] = (type(exc).__name__, str(exc))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            if layout == "cast_inputs":
+                result["eager"] = _train(layout, graphed=False)
+            result["graphed"] = _train(layout, graphed=True)
+        except Exception as exc:  # noqa: BLE001  (the refusals are the result)
+            result["error"] = (type(exc).__name__, str(exc))
+    result["warnings"] = [str(w.message) for w in caught if "GraphedBlocks" in str(w.message)]
     torch.save(result, os.path.join(out, "result.pt"))
     dist.destroy_process_group()
 
@@ -84,6 +97,7 @@ def test_a_unit_that_casts_its_inputs_is_captured_with_the_cast_input(tmp_path):
     for a, b in zip(eager_out, graphed_out, strict=True):
         assert torch.equal(a, b)
     assert graphed_w.pop("shared").all()
+    assert r["warnings"] == []  # FSDP2's own hooks are not the user's
     for k in eager_w:
         assert torch.equal(eager_w[k], graphed_w[k]), k
 
@@ -101,3 +115,9 @@ def test_layouts_the_graphs_cannot_hold_are_refused_by_name(tmp_path, layout, ki
     r = _run(tmp_path, layout)
     assert "error" in r, "expected a refusal"
     assert r["error"][0] == kind and re.search(says, r["error"][1]), r["error"]
+
+
+def test_a_forward_hook_of_the_users_on_a_unit_is_named_in_a_warning(tmp_path):
+    r = _run(tmp_path, "unit_hook")
+    assert "error" not in r, r.get("error")
+    assert r["warnings"] and all("_observe" in w and "forward hooks of its own" in w for w in r["warnings"])

@@ -108,6 +108,9 @@ class _BlockGraphs:
         # (an FSDP2 unit) where each parameter's gradient goes among all its parameters
         self.grad_slots = [i for i, a in enumerate(self.aliases.values()) if a.requires_grad]
         # (aliases) where the parameters live: checked before each replay, which reads them there
+        # (the parameters themselves, listed once: named_parameters() walks the submodules, ten
+        # times the cost of the check on a GPT block)
+        self.aliased = None if copy_params else list(block.named_parameters())
         self.addresses = None if copy_params else [a.data_ptr() for a in self.aliases.values()]
         self.fwd = self.bwd = None
         self.static_in: torch.Tensor | None = None
@@ -122,7 +125,7 @@ class _BlockGraphs:
         memory): a host check per replay, no device work."""
         if self.addresses is None:
             return
-        for (name, p), where in zip(self.block.named_parameters(), self.addresses, strict=True):
+        for (name, p), where in zip(self.aliased, self.addresses, strict=True):
             if p.data_ptr() != where:
                 raise StateTransitionError(
                     f"GraphedBlocks: {type(self.block).__name__}.{name} moved since the capture (its memory was "
@@ -144,18 +147,23 @@ class _BlockGraphs:
         snapshot's tensors, which the graphs read (a delayed scale's are views of the event's
         frozen copy, refilled by the template already: the same values; a stateless recipe's are
         the full weight's, derived anew every event)."""
+        dst, src = [], []  # one batched copy for the block, not a launch per tensor
+        for alias, p in zip(self.aliases.values(), live, strict=True):
+            if isinstance(alias, Fp8GatheredWeight):
+                dst.append(alias.fp8.view(torch.uint8))  # the codes' bytes (every foreach kernel takes uint8)
+                src.append(p.fp8.view(torch.uint8))
+                held, now = alias.snapshot, p.snapshot
+                if held is not now:
+                    dst += [held.scale, held.descale]
+                    src += [now.scale, now.descale]
+                    if held.amax is not None and now.amax is not None:
+                        dst.append(held.amax)
+                        src.append(now.amax)
+            else:
+                dst.append(alias)
+                src.append(p)
         with torch.no_grad():
-            for alias, p in zip(self.aliases.values(), live, strict=True):
-                if isinstance(alias, Fp8GatheredWeight):
-                    alias.fp8.copy_(p.fp8)
-                    held, now = alias.snapshot, p.snapshot
-                    if held is not now:
-                        held.scale.copy_(now.scale)
-                        held.descale.copy_(now.descale)
-                        if held.amax is not None and now.amax is not None:
-                            held.amax.copy_(now.amax)
-                else:
-                    alias.copy_(p)
+            torch._foreach_copy_(dst, src)
 
     def run_unit(self, x: torch.Tensor) -> torch.Tensor:
         """The replayed block, called through the FSDP2 unit's ``__call__``: its pre-forward hook

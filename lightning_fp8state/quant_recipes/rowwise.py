@@ -27,7 +27,7 @@ import torch
 
 from ..ops.library_dynamic import quantize_fp8_colwise, quantize_fp8_rowwise
 from .base import PerCallFp8Encoder, PerCallScales, Recipe, register
-from .gemm import _mm_device
+from .gemm import _f32_rows, _mm_device
 
 __all__ = ["Fp8Rowwise", "Fp8RowwiseGwHp", "RowwiseFp8Encoder", "rowwise_matmul"]
 
@@ -62,7 +62,8 @@ def rowwise_matmul(a, b, descale_a, descale_b, out_dtype, backend: str = "auto",
     if not use_mm:
         # the delayed emulation's arithmetic: exact FP8 products accumulated in float32, then
         # the paired descales (here their outer product), the bias in float32, one rounding
-        acc = (a.to(torch.float32) @ b.to(torch.float32)) * (descale_a.to(torch.float32) * descale_b.to(torch.float32))
+        # (row-major operands: the bits must not depend on the layout, :func:`.gemm._f32_rows`)
+        acc = (_f32_rows(a) @ _f32_rows(b)) * (descale_a.to(torch.float32) * descale_b.to(torch.float32))
         if bias is not None:
             acc = acc + bias.to(torch.float32)
         return acc.to(out_dtype)

@@ -70,6 +70,7 @@ class HostTrace(Callback):
         self.gc_freeze = gc_freeze
         self._gc: dict[int, list] = {}
         self._gc_start = 0.0
+        self.dump: Path | None = None  # where the cProfile's raw stats go (set by main)
 
     def _on_gc(self, phase, info):
         if phase == "start":
@@ -137,6 +138,8 @@ class HostTrace(Callback):
             out = io.StringIO()
             pstats.Stats(self._profile, stream=out).sort_stats("cumulative").print_stats(40)
             self.result["profile_cumulative"] = out.getvalue()
+            if self.dump is not None:  # the raw profile, to read further with pstats
+                self._profile.dump_stats(str(self.dump))
             self._profile = None
         if i == self.end and self._busy is not None:
             _synchronize()
@@ -144,6 +147,8 @@ class HostTrace(Callback):
             events = self._busy.key_averages()
             busy = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
             self.result["gpu_busy_ms_per_step"] = busy / self.busy_steps / 1e3
+            # what the GPU spends its time on (compare the variants' tables)
+            self.result["gpu_kernels"] = events.table(sort_by="self_device_time_total", row_limit=40)
             self._busy = None
 
 
@@ -163,6 +168,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     trace = HostTrace(args.warmup, args.steps, args.profile_steps, args.sync_steps, args.gc_freeze, args.busy_steps)
+    tag = f"{args.variant}{'_gc_freeze' if args.gc_freeze else ''}"
+    trace.dump = out / f"lightning_host_{tag}.pstats"
     original_init = pl.Trainer.__init__
 
     def init_with_trace(self, *a, callbacks=None, **kw):  # the recipe's callbacks, plus ours
@@ -181,7 +188,6 @@ def main() -> None:
     ]
     code = run_training(args.recipe, overrides)
     result = {"recipe": args.recipe, "variant": args.variant, "overrides": args.overrides, "exit": code, **trace.result}
-    tag = f"{args.variant}{'_gc_freeze' if args.gc_freeze else ''}"
     (out / f"lightning_host_{tag}.json").write_text(json.dumps(result, indent=1))
     print(f"{tag}: exit {code}")
     print(f"  garbage collections: {result.get('gc_per_generation')}")
@@ -191,6 +197,7 @@ def main() -> None:
     for site, n in result.get("syncs_per_step", {}).items():
         print(f"    {n:5.2f}  {site}")
     print(result.get("profile_tottime", "")[:6000])
+    print(result.get("gpu_kernels", "")[:8000])
 
 
 if __name__ == "__main__":

@@ -25,19 +25,11 @@ def scaled_mm_available(device: torch.device) -> bool:
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
 
 
-def _f32_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in float32, row-major whatever its layout."""
-    return t.to(torch.float32, memory_format=torch.contiguous_format)
-
-
 def _emulated(a: torch.Tensor, b: torch.Tensor, descale_a, descale_b, out_dtype, bias) -> torch.Tensor:
     # Products of FP8 values are exact in float32; accumulate in float32, then apply the
     # paired descales once and add the bias, as _scaled_mm's epilogue does, and round once
-    # to the output dtype. Both operands are made row-major first: a GEMM library picks its
-    # kernel (and so its summation order) by the operands' layout, and the same values must
-    # give the same bits whether they come as a view or a copy (eager and compiled backwards
-    # hand over different layouts).
-    acc = (_f32_rows(a) @ _f32_rows(b)) * (descale_a.reshape(()) * descale_b.reshape(()))
+    # to the output dtype.
+    acc = (a.to(torch.float32) @ b.to(torch.float32)) * (descale_a.reshape(()) * descale_b.reshape(()))
     if bias is not None:
         acc = acc + bias.to(torch.float32)
     return acc.to(out_dtype)

@@ -70,13 +70,13 @@ class Mixed(nn.Module):
         return x + self.c(h) + linear_after(self.c, h, norm=self.ln_plain)
 
 
-def _train(model, state, data, compiled: str | None, reentrant: bool = False):
+def _train(model, state, data, compiled: str | None, reentrant: bool = False, fullgraph: bool = True):
     """Steps of ``model`` (each block checkpointed); returns losses, grads per step and the bank."""
     blocks = model.blocks if hasattr(model, "blocks") else [model]
     if compiled is not None:
         torch._dynamo.reset()
         for block in blocks:
-            block.compile(backend=compiled, fullgraph=True)
+            block.compile(backend=compiled, fullgraph=fullgraph)
     losses, grads = [], []
     for step, (x, y) in enumerate(data):
         with state.step(step):
@@ -97,10 +97,10 @@ def _train(model, state, data, compiled: str | None, reentrant: bool = False):
     return losses, grads, state.bank.scale.clone()
 
 
-def _gpt(reentrant: bool, fuse: bool, exclude: tuple[str, ...] = (), recipe: str = "fp8_delayed"):
+def _gpt(reentrant: bool, fuse: bool, exclude: tuple[str, ...] = (), recipe: str = "fp8_delayed", backward=None):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_layers=2, n_heads=4, use_reentrant=reentrant))
-    backward = "e4m3" if "rowwise" in recipe else "e5m2"
+    backward = backward or ("e4m3" if "rowwise" in recipe else "e5m2")
     state = f8s.Fp8State(
         f8s.QuantConfig(
             mode="safe", strict=True, fuse_prologues=fuse, exclude=exclude, recipe=recipe, backward_format=backward
@@ -164,6 +164,32 @@ def test_a_stateless_recipe_compiles_to_one_graph_per_block_bitwise_the_eager_ru
     _assert_same_run(eager, compiled)
     assert not state.ledger.violations
     assert prologues == []
+
+
+def test_rowwise_with_e5m2_gradients_runs_each_call_eagerly_under_compile(monkeypatch):
+    """fp8_rowwise with E5M2 gradients (its backward GEMMs the float32 emulation): the compiled
+    op's backward there left the eager run's bits on the H200, so the recipe runs each call as
+    the eager Function under compile (a graph break), bitwise the eager run, and says so."""
+    from lightning_fp8state.nn import Fp8Linear
+
+    with pytest.warns(UserWarning, match="under torch.compile each call runs eagerly"):
+        eager = _train(*_gpt(False, False, recipe="fp8_rowwise", backward="e5m2"), compiled=None)
+        model, state, data = _gpt(False, False, recipe="fp8_rowwise", backward="e5m2")
+    assert state.protocol.recipe.compiled_op is False
+    assert type(state.protocol.recipe).compiled_op is True  # the E4M3 recipe keeps the op
+    eager_calls = []  # the calls run outside the graph: every linear of the blocks, every step
+
+    @torch.compiler.disable
+    def outside(self, *args):
+        eager_calls.append(self.layer_name)
+        return Fp8Linear._forward(self, *args)
+
+    monkeypatch.setattr(Fp8Linear, "_forward_outside_graph", outside)
+    compiled = _train(model, state, data, compiled="aot_eager", fullgraph=False)
+    _assert_same_run(eager, compiled)
+    blocks = {name for name in eager_calls if name.startswith("blocks.")}
+    assert len(blocks) == 8, sorted(blocks)  # 2 blocks x 4 linears, none through the op
+    assert not state.ledger.violations
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])

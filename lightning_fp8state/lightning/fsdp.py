@@ -36,7 +36,13 @@ from typing_extensions import override
 from ..config import require_bool, require_choice, require_strings
 from ..errors import StateLoadError
 from ..nn import Fp8Linear
-from ..nn.fsdp import enable_fp8_all_gather, fp8_all_gather_problem, gathered_layers, plain_shard
+from ..nn.fsdp import (
+    enable_fp8_all_gather,
+    fp8_all_gather_problem,
+    gathered_layers,
+    plain_shard,
+    step_on_local_shards,
+)
 from ..state.checkpoint_files import check_checkpoint, load_checkpoint_file
 from .callback import CHECKPOINT_KEY, Fp8StateCallback, check_resume_world_size
 from .contract import Fp8StateStrategyContract
@@ -84,6 +90,11 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
         mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` for every unit (default:
             none, parameters gathered in their own dtype; FP8-gathered weights are quantized
             from their high-precision shard either way).
+        local_optimizer_step: run each ``torch.optim.Adam`` / ``AdamW`` step on the local
+            shards of its DTensor parameters and states (bitwise the same update, without
+            DTensor's Python dispatch over every tensor: host time a step;
+            :func:`~lightning_fp8state.nn.fsdp.step_on_local_shards`). Other optimizers step
+            as they are.
         process_group_backend, timeout: as ``ModelParallelStrategy``.
 
     Data parallel only: every rank holds a shard of every unit (a one-dimensional mesh of the
@@ -99,11 +110,13 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
         shard_modules: tuple[str, ...] | list[str] | None = None,
         reshard_after_forward: bool = True,
         mp_policy: Any = None,
+        local_optimizer_step: bool = True,
         process_group_backend: str | None = None,
         **kwargs: Any,
     ) -> None:
         require_bool("fp8_all_gather", fp8_all_gather)
         require_bool("reshard_after_forward", reshard_after_forward)
+        require_bool("local_optimizer_step", local_optimizer_step)
         why = "fp8state_fsdp shards over every rank: data parallel only, a one-dimensional mesh"
         require_choice("data_parallel_size", kwargs.pop("data_parallel_size", "auto"), ("auto",), why=why)
         require_choice("tensor_parallel_size", kwargs.pop("tensor_parallel_size", "auto"), ("auto", 1), why=why)
@@ -119,6 +132,7 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
         self.shard_modules = shard_modules
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
+        self.local_optimizer_step = local_optimizer_step
 
     @classmethod
     def from_cli(cls, strategy_cfg: Any) -> Fp8StateFSDPStrategy:
@@ -170,6 +184,10 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            if self.local_optimizer_step:
+                # Adam/AdamW step on the local shards, not through DTensor's dispatch (host time)
+                for optimizer in self.optimizers:
+                    step_on_local_shards(optimizer)
 
     def check_config(self, config) -> None:
         """Refuse a quantizer configuration this strategy cannot serve (before anything is

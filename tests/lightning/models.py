@@ -29,8 +29,17 @@ class CheckpointedBoring(BoringModel):
     at 1e-3 the loss stays finite for 32 steps (tests/lightning/scenarios.py checks every fit).
     """
 
-    def __init__(self, ckpt: str = "f8s_torch", d: int = 16, n_blocks: int = 2, lr: float = 1e-3, frozen: bool = False):
+    def __init__(
+        self,
+        ckpt: str = "f8s_torch",
+        d: int = 16,
+        n_blocks: int = 2,
+        lr: float = 1e-3,
+        frozen: bool = False,
+        optimizer: str = "sgd",
+    ):
         super().__init__()
+        self.optimizer = optimizer  # "sgd" (momentum 0.9) or "adamw" (fused, as fp8state train's)
         del self.layer
         assert ckpt in CKPT_MODES, ckpt
         self.ckpt = ckpt
@@ -71,7 +80,10 @@ class CheckpointedBoring(BoringModel):
         return self.head(h)
 
     def configure_optimizers(self):
-        return torch.optim.SGD((p for p in self.parameters() if p.requires_grad), lr=self.lr, momentum=0.9)
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.1, fused=True)
+        return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
 
     def perturb_frozen(self, rank: int) -> None:
         """Make this replica's frozen weight differ from the other ranks' (after DDP's broadcast)."""

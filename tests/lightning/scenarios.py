@@ -42,6 +42,7 @@ DEFAULTS = {
     "stop_after_save": False,  # stop the fit right after the last save_at (an interruption)
     "resume_from": None,  # file name of a checkpoint written by an earlier run
     "graphed": False,  # the blocks through GraphedBlocks, its graphs emulated (tests/graph_emulation.py)
+    "optimizer": "sgd",  # or "adamw" (fused)
 }
 
 
@@ -96,6 +97,14 @@ def momentum_buffers(trainer) -> list:
     ]
 
 
+def adam_moments(trainer) -> list:
+    """AdamW's first and second moments, whole (gathered from the shards under FSDP2)."""
+    optimizer = trainer.optimizers[0] if trainer.optimizers else None
+    if not isinstance(optimizer, torch.optim.AdamW):
+        return []
+    return [_full(s[k]) for s in optimizer.state_dict()["state"].values() for k in ("exp_avg", "exp_avg_sq")]
+
+
 def observe(trainer, model, cb) -> dict:
     state = cb.state
     events = state.ledger.events()
@@ -125,6 +134,9 @@ def observe(trainer, model, cb) -> dict:
         "audit_table": None if report is None else report.format_table(),
         "params": {k: _full(v) for k, v in model.state_dict().items()},
         "momentum": momentum_buffers(trainer),
+        # AdamW's moments (this rank's shards), and whether its step ran on the local shards
+        "adam_moments": adam_moments(trainer),
+        "local_step": bool(getattr(trainer.optimizers[0], "_fp8state_local_step", False)) if trainer.optimizers else None,
         "device": str(state.bank.device),  # where the quantizers ran (Lightning may move the model back)
         "strategy": type(trainer.strategy).__name__,
         "fp8_gathered": gathered_layers(model),  # layers whose weight FSDP2 gathers in FP8
@@ -148,7 +160,7 @@ def _strategy(spec):
 def run(spec: dict, out: str) -> None:
     spec = {**DEFAULTS, **spec}
     pl.seed_everything(0, workers=True, verbose=False)
-    model = CheckpointedBoring(ckpt=spec["ckpt"], frozen=spec["frozen"])
+    model = CheckpointedBoring(ckpt=spec["ckpt"], frozen=spec["frozen"], optimizer=spec["optimizer"])
     if spec["graphed"]:
         from lightning_fp8state.block_graphs import GraphedBlocks
         from tests.graph_emulation import EmulatedGraphBackend

@@ -27,6 +27,15 @@ PLAN = [
     {**FSDP, "name": "fsdp_resumed", "resume_from": "fsdp_step.ckpt"},
     {**FSDP, "name": "fsdp_bf16_gather", "strategy_kwargs": {"fp8_all_gather": False}, "max_epochs": 1},
     {**FSDP, "name": "fsdp_current", "config": {"recipe": "fp8_current"}, "max_epochs": 1},
+    # fused AdamW: its step on the local shards (the default) against DTensor's dispatch
+    {**FSDP, "name": "fsdp_adamw", "optimizer": "adamw", "max_epochs": 1},
+    {
+        **FSDP,
+        "name": "fsdp_adamw_dtensor",
+        "optimizer": "adamw",
+        "max_epochs": 1,
+        "strategy_kwargs": {"local_optimizer_step": False},
+    },
 ]
 
 
@@ -122,3 +131,18 @@ def test_fp8_current_gathers_fp8_under_the_lightning_strategy(out):
         assert d["violations"] == 0
         assert len(d["fp8_gathered"]) == 6
     assert all(bitwise(a["params"][k], b["params"][k]) for k in a["params"])
+
+
+def test_adamw_steps_on_the_local_shards_bitwise_the_dtensor_step(out):
+    """The strategy makes AdamW step on each rank's local shards (no DTensor dispatch over every
+    tensor: host time a step); weights and moments are bitwise those of the DTensor step."""
+    local, dtensor = ranks(out, "fsdp_adamw"), ranks(out, "fsdp_adamw_dtensor")
+    for a, b in zip(local, dtensor, strict=True):
+        assert a["local_step"] is True and b["local_step"] is False
+        assert a["global_step"] == b["global_step"] == BATCHES_PER_EPOCH
+        assert len(a["adam_moments"]) == 2 * len([k for k in a["params"] if "frozen" not in k])
+        for x, y in zip(a["adam_moments"], b["adam_moments"], strict=True):
+            assert bitwise(x, y)
+        assert a["params"].keys() == b["params"].keys()
+        for k in a["params"]:
+            assert bitwise(a["params"][k], b["params"][k]), k

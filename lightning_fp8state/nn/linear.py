@@ -32,7 +32,14 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        grads = _linear_backward(grad_out, ctx.saved_tensors, ctx.call, ctx.needs_input_grad)
+        # Outside autocast, as the forward: a backward() called inside an autocast region runs
+        # under it (the engine carries the caller's autocast state), and autocast would turn the
+        # GEMMs that are not _scaled_mm (the float32 emulation) into bfloat16 ones
+        device = grad_out.device.type
+        if torch.is_autocast_enabled(device):
+            grads = autocast_off(device, _linear_backward, grad_out, ctx.saved_tensors, ctx.call, ctx.needs_input_grad)
+        else:
+            grads = _linear_backward(grad_out, ctx.saved_tensors, ctx.call, ctx.needs_input_grad)
         return (*grads, None)
 
 

@@ -131,16 +131,10 @@ class Fp8Rowwise(PerCallScales, Recipe):
         formats = {"quant.forward_format": config.forward_format, "quant.backward_format": config.backward_format}
         e5m2 = [key for key, name in formats.items() if name != "e4m3"]
         if e5m2:
-            # Under torch.compile each call then runs the eager Function (a graph break), not the
-            # compiled op: on the H200 the compiled op's backward through this emulation left the
-            # eager run's bits from the first step (tests/gpu/test_compile_cuda.py; the same op
-            # with E4M3 operands is bitwise, the cause in the emulated backward not yet found)
-            self.compiled_op = False
             warnings.warn(
                 f"recipe={self.name!r} with {', '.join(f'{k}={formats[k]!r}' for k in e5m2)}: cuBLASLt's rowwise "
                 "FP8 GEMM takes E4M3 operands only, so every GEMM with one of these operands runs as a float32 "
-                "emulation (the 350M GPT trained at 0.52x bf16's speed so on an H200), and under torch.compile each "
-                "call runs eagerly (a graph break). Set them to 'e4m3', as "
+                "emulation (the 350M GPT trained at 0.52x bf16's speed so on an H200). Set them to 'e4m3', as "
                 f"configs/quant/{self.name}.yaml does",
                 UserWarning,
                 stacklevel=3,

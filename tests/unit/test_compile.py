@@ -70,16 +70,17 @@ class Mixed(nn.Module):
         return x + self.c(h) + linear_after(self.c, h, norm=self.ln_plain)
 
 
-def _train(model, state, data, compiled: str | None, reentrant: bool = False, fullgraph: bool = True):
+def _train(model, state, data, compiled: str | None, reentrant: bool = False, autocast: bool = False):
     """Steps of ``model`` (each block checkpointed); returns losses, grads per step and the bank."""
     blocks = model.blocks if hasattr(model, "blocks") else [model]
     if compiled is not None:
         torch._dynamo.reset()
         for block in blocks:
-            block.compile(backend=compiled, fullgraph=fullgraph)
+            block.compile(backend=compiled, fullgraph=True)
     losses, grads = [], []
     for step, (x, y) in enumerate(data):
-        with state.step(step):
+        # (autocast: forward and backward inside the region, which the backward then runs under)
+        with state.step(step), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             if isinstance(model, GPT):
                 loss = model.loss(x, y)
             else:
@@ -166,29 +167,19 @@ def test_a_stateless_recipe_compiles_to_one_graph_per_block_bitwise_the_eager_ru
     assert prologues == []
 
 
-def test_rowwise_with_e5m2_gradients_runs_each_call_eagerly_under_compile(monkeypatch):
-    """fp8_rowwise with E5M2 gradients (its backward GEMMs the float32 emulation): the compiled
-    op's backward there left the eager run's bits on the H200, so the recipe runs each call as
-    the eager Function under compile (a graph break), bitwise the eager run, and says so."""
-    from lightning_fp8state.nn import Fp8Linear
-
-    with pytest.warns(UserWarning, match="under torch.compile each call runs eagerly"):
-        eager = _train(*_gpt(False, False, recipe="fp8_rowwise", backward="e5m2"), compiled=None)
-        model, state, data = _gpt(False, False, recipe="fp8_rowwise", backward="e5m2")
-    assert state.protocol.recipe.compiled_op is False
-    assert type(state.protocol.recipe).compiled_op is True  # the E4M3 recipe keeps the op
-    eager_calls = []  # the calls run outside the graph: every linear of the blocks, every step
-
-    @torch.compiler.disable
-    def outside(self, *args):
-        eager_calls.append(self.layer_name)
-        return Fp8Linear._forward(self, *args)
-
-    monkeypatch.setattr(Fp8Linear, "_forward_outside_graph", outside)
-    compiled = _train(model, state, data, compiled="aot_eager", fullgraph=False)
+@pytest.mark.parametrize(
+    "recipe, backward",
+    [("fp8_delayed", "e5m2"), ("fp8_current", "e5m2"), ("fp8_rowwise", "e4m3"), ("fp8_rowwise", "e5m2")],
+)
+def test_compiled_under_autocast_with_the_backward_inside_it_is_bitwise_the_eager_run(recipe, backward):
+    """Forward and backward inside a CPU autocast region (as tests/gpu/test_compile_cuda.py's
+    step does under CUDA autocast): the compiled op's backward and the eager Function's both run
+    their GEMMs outside autocast. The eager one did not, which on the H200 made the compiled
+    fp8_rowwise run with E5M2 gradients (float32-emulated GEMMs) leave the eager run's bits."""
+    eager = _train(*_gpt(False, False, recipe=recipe, backward=backward), compiled=None, autocast=True)
+    model, state, data = _gpt(False, False, recipe=recipe, backward=backward)
+    compiled = _train(model, state, data, compiled="aot_eager", autocast=True)  # fullgraph
     _assert_same_run(eager, compiled)
-    blocks = {name for name in eager_calls if name.startswith("blocks.")}
-    assert len(blocks) == 8, sorted(blocks)  # 2 blocks x 4 linears, none through the op
     assert not state.ledger.violations
 
 

@@ -95,3 +95,40 @@ def test_autocast_state_captures_dtype_enabled_and_cache():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
         assert not torch.is_autocast_cache_enabled()
     assert not torch.is_autocast_enabled("cpu")
+
+
+def _grads_with_backward(inside: bool, recipe: str, backward_format: str, ckpt):
+    state = f8s.Fp8State(f8s.QuantConfig(recipe=recipe, backward_format=backward_format, strict=False))
+    model = state.convert(make_stack(ckpt=ckpt))
+    grads = []
+    for i, x in enumerate(event_inputs(N_EVENTS)):
+        x = x.clone().requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+        with state.step(i):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+                state.commit_forward()
+                if inside:
+                    loss.backward()
+            if not inside:
+                loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()} | {"x": x.grad.clone()})
+    return grads
+
+
+@pytest.mark.parametrize("ckpt", [None, ENGINES[0]], ids=["plain", ENGINE_IDS[0]])
+@pytest.mark.parametrize(
+    "recipe, backward_format",
+    [("fp8_delayed", "e5m2"), ("fp8_current", "e5m2"), ("fp8_rowwise", "e4m3"), ("fp8_rowwise", "e5m2")],
+)
+def test_a_backward_called_inside_autocast_is_bitwise_one_called_outside(recipe, backward_format, ckpt):
+    """The engine runs a backward under the autocast state of the code that called it. Fp8Linear's
+    backward turns autocast off, as its forward does: its GEMMs (here the CPU's float32 emulation,
+    and any GEMM that is not _scaled_mm on a GPU) keep their own precision. Before, a backward()
+    inside the region ran them in bfloat16, and the compiled op (which turned it off) differed
+    from the eager run (first seen on the H200 with fp8_rowwise's E5M2 gradients)."""
+    outside = _grads_with_backward(False, recipe, backward_format, ckpt)
+    inside = _grads_with_backward(True, recipe, backward_format, ckpt)
+    for event, (a, b) in enumerate(zip(outside, inside, strict=True)):
+        for name, g in a.items():
+            assert bitwise_equal(g, b[name]), f"event {event}: grad of {name} differs"

@@ -176,12 +176,14 @@ class StrategyCfg:
     # the parameters' dtype); free each block's gathered parameters after its forward
     fp8_all_gather: bool = True
     reshard_after_forward: bool = True
+    # fp8state_fsdp: AdamW steps on the local shards, not through DTensor's dispatch
+    local_optimizer_step: bool = True
 
     def __post_init__(self) -> None:
         require_choice("name", self.name, STRATEGIES)
         require_int("zero_stage", self.zero_stage, *ZERO_STAGES)
         keys = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
-        for key in (*keys, "fp8_all_gather", "reshard_after_forward"):
+        for key in (*keys, "fp8_all_gather", "reshard_after_forward", "local_optimizer_step"):
             require_bool(key, getattr(self, key))
 
 

@@ -137,7 +137,11 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
     @classmethod
     def from_cli(cls, strategy_cfg: Any) -> Fp8StateFSDPStrategy:
         """The strategy ``fp8state train`` builds from its ``strategy`` section."""
-        return cls(fp8_all_gather=strategy_cfg.fp8_all_gather, reshard_after_forward=strategy_cfg.reshard_after_forward)
+        return cls(
+            fp8_all_gather=strategy_cfg.fp8_all_gather,
+            reshard_after_forward=strategy_cfg.reshard_after_forward,
+            local_optimizer_step=strategy_cfg.local_optimizer_step,
+        )
 
     # -- the contract Fp8StateCallback reads ---------------------------------------------
     @property

@@ -28,6 +28,7 @@ Call :func:`enable_fp8_all_gather` on a converted model before ``fully_shard``.
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 import torch.utils._pytree as pytree
@@ -310,6 +311,21 @@ def _local_shard(t):
     return local._tensor if isinstance(local, Fp8ShardedWeight) else local
 
 
+def _shard_local_update(params: list, grads: list) -> bool:
+    """Whether updating the local tensors is what DTensor's dispatch would do: every DTensor
+    gradient laid out as its parameter (no redistribution) and nothing ``Partial`` (a pending
+    reduction DTensor would run first)."""
+    for p, g in zip(params, grads, strict=True):
+        placements = getattr(p, "placements", None)
+        if placements is None:
+            if hasattr(g, "placements"):
+                return False
+            continue
+        if getattr(g, "placements", None) != placements or any(x.is_partial() for x in placements):
+            return False
+    return True
+
+
 def step_on_local_shards(optimizer: torch.optim.Optimizer) -> bool:
     """Make ``optimizer``'s step run on the local shards of its FSDP2 (DTensor) parameters and
     states, not through DTensor's dispatch. Returns whether it applies (``Adam`` and ``AdamW``
@@ -319,20 +335,32 @@ def step_on_local_shards(optimizer: torch.optim.Optimizer) -> bool:
     On a sharded model every parameter, gradient and moment is a DTensor, and each op of the
     step (one fused kernel, or a few foreach ops) goes through DTensor's Python dispatch over
     hundreds of tensors, through the Fp8ShardedWeight wrapper as well where weights gather in
-    FP8: tens of milliseconds of host time a step at the 350M shape, where the FP8 step is
-    host-bound (docs/PERFORMANCE.md). The step itself, its state and its state dict are
-    torch's; only the lists its ``_init_group`` fills are replaced by the shards they hold (the
-    same storage: the update lands in the DTensors).
+    FP8: milliseconds of host time a step at the 350M shape, where the FP8 step is host-bound
+    (docs/PERFORMANCE.md). The step itself, its state and its state dict are torch's; only the
+    lists its ``_init_group`` fills are replaced by the shards they hold (the same storage: the
+    update lands in the DTensors).
+
+    Where the local update would not be DTensor's, a step keeps the DTensor lists: a gradient
+    laid out otherwise than its parameter or ``Partial`` (tensor parallelism), a
+    ``differentiable`` group (autograd through the update needs the DTensors), and a step
+    traced by ``torch.compile`` (dynamo would take the local tensors as constants of the graph:
+    the first step's gradients, every step).
     """
     if type(optimizer) not in _LOCAL_STEP_OPTIMIZERS:
         return False
     if getattr(optimizer, "_fp8state_local_step", False):
         return True
-    fill = optimizer._init_group  # the bound method of the optimizer's class
+    fill = type(optimizer)._init_group
+    ref = weakref.ref(optimizer)  # the patch held by the optimizer holds it weakly: no cycle
 
     def init_group(group, *lists):
         before = [len(a) if isinstance(a, list) else None for a in lists]
-        out = fill(group, *lists)
+        out = fill(ref(), group, *lists)
+        if group.get("differentiable") or torch.compiler.is_compiling():
+            return out
+        params, grads = lists[0][before[0] :], lists[1][before[1] :]  # Adam's first two lists
+        if not _shard_local_update(params, grads):
+            return out
         for a, n in zip(lists, before, strict=True):
             if n is not None:
                 a[n:] = [_local_shard(t) if isinstance(t, torch.Tensor) else t for t in a[n:]]

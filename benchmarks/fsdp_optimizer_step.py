@@ -1,6 +1,8 @@
 """Benchmark: the host time of one AdamW step over an FSDP2-sharded GPT, through DTensor's dispatch
 (torch's own path, the peer) against the same step on the local shards
-(:func:`lightning_fp8state.nn.fsdp.step_on_local_shards`), in one process, world size 1.
+(:func:`lightning_fp8state.nn.fsdp.step_on_local_shards`), in one process, world size 1; and
+the same for the telemetry's gradient clip (torch's ``clip_grads_with_norm_`` over the DTensor
+gradients against the local ones the telemetry hands it).
 
 Both variants run with FP8 all-gather (the weights' local tensors wrapped) and without
 (``--recipe bf16``). The step is issued ``--steps`` times back to back; the host's time per step
@@ -22,6 +24,7 @@ import torch.distributed as dist
 import lightning_fp8state as f8s
 from lightning_fp8state.models import GPT, GPTConfig
 from lightning_fp8state.nn.fsdp import enable_fp8_all_gather, step_on_local_shards
+from lightning_fp8state.telemetry.tracker import _clip_targets
 
 
 def _sync(device: torch.device) -> None:
@@ -29,7 +32,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(args, local: bool) -> tuple[float, int]:
+def measure(args, local: bool) -> tuple[float, float, int]:
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
@@ -59,7 +62,14 @@ def measure(args, local: bool) -> tuple[float, int]:
         opt.step()
     issue = (time.perf_counter() - t0) / args.steps
     _sync(device)
-    return issue, len(params)
+    grads = [p.grad for p in params]
+    norm = torch.tensor(1e6, device=device)  # a coefficient below 1: every gradient scaled
+    t0 = time.perf_counter()
+    for _ in range(args.steps):  # the telemetry picks its targets every step
+        torch.nn.utils.clip_grads_with_norm_(_clip_targets(params, grads) if local else params, 1.0, norm)
+    clip = (time.perf_counter() - t0) / args.steps
+    _sync(device)
+    return issue, clip, len(params)
 
 
 def main() -> None:
@@ -78,13 +88,15 @@ def main() -> None:
         torch.cuda.set_device(torch.device(args.device))
     dist.init_process_group(backend, rank=0, world_size=1)
     try:
-        peer, n = measure(args, local=False)
-        ours, _ = measure(args, local=True)
+        peer, peer_clip, n = measure(args, local=False)
+        ours, ours_clip, _ = measure(args, local=True)
     finally:
         dist.destroy_process_group()
-    print(f"AdamW (fused) over {n} FSDP2 parameters, {args.layers} blocks, recipe {args.recipe}, {args.device}:")
-    print(f"  through DTensor's dispatch: {peer * 1e3:.2f} ms host a step")
-    print(f"  on the local shards:        {ours * 1e3:.2f} ms host a step ({peer / ours:.2f}x)")
+    print(f"{n} FSDP2 parameters, {args.layers} blocks, recipe {args.recipe}, {args.device}; host ms a step:")
+    print(f"  AdamW (fused) through DTensor's dispatch: {peer * 1e3:.2f}")
+    print(f"  AdamW (fused) on the local shards:        {ours * 1e3:.2f} ({peer / ours:.2f}x)")
+    print(f"  clip through DTensor's dispatch:          {peer_clip * 1e3:.2f}")
+    print(f"  clip on the local shards (telemetry's):   {ours_clip * 1e3:.2f} ({peer_clip / ours_clip:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,10 @@ def gradient_norms(grads: Sequence[torch.Tensor], ord: float = 2.0) -> torch.Ten
         return torch.zeros(0, dtype=torch.float64)
     if any(hasattr(g, "device_mesh") for g in grads):  # sharded (FSDP2 DTensor) gradients
         return _sharded_norms(grads, ord)
+    if math.isinf(ord) and any(g.numel() == 0 for g in grads):
+        # the largest element of nothing: 0 (torch's max-norm refuses an empty tensor; a rank's
+        # shard of a small FSDP2 parameter can be empty)
+        grads = [g if g.numel() else g.new_zeros(1) for g in grads]
     device = grads[0].device
     by_device: dict[torch.device, list[int]] = {}
     for i, g in enumerate(grads):

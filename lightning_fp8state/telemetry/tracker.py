@@ -68,6 +68,29 @@ def count_tokens(batch: Any) -> int:
     return 0
 
 
+class _LocalGrad:
+    """What torch's clipping functions read of a parameter (its ``grad``): here a DTensor
+    gradient's local tensor."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self, grad: torch.Tensor) -> None:
+        self.grad = grad
+
+
+def _clip_targets(params: list, grads: list) -> list:
+    """What to clip: ``params``, or where the gradients are DTensors (FSDP2) their local
+    tensors, for torch's own clipping functions (duck-typed on ``.grad``). Scaling or clamping
+    each element is what DTensor's dispatch does on every shard, bit for bit; through that
+    dispatch the clip cost the host a per-tensor placement of the scalar coefficient, every
+    step (benchmarks/lightning_host.py under fp8state_fsdp). A ``Partial`` gradient (a pending
+    sum, which a clamp does not commute with) keeps the DTensor path."""
+    if not any(hasattr(g, "device_mesh") for g in grads if g is not None):
+        return params
+    if any(p.is_partial() for g in grads if hasattr(g, "device_mesh") for p in g.placements):
+        return params
+    return [_LocalGrad(g._local_tensor if hasattr(g, "device_mesh") else g) for g in grads if g is not None]
+
 @dataclass
 class _Pending:
     device: dict[str, torch.Tensor]
@@ -313,10 +336,11 @@ class TrainingTelemetry:
                         p.grad = None
             # a step the device may skip is clipped anyway (its gradients are then not used)
             if apply is not False and self.apply_clipping and self.max_grad_norm is not None:
+                targets = _clip_targets(params, grads)
                 if self.clip_algorithm == "norm":
-                    torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, summary["grad_norm"].float())
+                    torch.nn.utils.clip_grads_with_norm_(targets, self.max_grad_norm, summary["grad_norm"].float())
                 else:
-                    torch.nn.utils.clip_grad_value_(params, self.max_grad_norm)
+                    torch.nn.utils.clip_grad_value_(targets, self.max_grad_norm)
         self._pending = _Pending(device, host, apply, flagged)
         return apply is not False
 

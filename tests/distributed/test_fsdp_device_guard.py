@@ -6,6 +6,7 @@ before: the guard's decision and the shard mask of the gradient norms, on the H2
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -78,3 +79,70 @@ def test_fused_adamw_over_fsdp2_shards_skips_a_nonfinite_step_on_the_device(tmp_
     rows = read_jsonl(tmp_path / "tel0" / "telemetry.jsonl")
     assert [row["train/skipped"] for row in rows] == [0.0] * BAD + [1.0] + [0.0] * (STEPS - BAD - 1)
     assert torch.tensor([row["train/grad_finite"] for row in rows]).eq(0).nonzero().flatten().tolist() == [BAD]
+
+
+def _clip_worker(rank: int, port: int, out: str, device_type: str) -> None:
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    from lightning_fp8state.telemetry import TrainingTelemetry  # noqa: PLC0415
+    from tests.telemetry.helpers import TinyNet, regression_batches  # noqa: PLC0415
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    results = {}
+    for algo in ("norm", "value"):
+        torch.manual_seed(0)
+        model = TinyNet()
+        for layer in model.children():
+            fully_shard(layer)
+        fully_shard(model)
+        params = list(model.parameters())
+        x, y = regression_batches(1, seed=rank)[0]
+        (model(x) - y).pow(2).mean().backward()
+        pre = [p.grad.detach().clone() for p in params]  # DTensors, before any clip
+        raw = [g.to_local().clone() for g in pre]
+        limit = 0.05  # below the norm and the largest element: both clips act
+        opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
+        tel = TrainingTelemetry(
+            os.path.join(out, f"clip{rank}{algo}"), model=model, log_every=1, write=False,
+            max_grad_norm=limit, clip_algorithm=algo,
+        )  # fmt: skip
+        seen = []
+        name = "_foreach_mul_" if algo == "norm" else "_foreach_clamp_min_"
+        real = getattr(torch, name)
+
+        def recording(tensors, *a, real=real, **k):
+            seen.append(sorted({type(t).__name__ for t in tensors}))
+            return real(tensors, *a, **k)
+
+        setattr(torch, name, recording)
+        try:
+            tel.before_optimizer_step(opt, loss=None, tokens=8)
+        finally:
+            setattr(torch, name, real)
+        norm = tel._pending.device["train/grad_norm"].float()  # the norm the telemetry clipped with
+        tel.close()
+        # the peer: torch's own clip of the DTensor gradients, through DTensor's dispatch
+        holders = [SimpleNamespace(grad=g) for g in pre]  # what torch's clips read of a parameter
+        if algo == "norm":
+            torch.nn.utils.clip_grads_with_norm_(holders, limit, norm)
+        else:
+            torch.nn.utils.clip_grad_value_(holders, limit)
+        results[algo] = {
+            "equal": all(torch.equal(p.grad.to_local(), g.to_local()) for p, g in zip(params, pre, strict=True)),
+            "acted": any(not torch.equal(p.grad.to_local(), r) for p, r in zip(params, raw, strict=True)),
+            "seen": seen,
+        }
+    save_rank_results(out, rank, results)
+
+
+def test_the_telemetry_clips_fsdp2_gradients_on_their_local_shards_bitwise_torchs_clip(tmp_path):
+    """Clipping DTensor gradients through DTensor's dispatch placed the scalar coefficient on
+    the mesh once per tensor, every step; the telemetry clips the local shards with torch's own
+    functions: bitwise torch's clip of the DTensors (norm and value), on both ranks."""
+    for r in spawn_pair_results(_clip_worker, tmp_path):
+        for algo in ("norm", "value"):
+            assert r[algo]["acted"] is True, algo  # the limit is below the norm and the largest element
+            assert r[algo]["equal"] is True, algo
+            assert r[algo]["seen"] == [["Tensor"]], (algo, r[algo]["seen"])  # the local tensors, one call

@@ -176,6 +176,12 @@ def test_fsdp_strategy_is_registered_and_takes_its_arguments():
     s = Fp8StateFSDPStrategy(fp8_all_gather=False, shard_modules=["blocks.*"], reshard_after_forward=False)
     assert (s.fp8_all_gather, s.shard_modules, s.reshard_after_forward) == (False, ("blocks.*",), False)
     assert s.fp8state_sharded is True
+    assert trainer.strategy.local_optimizer_step is True
+    # the CLI's strategy section, key for key
+    from lightning_fp8state.cli.config import load_config
+
+    cfg = load_config("tiny_gpt_cpu", ["strategy.name=fp8state_fsdp", "strategy.local_optimizer_step=false"])
+    assert Fp8StateFSDPStrategy.from_cli(cfg.strategy).local_optimizer_step is False
 
 
 @pytest.mark.parametrize(
@@ -183,6 +189,7 @@ def test_fsdp_strategy_is_registered_and_takes_its_arguments():
     [
         ({"fp8_all_gather": "yes"}, r"fp8_all_gather='yes' is not allowed: expected true or false"),
         ({"reshard_after_forward": 1}, r"reshard_after_forward=1 is not allowed"),
+        ({"local_optimizer_step": "no"}, r"local_optimizer_step='no' is not allowed"),
         ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 is not allowed: .*data parallel only"),
         ({"data_parallel_size": 2}, r"data_parallel_size=2 is not allowed: expected one of \['auto'\]"),
         ({"save_distributed_checkpoint": False}, r"save_distributed_checkpoint=False is not allowed"),

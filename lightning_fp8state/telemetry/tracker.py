@@ -91,6 +91,7 @@ def _clip_targets(params: list, grads: list) -> list:
         return params
     return [_LocalGrad(g._local_tensor if hasattr(g, "device_mesh") else g) for g in grads if g is not None]
 
+
 @dataclass
 class _Pending:
     device: dict[str, torch.Tensor]

@@ -112,7 +112,7 @@ def _clip_worker(rank: int, port: int, out: str, device_type: str) -> None:
         name = "_foreach_mul_" if algo == "norm" else "_foreach_clamp_min_"
         real = getattr(torch, name)
 
-        def recording(tensors, *a, real=real, **k):
+        def recording(tensors, *a, real=real, seen=seen, **k):
             seen.append(sorted({type(t).__name__ for t in tensors}))
             return real(tensors, *a, **k)
 

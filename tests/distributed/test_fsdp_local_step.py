@@ -77,8 +77,12 @@ def _run(rank: int, cls, kwargs: dict, local: bool, compiled: bool = False) -> d
         "seen": seen,
         "applied": applied,
         "wrapped": wrapped,
-        "params": [p.detach().to_local().clone() if not isinstance(p.to_local(), Fp8ShardedWeight)
-                   else p.to_local()._tensor.clone() for p in params],  # fmt: skip
+        "params": [
+            p.detach().to_local().clone()
+            if not isinstance(p.to_local(), Fp8ShardedWeight)
+            else p.to_local()._tensor.clone()
+            for p in params
+        ],
         "states": [
             {k: (v.to_local().clone() if hasattr(v, "to_local") else v.clone()) for k, v in s.items()}
             for s in (opt.state[p] for p in params)

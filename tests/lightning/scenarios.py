@@ -136,7 +136,9 @@ def observe(trainer, model, cb) -> dict:
         "momentum": momentum_buffers(trainer),
         # AdamW's moments (this rank's shards), and whether its step ran on the local shards
         "adam_moments": adam_moments(trainer),
-        "local_step": bool(getattr(trainer.optimizers[0], "_fp8state_local_step", False)) if trainer.optimizers else None,
+        "local_step": bool(getattr(trainer.optimizers[0], "_fp8state_local_step", False))
+        if trainer.optimizers
+        else None,
         "device": str(state.bank.device),  # where the quantizers ran (Lightning may move the model back)
         "strategy": type(trainer.strategy).__name__,
         "fp8_gathered": gathered_layers(model),  # layers whose weight FSDP2 gathers in FP8

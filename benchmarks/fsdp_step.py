@@ -68,6 +68,7 @@ from lightning_fp8state.models import GPT, GPTConfig
 from lightning_fp8state.nn.fsdp import enable_fp8_all_gather
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import memory_peak  # noqa: E402
 from train_step import batches  # noqa: E402  (the benchmarks' shared data)
 
 VARIANTS = ("bf16", "torchao", "torchao_fp8ag", "ours_hpag", "ours")
@@ -124,8 +125,9 @@ def _inputs_to_float32(module, args):
     return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
 
-def build(variant: str, cfg: GPTConfig, args, device: torch.device, rank: int):
-    """The sharded model, its Fp8State (ours) and optimizer; None when the variant cannot run."""
+def build(variant: str, cfg: GPTConfig, args, device: torch.device, rank: int, compiled: bool = False):
+    """The sharded model, its Fp8State (ours) and optimizer; None when the variant cannot run.
+    ``compiled``: each block's forward under ``torch.compile`` (FSDP2's hooks stay eager, around it)."""
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
 
@@ -162,6 +164,8 @@ def build(variant: str, cfg: GPTConfig, args, device: torch.device, rank: int):
         for block in model.blocks:
             block.register_forward_pre_hook(_inputs_to_float32)
     for block in model.blocks:
+        if compiled:
+            block.forward = torch.compile(block.forward)
         fully_shard(block, mesh=mesh, mp_policy=block_policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     if state is not None:
@@ -170,16 +174,36 @@ def build(variant: str, cfg: GPTConfig, args, device: torch.device, rank: int):
     return model, state, opt, after_step
 
 
-def measure(variant: str, cfg: GPTConfig, args, data, device: torch.device, counter: CollectiveCounter) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+def measure(
+    variant: str, cfg: GPTConfig, args, data, device: torch.device, counter: CollectiveCounter, mode: str = "eager"
+) -> dict:
+    rank = dist.get_rank()
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    built = build(variant, cfg, args, device, rank)
+    memory = args.memory_summary and cuda
+    recorder = memory_peak.recording() if memory else contextlib.nullcontext()
+    with recorder:
+        result = _measure(variant, cfg, args, data, device, counter, mode)
+        if memory and result["measured"]:
+            snapshot = torch.cuda.memory._snapshot()
+            if rank == 0:
+                print(f"--- {variant} ({mode}): live at the peak (steps timed while recording)", flush=True)
+                print(memory_peak.summarize(snapshot, top=args.memory_summary), flush=True)
+            del snapshot
+    return result
+
+
+def _measure(variant, cfg, args, data, device, counter, mode) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = device.type == "cuda"
+    if mode == "compile":
+        torch._dynamo.reset()  # each variant compiles its own blocks from scratch
+    built = build(variant, cfg, args, device, rank, compiled=mode == "compile")
     if built is None:
         why = "torchao not installed" if _torchao() is None else "needs CUDA"
-        return {"variant": variant, "measured": False, "why": why}
+        return {"variant": variant, "mode": mode, "measured": False, "why": why}
     model, state, opt, after_step = built
     n = {"i": 0}
 
@@ -226,6 +250,7 @@ def measure(variant: str, cfg: GPTConfig, args, data, device: torch.device, coun
     tokens = args.batch * cfg.seq_len * world
     result = {
         "variant": variant,
+        "mode": mode,
         "measured": True,
         "ms": ms,
         "tokens_per_s": tokens / (ms / 1e3),
@@ -238,7 +263,9 @@ def measure(variant: str, cfg: GPTConfig, args, data, device: torch.device, coun
 
 
 def report(results: list[dict], args, world: int) -> None:
-    base = next((r for r in results if r["variant"] == "bf16" and r["measured"]), None)
+    # the baseline: bf16 in its best mode of this run
+    bf16 = [r for r in results if r["variant"] == "bf16" and r["measured"]]
+    base = max(bf16, key=lambda r: r["tokens_per_s"]) if bf16 else None
     print(
         f"FSDP2 step, {world} ranks, d={args.d_model} layers={args.layers} seq={args.seq} batch/rank={args.batch} "
         f"param_dtype={args.param_dtype}; all-gather bytes counted at the collective (sent per rank and step)"
@@ -246,11 +273,12 @@ def report(results: list[dict], args, world: int) -> None:
     head = f"{'variant':<15}{'tok/s':>12}{'ms':>9}{'AG MB/step':>12}{'AR/step':>9}{'peak GiB':>10}"
     print(head + f"{'tok/s x':>9}{'AG x':>7}{'mem x':>7}")
     for r in results:
+        name = r["variant"] if r.get("mode", "eager") == "eager" else f"{r['variant']} ({r['mode']})"
         if not r["measured"]:
-            print(f"{r['variant']:<15}  not measured ({r['why']})")
+            print(f"{name:<15}  not measured ({r['why']})")
             continue
         line = (
-            f"{r['variant']:<15}{r['tokens_per_s']:>12.0f}{r['ms']:>9.1f}{r['all_gather_bytes_per_step'] / 1e6:>12.1f}"
+            f"{name:<15}{r['tokens_per_s']:>12.0f}{r['ms']:>9.1f}{r['all_gather_bytes_per_step'] / 1e6:>12.1f}"
             f"{r['all_reduces_per_step']:>9.1f}{r['peak_gib']:>10.2f}"
         )
         if base is not None:
@@ -280,6 +308,22 @@ def parse(argv=None) -> argparse.Namespace:
         choices=("fp32", "same"),
         help="param_dtype of the blocks for 'ours' (its weights are FP8 either way); same: --param-dtype",
     )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["eager"],
+        choices=("eager", "compile"),
+        help="run every variant in each mode (compile: each block's forward under torch.compile); "
+        "the ratios are to bf16's best mode",
+    )
+    p.add_argument(
+        "--memory-summary",
+        type=int,
+        default=0,
+        metavar="N",
+        help="record the CUDA memory history of each variant and print the N largest groups of "
+        "allocations live at its peak (slows the timed steps)",
+    )
     p.add_argument("--no-exclude-head", dest="exclude_head", action="store_false")
     p.add_argument("--nprocs", type=int, default=2, help="processes to spawn when not under torchrun")
     p.add_argument("--smoke", action="store_true", help="a tiny GPT, 2 steps, two CPU processes (gloo)")
@@ -308,18 +352,20 @@ def worker(rank: int, world: int, args: argparse.Namespace, teardown: bool = Tru
     counter = CollectiveCounter()
     results = []
     try:
-        for variant in args.variants:
-            try:
-                results.append(measure(variant, cfg, args, data, device, counter))
-            except Exception as exc:  # noqa: BLE001  (report it, measure the others)
-                counter.on = False
-                results.append({"variant": variant, "measured": False, "why": f"{type(exc).__name__}: {exc}"[:200]})
-                if cuda:
-                    torch.cuda.empty_cache()
-            if rank == 0:
-                r = results[-1]
-                state = f"{r['ms']:.1f} ms/step" if r["measured"] else f"not measured ({r['why']})"
-                print(f"  {variant}: {state}", flush=True)
+        for mode in args.modes:
+            for variant in args.variants:
+                try:
+                    results.append(measure(variant, cfg, args, data, device, counter, mode))
+                except Exception as exc:  # noqa: BLE001  (report it, measure the others)
+                    counter.on = False
+                    why = f"{type(exc).__name__}: {exc}"[:200]
+                    results.append({"variant": variant, "mode": mode, "measured": False, "why": why})
+                    if cuda:
+                        torch.cuda.empty_cache()
+                if rank == 0:
+                    r = results[-1]
+                    state = f"{r['ms']:.1f} ms/step" if r["measured"] else f"not measured ({r['why']})"
+                    print(f"  {variant} ({mode}): {state}", flush=True)
     finally:
         counter.close()
     if rank == 0:

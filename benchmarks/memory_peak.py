@@ -1,0 +1,85 @@
+"""What is live at the peak of a CUDA memory trace, grouped by where it was allocated.
+
+``torch.cuda.memory._record_memory_history`` records every allocation and free with its Python
+stack; ``torch.cuda.memory._snapshot()`` returns that trace. The HTML viewer
+(``torch.cuda._memory_viz``) needs a browser; a device call returns text. This module replays a
+snapshot's trace to the moment the allocated bytes peaked and prints the blocks live then,
+grouped by the innermost frames of ours or of torch's FSDP/autograd code that allocated them:
+
+    from memory_peak import recording, summarize
+    with recording():                       # _record_memory_history(stacks="python")
+        run()
+        snap = torch.cuda.memory._snapshot()
+    print(summarize(snap, top=20))
+
+Only allocations made while recording are seen: start it before the model is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+
+# frames that say nothing about who asked for the memory
+_NOISE = ("torch/nn/modules/module.py", "torch/utils/_contextlib.py", "torch/_tensor.py", "/contextlib.py")
+
+
+@contextlib.contextmanager
+def recording(max_entries: int = 2_000_000):
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+    try:
+        yield
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def _where(frames: list[dict], depth: int) -> str:
+    kept = []
+    for f in frames:
+        name = f.get("filename", "")
+        if not name or name.startswith("??") or any(n in name for n in _NOISE):
+            continue
+        short = name.split("site-packages/")[-1].split("/tmp/t/")[-1]
+        kept.append(f"{short}:{f.get('line')}({f.get('name')})")
+        if len(kept) == depth:
+            break
+    return " <- ".join(kept) or "(no Python frame)"
+
+
+def live_at_peak(snapshot: dict, device: int = 0) -> tuple[int, list[dict]]:
+    """(peak bytes allocated while recording, the alloc events live at that moment)."""
+    trace = snapshot["device_traces"][device]
+    live: dict[int, dict] = {}
+    total = peak = 0
+    peak_index = -1
+    for i, ev in enumerate(trace):
+        action = ev["action"]
+        if action == "alloc":
+            live[ev["addr"]] = ev
+            total += ev["size"]
+            if total > peak:
+                peak, peak_index = total, i
+        elif action == "free_completed" and ev["addr"] in live:
+            total -= live.pop(ev["addr"])["size"]
+    live = {}
+    for ev in trace[: peak_index + 1]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+        elif ev["action"] == "free_completed":
+            live.pop(ev["addr"], None)
+    return peak, list(live.values())
+
+
+def summarize(snapshot: dict, top: int = 20, depth: int = 4, device: int = 0) -> str:
+    peak, blocks = live_at_peak(snapshot, device)
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for ev in blocks:
+        g = groups[_where(ev.get("frames", []), depth)]
+        g[0] += ev["size"]
+        g[1] += 1
+    lines = [f"peak of the recorded allocations: {peak / 2**30:.2f} GiB in {len(blocks)} blocks; largest groups:"]
+    for where, (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {size / 2**30:7.3f} GiB {count:6d} x  {where}")
+    return "\n".join(lines)

@@ -56,6 +56,7 @@ import socket
 import statistics
 import sys
 import time
+import traceback
 from fnmatch import fnmatch
 
 import torch
@@ -183,7 +184,7 @@ def measure(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     memory = args.memory_summary and cuda
-    recorder = memory_peak.recording() if memory else contextlib.nullcontext()
+    recorder = memory_peak.recording(stacks=args.memory_stacks) if memory else contextlib.nullcontext()
     with recorder:
         result = _measure(variant, cfg, args, data, device, counter, mode)
         if memory and result["measured"]:
@@ -324,6 +325,9 @@ def parse(argv=None) -> argparse.Namespace:
         help="record the CUDA memory history of each variant and print the N largest groups of "
         "allocations live at its peak (slows the timed steps)",
     )
+    p.add_argument(
+        "--memory-stacks", default="python", choices=("python", "all"), help="the stacks the history records"
+    )
     p.add_argument("--no-exclude-head", dest="exclude_head", action="store_false")
     p.add_argument("--nprocs", type=int, default=2, help="processes to spawn when not under torchrun")
     p.add_argument("--smoke", action="store_true", help="a tiny GPT, 2 steps, two CPU processes (gloo)")
@@ -358,6 +362,8 @@ def worker(rank: int, world: int, args: argparse.Namespace, teardown: bool = Tru
                     results.append(measure(variant, cfg, args, data, device, counter, mode))
                 except Exception as exc:  # noqa: BLE001  (report it, measure the others)
                     counter.on = False
+                    if rank == 0:
+                        traceback.print_exc()
                     why = f"{type(exc).__name__}: {exc}"[:200]
                     results.append({"variant": variant, "mode": mode, "measured": False, "why": why})
                     if cuda:

@@ -27,8 +27,8 @@ _NOISE = ("torch/nn/modules/module.py", "torch/utils/_contextlib.py", "torch/_te
 
 
 @contextlib.contextmanager
-def recording(max_entries: int = 2_000_000):
-    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+def recording(max_entries: int = 2_000_000, stacks: str = "python"):
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks=stacks)
     try:
         yield
     finally:
@@ -39,13 +39,13 @@ def _where(frames: list[dict], depth: int) -> str:
     kept = []
     for f in frames:
         name = f.get("filename", "")
-        if not name or name.startswith("??") or any(n in name for n in _NOISE):
+        if not name.endswith(".py") or any(n in name for n in _NOISE):
             continue
         short = name.split("site-packages/")[-1].split("/tmp/t/")[-1]
         kept.append(f"{short}:{f.get('line')}({f.get('name')})")
         if len(kept) == depth:
             break
-    return " <- ".join(kept) or "(no Python frame)"
+    return " <- ".join(kept) or "(no Python frame: the autograd engine's thread, or C++)"
 
 
 def live_at_peak(snapshot: dict, device: int = 0) -> tuple[int, list[dict]]:

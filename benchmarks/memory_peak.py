@@ -45,7 +45,11 @@ def _where(frames: list[dict], depth: int) -> str:
         kept.append(f"{short}:{f.get('line')}({f.get('name')})")
         if len(kept) == depth:
             break
-    return " <- ".join(kept) or "(no Python frame: the autograd engine's thread, or C++)"
+    if kept:
+        return " <- ".join(kept)
+    # the autograd engine's thread has no Python stack; with stacks="all" its nodes name themselves
+    nodes = [f.get("name", "")[:80] for f in frames if "Backward" in f.get("name", "")][:2]
+    return "(no Python frame) " + (" <- ".join(nodes) if nodes else "C++ / autograd engine")
 
 
 def live_at_peak(snapshot: dict, device: int = 0) -> tuple[int, list[dict]]:

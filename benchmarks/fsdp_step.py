@@ -326,7 +326,10 @@ def parse(argv=None) -> argparse.Namespace:
         "allocations live at its peak (slows the timed steps)",
     )
     p.add_argument(
-        "--memory-stacks", default="python", choices=("python", "all"), help="the stacks the history records"
+        "--memory-stacks",
+        default="python",
+        choices=("python", "all", "none"),
+        help="the stacks the history records (none: sizes only)",
     )
     p.add_argument("--no-exclude-head", dest="exclude_head", action="store_false")
     p.add_argument("--nprocs", type=int, default=2, help="processes to spawn when not under torchrun")

@@ -28,7 +28,12 @@ _NOISE = ("torch/nn/modules/module.py", "torch/utils/_contextlib.py", "torch/_te
 
 @contextlib.contextmanager
 def recording(max_entries: int = 2_000_000, stacks: str = "python"):
-    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks=stacks)
+    """``stacks``: "python", "all" (with C++ frames) or "none" (sizes and order only: no
+    traceback is gathered at an allocation)."""
+    context = None if stacks == "none" else "all"
+    torch.cuda.memory._record_memory_history(
+        max_entries=max_entries, context=context, stacks="python" if stacks == "none" else stacks
+    )
     try:
         yield
     finally:
@@ -86,4 +91,10 @@ def summarize(snapshot: dict, top: int = 20, depth: int = 4, device: int = 0) ->
     lines = [f"peak of the recorded allocations: {peak / 2**30:.2f} GiB in {len(blocks)} blocks; largest groups:"]
     for where, (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {size / 2**30:7.3f} GiB {count:6d} x  {where}")
+    by_size: dict[int, int] = defaultdict(int)
+    for ev in blocks:
+        by_size[ev["size"]] += 1
+    lines.append("by block size (the shapes say what a block holds when no stack does):")
+    for size, count in sorted(by_size.items(), key=lambda kv: -kv[0] * kv[1])[:top]:
+        lines.append(f"  {size * count / 2**30:7.3f} GiB {count:6d} x {size / 2**20:10.3f} MiB")
     return "\n".join(lines)

@@ -14,7 +14,8 @@ bf16 autocast, each variant trains ``--warmup`` steps, then ``--steps`` timed st
 - ``ours_hpag``: our Fp8Linear (delayed scaling), weights gathered in ``--param-dtype`` and
   quantized by each layer; ``ours``: the same with FP8 all-gather at the frozen delayed scale
   (``lightning_fp8state.nn.fsdp.enable_fp8_all_gather``), the weight amaxes MAX-reduced in the
-  one all-reduce at ``commit_forward``. Its blocks keep ``param_dtype`` float32 (``--ours-block-dtype``):
+  one all-reduce at ``commit_forward``. Its blocks keep ``param_dtype`` float32 (``--ours-block-dtype``)
+  and take the root's bf16 activations as they come (``--ours-block-inputs``):
   their weights travel as FP8 whatever ``param_dtype`` says, and the LayerNorm weights and biases
   (a few KB a block) in float32 keep the LayerNorm fused into the input's quantize (the fused
   kernel takes a float32 affine); the GPT unit uses ``--param-dtype`` as every variant's does.
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import socket
@@ -155,15 +157,20 @@ def build(variant: str, cfg: GPTConfig, args, device: torch.device, rank: int, c
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     block_policy = policy
     if variant == "ours" and args.ours_block_dtype == "fp32":
-        # The blocks' inputs are cast to float32 by a hook of ours, not by FSDP2: torch 2.11's
-        # FSDP2 casts a unit's inputs in its forward but skips that in a checkpoint's recompute
-        # (torch 2.13 casts in both), and the recompute then fails torch's metadata check
-        # (seen on the H200). A module pre-hook runs in the forward and in the recompute alike.
+        # FSDP2 would cast a float32 unit's inputs to float32: the residual stream, and each
+        # checkpointed block's saved input, at 4 bytes an element (measured at 1.2B, batch 16:
+        # +2.4 GiB of peak, the 20 saved inputs at 256 MiB instead of 128). The blocks take the
+        # root's bfloat16 stream as it comes (cast_forward_inputs=False: the FP8 linears and the
+        # fused LayerNorm take bf16 inputs beside float32 affines); --ours-block-inputs fp32
+        # keeps the float32 stream, cast by a hook of ours (torch 2.11's FSDP2 casts a unit's
+        # inputs in its forward but not in a checkpoint's recompute, whose metadata check then
+        # fails: seen on the H200; a module pre-hook runs in both).
         block_policy = MixedPrecisionPolicy(
             param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
         )
-        for block in model.blocks:
-            block.register_forward_pre_hook(_inputs_to_float32)
+        if args.ours_block_inputs == "fp32":
+            for block in model.blocks:
+                block.register_forward_pre_hook(_inputs_to_float32)
     for block in model.blocks:
         if compiled:
             block.forward = torch.compile(block.forward)
@@ -181,8 +188,12 @@ def measure(
     rank = dist.get_rank()
     cuda = device.type == "cuda"
     if cuda:
+        # the previous variant's FSDP2 modules hold reference cycles: without a collection its
+        # model and optimizer state would still count in this variant's peak
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device) if cuda else 0
     memory = args.memory_summary and cuda
     recorder = memory_peak.recording(stacks=args.memory_stacks) if memory else contextlib.nullcontext()
     with recorder:
@@ -193,6 +204,7 @@ def measure(
                 print(f"--- {variant} ({mode}): live at the peak (steps timed while recording)", flush=True)
                 print(memory_peak.summarize(snapshot, top=args.memory_summary), flush=True)
             del snapshot
+    result["start_gib"] = start / 2**30  # allocated before the variant was built (the data): in every peak
     return result
 
 
@@ -330,6 +342,12 @@ def parse(argv=None) -> argparse.Namespace:
         default="python",
         choices=("python", "all", "none"),
         help="the stacks the history records (none: sizes only)",
+    )
+    p.add_argument(
+        "--ours-block-inputs",
+        default="keep",
+        choices=("keep", "fp32"),
+        help="with --ours-block-dtype fp32: the blocks' inputs as the root gives them (bf16) or cast to float32",
     )
     p.add_argument("--no-exclude-head", dest="exclude_head", action="store_false")
     p.add_argument("--nprocs", type=int, default=2, help="processes to spawn when not under torchrun")

@@ -29,15 +29,20 @@ SCRIPT = textwrap.dedent(
     from lightning_fp8state.lightning import deepspeed_guard
     from lightning_fp8state.telemetry.engines import FOUND_INF_ATTR
     guard = sys.argv[1] == "guard"
+    overlap = sys.argv[2] == "overlap"
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     config = {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True}, "gradient_clipping": 0.5,
-              "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+              "zero_optimization": {"stage": 2, "overlap_comm": overlap}, "zero_allow_untested_optimizer": True}
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     reason = deepspeed_guard.install(engine) if guard else "off"
     g = torch.Generator(device="cuda").manual_seed(1)
-    flags, skipped, syncs = [], [], []
+    flags, skipped, syncs, waits = [], [], [], []
+    device_wait = torch.cuda.synchronize
+    def counted_wait(*a, **k):  # torch.cuda.synchronize is not seen by set_sync_debug_mode
+        waits.append(1)
+        return device_wait(*a, **k)
     def record(message, category, filename, lineno, file=None, line=None):
         if str(message).startswith("called a synchronizing"):  # not set_sync_debug_mode's own notice
             frames = [f for f in traceback.extract_stack() if "deepspeed" in f.filename]
@@ -48,9 +53,11 @@ SCRIPT = textwrap.dedent(
         loss = engine(x).float().pow(2).mean()
         if step == 4:
             loss = loss * float("nan")
+        if step == 3:  # a steady-state step: how often do the backward and the step wait for the device?
+            torch.cuda.synchronize = counted_wait
         engine.backward(loss)
-        if step == 3:  # a steady-state step: which host syncs does the engine's step make?
-            torch.cuda.synchronize()
+        if step == 3:  # ... and which host syncs does the engine's step make?
+            device_wait()
             shown, warnings.showwarning = warnings.showwarning, record
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
@@ -58,27 +65,33 @@ SCRIPT = textwrap.dedent(
         if step == 3:
             torch.cuda.set_sync_debug_mode(0)
             warnings.showwarning = shown
+            torch.cuda.synchronize = device_wait
         flag = getattr(engine, FOUND_INF_ATTR, None)
         flags.append(None if flag is None else flag.item())
         skipped.append(engine.skipped_steps)
     params = torch.cat([p.detach().float().flatten().cpu() for p in engine.module.parameters()])
-    print(json.dumps({"reason": reason, "flags": flags, "skipped": skipped, "syncs": syncs,
+    print(json.dumps({"reason": reason, "flags": flags, "skipped": skipped, "syncs": syncs, "waits": len(waits),
                       "params": params.tolist()}))
     """
 )
 
 
-def run(mode: str, tmp_path) -> dict:
+def run(mode: str, tmp_path, overlap: bool = False) -> dict:
     env = dict(
         os.environ,
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(29600 + (mode == "guard")),
+        MASTER_PORT=str(29600 + (mode == "guard") + 2 * overlap),
         RANK="0",
         LOCAL_RANK="0",
         WORLD_SIZE="1",
     )
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, mode], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path
+        [sys.executable, "-c", SCRIPT, mode, "overlap" if overlap else "in-order"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -101,3 +114,15 @@ def test_the_device_guard_is_bitwise_deepspeeds_check_and_clip(tmp_path):
     assert device["params"] == host["params"], facts  # clipped steps and the skip: bitwise the same
     assert len(host["syncs"]) > 0, facts  # the probe sees DeepSpeed's own syncs
     assert device["syncs"] == [], facts
+    assert device["waits"] == 0, facts  # nothing in the backward or the step waits for the device
+
+
+def test_overlap_comm_makes_every_backward_wait_for_the_device(tmp_path):
+    """Why ``Fp8StateDeepSpeedStrategy`` turns DeepSpeed's ``overlap_comm`` off by default (Lightning
+    turns it on): with it on, ZeRO-2 calls ``torch.cuda.synchronize`` in every backward (before a
+    bucket's reduction and at the backward's end), so the host cannot issue the next step ahead
+    of the GPU. The same guarded engine as above, with overlap_comm on: the probe counts the waits
+    the in-order engine does not make."""
+    overlapped = run("guard", tmp_path, overlap=True)
+    assert overlapped["reason"] is None, overlapped["reason"]
+    assert overlapped["waits"] > 0, overlapped["waits"]

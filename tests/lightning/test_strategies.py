@@ -100,6 +100,7 @@ def test_checkpoint_engine_routing_choices():
         ({"checkpoint_engine": "fast"}, r"checkpoint_engine='fast' is not allowed"),
         ({"num_checkpoints": 0}, r"num_checkpoints=0 is not allowed"),
         ({"device_guard": "yes"}, r"device_guard='yes' is not allowed"),
+        ({"overlap_comm": "no"}, r"overlap_comm='no' is not allowed"),
         ({"contiguous_memory_optimization": True, "num_checkpoints": 2}, "needs partition_activations=True"),
         ({"contiguous_memory_optimization": True, "partition_activations": True}, "needs num_checkpoints"),
     ],
@@ -275,3 +276,26 @@ def test_the_callback_reads_strategies_only_through_the_contract():
         if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "getattr" and "strategy" in ast.unparse(n.args[0])
     ]
     assert probes == []
+
+
+def test_deepspeed_overlap_comm_is_off_unless_asked():
+    """ZeRO-1/2 with overlap_comm synchronize the device in every backward (the GPU test
+    ``test_overlap_comm_makes_every_backward_wait_for_the_device`` counts it): ours is off by
+    default, where Lightning's own strategy turns it on; asked for, by argument or CLI key, it is on."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from lightning_fp8state.cli.schema import StrategyCfg
+
+    assert DeepSpeedStrategy().config["zero_optimization"]["overlap_comm"] is True  # Lightning's default
+    assert Fp8StateDeepSpeedStrategy().config["zero_optimization"]["overlap_comm"] is False
+    assert Fp8StateDeepSpeedStrategy(overlap_comm=True).config["zero_optimization"]["overlap_comm"] is True
+    from_cli = Fp8StateDeepSpeedStrategy.from_cli(StrategyCfg(name="fp8state_deepspeed", overlap_comm=True))
+    assert from_cli.config["zero_optimization"]["overlap_comm"] is True
+    assert (
+        Fp8StateDeepSpeedStrategy.from_cli(StrategyCfg(name="fp8state_deepspeed")).config["zero_optimization"][
+            "overlap_comm"
+        ]
+        is False
+    )
+    with pytest.raises(f8s.ConfigError, match=r"overlap_comm='on' is not allowed"):
+        StrategyCfg(overlap_comm="on")

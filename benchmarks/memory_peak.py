@@ -13,6 +13,13 @@ grouped by the innermost frames of ours or of torch's FSDP/autograd code that al
     print(summarize(snap, top=20))
 
 Only allocations made while recording are seen: start it before the model is built.
+
+torch 2.11 + CUDA: with Python stacks recorded, any ``torch.autograd.Function`` called inside a
+non-reentrant ``torch.utils.checkpoint`` region fails with ``SystemError: <built-in method apply
+of FunctionMeta object> returned NULL without setting an exception`` (seen on the H200 with a
+three-line Function of torch's own ops, not only with ours; reentrant checkpointing and no
+checkpointing run). ``stacks="none"`` records sizes and order without gathering a traceback,
+and runs; the blocks' sizes then say what they hold.
 """
 
 from __future__ import annotations

@@ -82,11 +82,22 @@ class Prologue:
                 return self._apply(x)
         return self._apply(x)
 
+    def _torch_norm_operands(self, x: torch.Tensor):
+        """``(x, weight, bias)`` in one dtype for torch's LayerNorm, which takes no mix: a
+        bf16 activation beside a float32 affine (FSDP2 units at ``param_dtype`` float32 fed a
+        bf16 stream) runs in float32, as autocast runs ``layer_norm``. The fused kernel takes
+        the mix as it is."""
+        dtype = x.dtype
+        for p in (self.weight, self.bias):
+            if p is not None:
+                dtype = torch.promote_types(dtype, p.dtype)
+        return tuple(t if t is None or t.dtype == dtype else t.to(dtype) for t in (x, self.weight, self.bias))
+
     def _apply(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "gelu":
             return F.gelu(x)
-        d = x.shape[-1]
-        y, mean, rstd = torch.ops.aten.native_layer_norm(x, [d], self.weight, self.bias, self.eps)
+        xc, w, b = self._torch_norm_operands(x)
+        y, mean, rstd = torch.ops.aten.native_layer_norm(xc, [x.shape[-1]], w, b, self.eps)
         self.stats, self.fused = (mean, rstd), False
         return y
 
@@ -124,8 +135,14 @@ class Prologue:
         mean, rstd = stats
         if self.fused:
             return ops.layer_norm_backward(grad_y, x, mean, rstd, self.weight, needs)
-        return torch.ops.aten.native_layer_norm_backward(
-            grad_y, x, [x.shape[-1]], mean, rstd, self.weight, self.bias, list(needs)
+        xc, w, b = self._torch_norm_operands(x)
+        grads = torch.ops.aten.native_layer_norm_backward(
+            grad_y.to(xc.dtype), xc, [x.shape[-1]], mean, rstd, w, b, list(needs)
+        )
+        # each gradient in its operand's own dtype
+        return tuple(
+            g if g is None or g.dtype == t.dtype else g.to(t.dtype)
+            for g, t in zip(grads, (x, self.weight, self.bias), strict=True)
         )
 
 

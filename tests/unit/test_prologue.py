@@ -280,3 +280,33 @@ def test_opcheck_on_cpu():
     torch.library.opcheck(
         torch.ops.fp8state.layer_norm_quantize_fp8_record_amax.default, (x, None, b, 1e-5, s, pending, 0, E4M3)
     )
+
+
+@pytest.mark.parametrize("d", [64, 66])  # 66: no fused kernel takes the width (torch's LayerNorm throughout)
+def test_bf16_activations_beside_a_float32_norm(d):
+    """An FSDP2 unit at ``param_dtype`` float32 fed the root's bf16 stream: the linear's input
+    is bf16, the LayerNorm's affine float32. torch's LayerNorm takes no such mix ("expected
+    scalar type BFloat16 but found Float": the first event's calibration, found on the H200 by
+    ``benchmarks/fsdp_step.py``); the prologue runs it in float32, as autocast runs
+    ``layer_norm``, and gives each gradient its operand's dtype."""
+    state, model = make_linear(d, 16)
+    norm = model["norm"]
+    x = (torch.randn(6, d) * 3).bfloat16()
+    # the torch path on its own, against F.layer_norm of the float32 activations, bitwise
+    prologue = f8s.nn.Prologue.layer_norm(norm)
+    xf = x.float().requires_grad_(True)
+    want = F.layer_norm(xf, (d,), norm.weight, norm.bias, norm.eps)
+    got = prologue.apply(x)
+    assert got.dtype == torch.float32 and torch.equal(got, want.detach())
+    grad_y = torch.randn(6, d)
+    want_gx, want_gw, want_gb = torch.autograd.grad(want, (xf, norm.weight, norm.bias), grad_y)
+    gx, gw, gb = prologue.backward(grad_y, x, prologue.stats, (True, True, True))
+    assert gx.dtype == torch.bfloat16 and torch.equal(gx, want_gx.bfloat16())
+    assert gw.dtype == gb.dtype == torch.float32 and torch.equal(gw, want_gw) and torch.equal(gb, want_gb)
+    # through the linear: the first event calibrates on the prologue's output, and trains
+    for step in range(2):
+        y, gx, grads = run(state, model, x, step=step, norm=norm)
+        assert y.dtype == gx.dtype == torch.bfloat16
+        assert torch.isfinite(y.float()).all() and torch.isfinite(gx.float()).all()
+        assert {n: g.dtype for n, g in grads.items()} == {n: torch.float32 for n in grads}
+        assert set(grads) == {"lin.weight", "lin.bias", "norm.weight", "norm.bias"}

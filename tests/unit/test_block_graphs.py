@@ -175,3 +175,35 @@ def test_blocks_that_draw_random_numbers_are_refused_at_the_warmup():
     runner = GraphedBlocks(blocks, warmup=1, backend=EmulatedGraphBackend())
     with state.step(0), pytest.raises(f8s.ConfigError, match="draw random numbers"):
         runner(torch.randn(2, D, requires_grad=True))
+
+
+def test_fresh_grads_leave_the_graphs_memory_in_one_aligned_buffer():
+    """The replayed backward hands autograd its gradients out of the graph's static buffers: the
+    same bits, in memory of their own (a later replay overwrites the static buffers), each at a
+    16-byte-aligned offset of one new buffer; gradients of mixed dtypes are cloned one by one."""
+    from lightning_fp8state.block_graphs import _BlockGraphs
+
+    graphs = _BlockGraphs(Block(D))
+    g = torch.Generator().manual_seed(3)
+    shapes = [(D, D), (5,), None, (3, 7), (0,), (D,)]  # odd sizes: padding between segments; None: frozen
+    static = tuple(None if s is None else torch.randn(s, generator=g) for s in shapes)
+    graphs.static_grad_params = static
+    fresh = graphs.fresh_grads()
+    assert [f is None for f in fresh] == [s is None for s in static]
+    live = [(f, s) for f, s in zip(fresh, static, strict=True) if s is not None]
+    assert all(torch.equal(f, s) and f.shape == s.shape for f, s in live)
+    assert all(f.data_ptr() % 16 == 0 for f, _ in live if f.numel())
+    bases = {f.untyped_storage().data_ptr() for f, _ in live}
+    assert len(bases) == 1 and bases.isdisjoint({s.untyped_storage().data_ptr() for _, s in live})
+    kept = [f.clone() for f, _ in live]
+    for _, s in live:  # the next replay rewrites the static buffers
+        s.add_(1.0)
+    assert all(torch.equal(f, k) for (f, _), k in zip(live, kept, strict=True))
+    # mixed dtypes: a clone each
+    mixed = _BlockGraphs(Block(D))
+    mixed.static_grad_params = (torch.randn(4, generator=g), torch.randn(4, generator=g).double())
+    out = mixed.fresh_grads()
+    assert [o.dtype for o in out] == [torch.float32, torch.float64]
+    assert all(
+        torch.equal(o, s) and o.data_ptr() != s.data_ptr() for o, s in zip(out, mixed.static_grad_params, strict=True)
+    )

@@ -32,7 +32,13 @@ and the backward re-gather of each block, and the GPT unit's own parameters (emb
 norm, head), which stay in ``--param-dtype`` in every variant. All-reduces are the
 ``torch.distributed.all_reduce`` calls per step (ours: the one amax reduction at
 ``commit_forward``); torchao's amax reduction runs through DTensor's functional collectives and
-is not in that count. ``--json PATH`` writes the rows. A variant that raises (an out-of-memory,
+is not in that count. ``--json PATH`` writes the rows. ``--modes eager compile`` runs every
+variant in each mode (compile: each block's forward under ``torch.compile``, FSDP2's hooks eager
+around it) and takes bf16's best mode as the baseline. ``--memory-summary N`` records each
+variant's CUDA memory history and prints the N largest groups of allocations live at its peak
+(``memory_peak.py``; ``--memory-stacks none`` where torch's recorder cannot take Python stacks).
+Before each variant the previous one's modules are garbage-collected (FSDP2 holds reference
+cycles), so each peak is the variant's own. A variant that raises (an out-of-memory,
 a torchao API change) is printed as "not measured" with the error, and the run goes on.
 
 Run on two GPUs (either launches two processes, one per GPU, NCCL):

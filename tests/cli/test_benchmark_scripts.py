@@ -162,3 +162,38 @@ def test_host_overhead_runs_on_the_cpu_with_the_kernels_stubbed():
     for mode in ("eager", "compile"):
         assert f"{mode:>8}  plain:" in out and f"{mode:>8}   safe:" in out
         assert f"{mode:>8}: ours adds" in out
+
+
+def test_memory_peak_replays_a_trace_to_its_peak(monkeypatch):
+    """benchmarks/memory_peak.py on a hand-made trace of the recorder's shape: the peak is where
+    the live bytes were highest (not the sum of every allocation), the blocks live then are
+    the ones reported, grouped by their innermost frames of interest and by size."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    memory_peak = importlib.import_module("memory_peak")
+
+    def frames(*where):
+        return [{"filename": f, "line": n, "name": fn} for f, n, fn in where]
+
+    ours = frames(("/x/torch/nn/modules/module.py", 1, "_call_impl"), ("/x/lightning_fp8state/nn/linear.py", 9, "fwd"))
+    theirs = frames(("/x/torch/optim/adam.py", 5, "_init_group"))
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": ours},
+        {"action": "alloc", "addr": 2, "size": 300, "frames": theirs},
+        {"action": "free_requested", "addr": 1, "size": 100, "frames": []},
+        {"action": "free_completed", "addr": 1, "size": 100, "frames": []},
+        {"action": "alloc", "addr": 3, "size": 50, "frames": ours},  # live 350 < 400: not the peak
+        {"action": "alloc", "addr": 4, "size": 200, "frames": ours},  # live 550: the peak
+        {"action": "free_completed", "addr": 2, "size": 300, "frames": []},
+        {"action": "alloc", "addr": 5, "size": 250, "frames": []},  # live 500
+    ]
+    peak, live = memory_peak.live_at_peak({"device_traces": [trace]})
+    assert peak == 550
+    assert sorted(ev["addr"] for ev in live) == [2, 3, 4]
+    text = memory_peak.summarize({"device_traces": [trace]}, top=5)
+    lines = text.splitlines()
+    # Adam's block (300 bytes) first, then the linear's two (250), module.py's frame left out
+    assert "     1 x" in lines[1] and "torch/optim/adam.py:5(_init_group)" in lines[1]
+    assert "     2 x" in lines[2] and "lightning_fp8state/nn/linear.py:9(fwd)" in lines[2]
+    assert "module.py" not in text

@@ -169,23 +169,33 @@ class _BlockGraphs:
         snapshot's tensors, which the graphs read (a delayed scale's are views of the event's
         frozen copy, refilled by the template already: the same values; a stateless recipe's are
         the full weight's, derived anew every event)."""
-        dst, src = [], []  # one batched copy for the block, not a launch per tensor
+        # one batched copy per dtype for the block, not a launch per tensor: torch's foreach
+        # copy takes its one-kernel route only when every source shares a dtype, and walks a
+        # mixed list (FP8 codes as uint8 beside float32 scales and biases) one copy_ at a time
+        # (0.23 ms a call against 0.04 for an all-float32 block, measured on the H200)
+        groups: dict[torch.dtype, tuple[list, list]] = {}
+
+        def add(d: torch.Tensor, s: torch.Tensor) -> None:
+            pair = groups.get(d.dtype)
+            if pair is None:
+                pair = groups[d.dtype] = ([], [])
+            pair[0].append(d)
+            pair[1].append(s)
+
         for alias, p in zip(self.aliases.values(), live, strict=True):
             if isinstance(alias, Fp8GatheredWeight):
-                dst.append(alias.fp8.view(torch.uint8))  # the codes' bytes (every foreach kernel takes uint8)
-                src.append(p.fp8.view(torch.uint8))
+                add(alias.fp8.view(torch.uint8), p.fp8.view(torch.uint8))  # the codes' bytes
                 held, now = alias.snapshot, p.snapshot
                 if held is not now:
-                    dst += [held.scale, held.descale]
-                    src += [now.scale, now.descale]
+                    add(held.scale, now.scale)
+                    add(held.descale, now.descale)
                     if held.amax is not None and now.amax is not None:
-                        dst.append(held.amax)
-                        src.append(now.amax)
+                        add(held.amax, now.amax)
             else:
-                dst.append(alias)
-                src.append(p)
+                add(alias, p)
         with torch.no_grad():
-            torch._foreach_copy_(dst, src)
+            for dst, src in groups.values():
+                torch._foreach_copy_(dst, src)
 
     def fresh_grads(self) -> tuple:
         """The parameters' gradients of the last backward replay, out of the graph's memory:

@@ -172,9 +172,10 @@ class StrategyCfg:
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
-    # fp8state_deepspeed: DeepSpeed's overlap_comm (on, ZeRO-1/2 synchronize the device at every
-    # bucket's reduction and every backward's end: the host cannot run ahead of the GPU)
-    overlap_comm: bool = False
+    # fp8state_deepspeed: DeepSpeed's overlap_comm; null: off under ZeRO-1/2 (on, they
+    # synchronize the device at every bucket's reduction and every backward's end: the host
+    # cannot run ahead of the GPU), on under ZeRO-3 (it waits at the backward's end either way)
+    overlap_comm: typing.Optional[bool] = None  # noqa: UP045  (omegaconf reads no "bool | None")
     # fp8state_fsdp: all-gather converted weights as FP8 codes at the delayed scale (else in
     # the parameters' dtype); free each block's gathered parameters after its forward
     fp8_all_gather: bool = True
@@ -186,8 +187,10 @@ class StrategyCfg:
         require_choice("name", self.name, STRATEGIES)
         require_int("zero_stage", self.zero_stage, *ZERO_STAGES)
         keys = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
-        for key in (*keys, "overlap_comm", "fp8_all_gather", "reshard_after_forward", "local_optimizer_step"):
+        for key in (*keys, "fp8_all_gather", "reshard_after_forward", "local_optimizer_step"):
             require_bool(key, getattr(self, key))
+        if self.overlap_comm is not None:
+            require_bool("overlap_comm", self.overlap_comm)
 
 
 @dataclass

@@ -278,24 +278,33 @@ def test_the_callback_reads_strategies_only_through_the_contract():
     assert probes == []
 
 
-def test_deepspeed_overlap_comm_is_off_unless_asked():
+def test_deepspeed_overlap_comm_is_off_under_zero_1_2_unless_asked():
     """ZeRO-1/2 with overlap_comm synchronize the device in every backward (the GPU test
-    ``test_overlap_comm_makes_every_backward_wait_for_the_device`` counts it): ours is off by
-    default, where Lightning's own strategy turns it on; asked for, by argument or CLI key, it is on."""
+    ``test_overlap_comm_makes_every_backward_wait_for_the_device`` counts it): ours leaves it
+    off there by default, where Lightning's own strategy turns it on; ZeRO-3 waits at the end
+    of every backward either way, so it keeps the overlap. Asked for, by argument or CLI key,
+    it is what was asked."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     from lightning_fp8state.cli.schema import StrategyCfg
+    from lightning_fp8state.lightning import STRATEGIES
 
-    assert DeepSpeedStrategy().config["zero_optimization"]["overlap_comm"] is True  # Lightning's default
-    assert Fp8StateDeepSpeedStrategy().config["zero_optimization"]["overlap_comm"] is False
-    assert Fp8StateDeepSpeedStrategy(overlap_comm=True).config["zero_optimization"]["overlap_comm"] is True
-    from_cli = Fp8StateDeepSpeedStrategy.from_cli(StrategyCfg(name="fp8state_deepspeed", overlap_comm=True))
-    assert from_cli.config["zero_optimization"]["overlap_comm"] is True
-    assert (
-        Fp8StateDeepSpeedStrategy.from_cli(StrategyCfg(name="fp8state_deepspeed")).config["zero_optimization"][
-            "overlap_comm"
-        ]
-        is False
-    )
+    def overlap(strategy) -> bool:
+        return strategy.config["zero_optimization"]["overlap_comm"]
+
+    assert overlap(DeepSpeedStrategy()) is True  # Lightning's default
+    assert overlap(Fp8StateDeepSpeedStrategy()) is False  # stage 2
+    assert [overlap(Fp8StateDeepSpeedStrategy(stage=s)) for s in (1, 2, 3)] == [False, False, True]
+    assert overlap(Fp8StateDeepSpeedStrategy(None, True, 3)) is True  # the stage given by position
+    assert overlap(Fp8StateDeepSpeedStrategy(overlap_comm=True)) is True
+    assert overlap(Fp8StateDeepSpeedStrategy(stage=3, overlap_comm=False)) is False
+    cls = STRATEGIES["fp8state_deepspeed"]
+    cli = [overlap(cls.from_cli(StrategyCfg(name="fp8state_deepspeed", zero_stage=s))) for s in (1, 2, 3)]
+    assert cli == [False, False, True]
+    assert overlap(cls.from_cli(StrategyCfg(name="fp8state_deepspeed", overlap_comm=True))) is True
     with pytest.raises(f8s.ConfigError, match=r"overlap_comm='on' is not allowed"):
         StrategyCfg(overlap_comm="on")
+    # the registered names, built as the registry builds them
+    for stage in (1, 2, 3):
+        entry = pl.strategies.StrategyRegistry[f"fp8state_deepspeed_stage_{stage}"]
+        assert overlap(entry["strategy"](**entry["init_params"])) is (stage == 3), stage

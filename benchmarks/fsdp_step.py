@@ -289,15 +289,15 @@ def report(results: list[dict], args, world: int) -> None:
         f"FSDP2 step, {world} ranks, d={args.d_model} layers={args.layers} seq={args.seq} batch/rank={args.batch} "
         f"param_dtype={args.param_dtype}; all-gather bytes counted at the collective (sent per rank and step)"
     )
-    head = f"{'variant':<15}{'tok/s':>12}{'ms':>9}{'AG MB/step':>12}{'AR/step':>9}{'peak GiB':>10}"
+    head = f"{'variant':<24}{'tok/s':>12}{'ms':>9}{'AG MB/step':>12}{'AR/step':>9}{'peak GiB':>10}"
     print(head + f"{'tok/s x':>9}{'AG x':>7}{'mem x':>7}")
     for r in results:
         name = r["variant"] if r.get("mode", "eager") == "eager" else f"{r['variant']} ({r['mode']})"
         if not r["measured"]:
-            print(f"{name:<15}  not measured ({r['why']})")
+            print(f"{name:<24}  not measured ({r['why']})")
             continue
         line = (
-            f"{name:<15}{r['tokens_per_s']:>12.0f}{r['ms']:>9.1f}{r['all_gather_bytes_per_step'] / 1e6:>12.1f}"
+            f"{name:<24}{r['tokens_per_s']:>12.0f}{r['ms']:>9.1f}{r['all_gather_bytes_per_step'] / 1e6:>12.1f}"
             f"{r['all_reduces_per_step']:>9.1f}{r['peak_gib']:>10.2f}"
         )
         if base is not None:

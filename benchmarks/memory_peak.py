@@ -4,7 +4,8 @@
 stack; ``torch.cuda.memory._snapshot()`` returns that trace. The HTML viewer
 (``torch.cuda._memory_viz``) needs a browser; a device call returns text. This module replays a
 snapshot's trace to the moment the allocated bytes peaked and prints the blocks live then,
-grouped by the innermost frames of ours or of torch's FSDP/autograd code that allocated them:
+grouped by the innermost Python frames that allocated them (``nn.Module`` and context-manager
+plumbing left out), and by size:
 
     from memory_peak import recording, summarize
     with recording():                       # _record_memory_history(stacks="python")
@@ -12,7 +13,10 @@ grouped by the innermost frames of ours or of torch's FSDP/autograd code that al
         snap = torch.cuda.memory._snapshot()
     print(summarize(snap, top=20))
 
-Only allocations made while recording are seen: start it before the model is built.
+Only allocations made while recording are seen: start it before the model is built. A block
+counts as live until its ``free_completed`` event; a block freed while another stream still used
+it (``record_stream``) is released there later than in the allocator's own ``allocated_bytes``,
+so this peak can exceed ``torch.cuda.max_memory_allocated`` by such blocks.
 
 torch 2.11 + CUDA: with Python stacks recorded, any ``torch.autograd.Function`` called inside a
 non-reentrant ``torch.utils.checkpoint`` region fails with ``SystemError: <built-in method apply
@@ -53,6 +57,7 @@ def _where(frames: list[dict], depth: int) -> str:
         name = f.get("filename", "")
         if not name.endswith(".py") or any(n in name for n in _NOISE):
             continue
+        # site-packages/ and the device harness's copy of the repository (benchmarks/device_run.sh)
         short = name.split("site-packages/")[-1].split("/tmp/t/")[-1]
         kept.append(f"{short}:{f.get('line')}({f.get('name')})")
         if len(kept) == depth:

@@ -86,7 +86,7 @@ def test_fsdp_step_smoke_runs_every_variant_on_two_cpu_processes(tmp_path):
     assert ours["all_reduces_per_step"] == hp["all_reduces_per_step"] == 1 and bf16["all_reduces_per_step"] == 0
 
 
-def _fsdp_step_under_torch_2_11_recompute(rank, port, steps):
+def _fsdp_step_under_torch_2_11_recompute(rank, port, steps, block_inputs):
     """One gloo rank: fsdp_step.py's ``ours`` variant (bf16 root, float32 blocks, FP8 all-gather)
     under CPU bf16 autocast, with FSDP2 patched to behave as torch 2.11's does in a checkpoint's
     recompute: no cast of the unit's inputs (torch 2.13 casts them in the recompute too)."""
@@ -115,7 +115,7 @@ def _fsdp_step_under_torch_2_11_recompute(rank, port, steps):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=1)
     try:
-        args = fsdp_step.parse(["--smoke"])
+        args = fsdp_step.parse(["--smoke", "--ours-block-inputs", block_inputs])
         args.param_dtype = "bf16"
         cfg = fsdp_step.GPTConfig(
             vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads
@@ -136,14 +136,17 @@ def _fsdp_step_under_torch_2_11_recompute(rank, port, steps):
         dist.destroy_process_group()
 
 
-def test_fsdp_step_float32_blocks_recompute_under_torch_2_11_fsdp():
+@pytest.mark.parametrize("block_inputs", ["keep", "fp32"])
+def test_fsdp_step_float32_blocks_recompute_under_torch_2_11_fsdp(block_inputs):
     """The H200 (torch 2.11) failed fsdp_step.py's ``ours`` variant with a CheckpointError: its
     float32 blocks under a bf16 root relied on FSDP2 casting their inputs, which torch 2.11's
-    FSDP2 skips in a checkpoint's recompute. The benchmark casts them with a pre-hook of its own,
-    which runs in the forward and the recompute alike."""
+    FSDP2 skips in a checkpoint's recompute. Neither way of feeding the blocks relies on that cast
+    now: ``keep`` (the default) turns FSDP2's cast off and hands the blocks the root's bf16
+    stream; ``fp32`` casts it with a pre-hook of the benchmark's own, which runs in the forward
+    and the recompute alike."""
     from tests.distributed.spawn import spawn
 
-    spawn(_fsdp_step_under_torch_2_11_recompute, (2,), nprocs=1, timeout=240, what="FSDP2 processes")
+    spawn(_fsdp_step_under_torch_2_11_recompute, (2, block_inputs), nprocs=1, timeout=240, what="FSDP2 processes")
 
 
 def test_host_overhead_runs_on_the_cpu_with_the_kernels_stubbed():

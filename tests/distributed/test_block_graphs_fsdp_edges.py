@@ -83,17 +83,28 @@ def _worker(rank: int, port: int, out: str, layout: str) -> None:
             if layout in ("cast_inputs", "fp8_gather"):
                 result["eager"] = _train(layout, graphed=False)
             if layout == "fp8_gather":  # the dtypes of each batched copy of the static parameters
-                copies, foreach_copy = [], torch._foreach_copy_
+                from lightning_fp8state.block_graphs import _BlockGraphs  # noqa: PLC0415
+
+                copies, foreach_copy, load_params = [], torch._foreach_copy_, _BlockGraphs.load_params
+                refreshing = [False]
 
                 def recorded(dst, src, *a, **k):
-                    copies.append(sorted({str(t.dtype) for t in src}))
+                    if refreshing[0]:  # only the refresh's copies (the gradients' have their own)
+                        copies.append(sorted({str(t.dtype) for t in src}))
                     return foreach_copy(dst, src, *a, **k)
 
-                torch._foreach_copy_ = recorded
+                def watched(self, live):
+                    refreshing[0] = True
+                    try:
+                        return load_params(self, live)
+                    finally:
+                        refreshing[0] = False
+
+                torch._foreach_copy_, _BlockGraphs.load_params = recorded, watched
                 try:
                     result["graphed"] = _train(layout, graphed=True)
                 finally:
-                    torch._foreach_copy_ = foreach_copy
+                    torch._foreach_copy_, _BlockGraphs.load_params = foreach_copy, load_params
                 result["copies"] = copies
             else:
                 result["graphed"] = _train(layout, graphed=True)
@@ -133,7 +144,7 @@ def test_fp8_gathered_static_parameters_are_refreshed_one_dtype_per_copy(tmp_pat
     (eager_out, eager_w), (graphed_out, graphed_w) = r["eager"], r["graphed"]
     for a, b in zip(eager_out, graphed_out, strict=True):
         assert torch.equal(a, b)
-    graphed_w.pop("shared")
+    graphed_w.pop("shared")  # an FP8-gathered weight keeps a static alias of its own (its layer's snapshot)
     for k in eager_w:
         assert torch.equal(eager_w[k], graphed_w[k]), k
     copies = r["copies"]

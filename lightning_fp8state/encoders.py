@@ -82,7 +82,7 @@ class Prologue:
                 return self._apply(x)
         return self._apply(x)
 
-    def _torch_norm_operands(self, x: torch.Tensor):
+    def torch_norm_operands(self, x: torch.Tensor):
         """``(x, weight, bias)`` in one dtype for torch's LayerNorm, which takes no mix: a
         bf16 activation beside a float32 affine (FSDP2 units at ``param_dtype`` float32 fed a
         bf16 stream) runs in float32, as autocast runs ``layer_norm``. The fused kernel takes
@@ -96,7 +96,7 @@ class Prologue:
     def _apply(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "gelu":
             return F.gelu(x)
-        xc, w, b = self._torch_norm_operands(x)
+        xc, w, b = self.torch_norm_operands(x)
         y, mean, rstd = torch.ops.aten.native_layer_norm(xc, [x.shape[-1]], w, b, self.eps)
         self.stats, self.fused = (mean, rstd), False
         return y
@@ -135,7 +135,7 @@ class Prologue:
         mean, rstd = stats
         if self.fused:
             return ops.layer_norm_backward(grad_y, x, mean, rstd, self.weight, needs)
-        xc, w, b = self._torch_norm_operands(x)
+        xc, w, b = self.torch_norm_operands(x)
         grads = torch.ops.aten.native_layer_norm_backward(
             grad_y.to(xc.dtype), xc, [x.shape[-1]], mean, rstd, w, b, list(needs)
         )

@@ -288,11 +288,13 @@ def _fp8_linear_fake(
         xq = x2.new_empty(x2.shape, dtype=input_dtype)
         wq = weight.new_empty((n, k), dtype=weight_dtype)
     if prologue == "layer_norm":
-        if Prologue(prologue, norm_weight, norm_bias, eps).fusable(x2):  # the fused kernel's statistics
+        norm = Prologue(prologue, norm_weight, norm_bias, eps)
+        if norm.fusable(x2):  # the fused kernel's statistics
             mean = x2.new_empty((x2.shape[0], 1), dtype=torch.float32)
             rstd = torch.empty_like(mean)
-        else:  # torch's LayerNorm ran
-            _, mean, rstd = torch.ops.aten.native_layer_norm(x2, [k], norm_weight, norm_bias, eps)
+        else:  # torch's LayerNorm ran, on the operands the real call gives it
+            xc, w, b = norm.torch_norm_operands(x2)
+            _, mean, rstd = torch.ops.aten.native_layer_norm(xc, [k], w, b, eps)
     else:
         mean, rstd = _stats_empty(x), _stats_empty(x)
     y = x.new_empty((*x.shape[:-1], n), dtype=out_dtype)

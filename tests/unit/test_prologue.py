@@ -310,3 +310,31 @@ def test_bf16_activations_beside_a_float32_norm(d):
         assert torch.isfinite(y.float()).all() and torch.isfinite(gx.float()).all()
         assert {n: g.dtype for n, g in grads.items()} == {n: torch.float32 for n in grads}
         assert set(grads) == {"lin.weight", "lin.bias", "norm.weight", "norm.bias"}
+
+
+@pytest.mark.parametrize("d", [64, 66])
+def test_bf16_activations_beside_a_float32_norm_compile_to_the_eager_result(d):
+    """The same mix under torch.compile (the linear one op; its fake kernel gives torch's
+    LayerNorm path the operands the real call gives it): outputs and gradients bitwise the
+    eager run's, three events."""
+    runs = {}
+    for compiled in (False, True):
+        state, model = make_linear(d, 16)
+        norm = model["norm"]
+
+        def f(x, lin=model["lin"], norm=norm):
+            return linear_after(lin, x, norm=norm)
+
+        fn = torch.compile(f, backend="aot_eager", fullgraph=True) if compiled else f
+        out = []
+        for step in range(3):
+            x = (torch.randn(6, d, generator=torch.Generator().manual_seed(step)) * 3).bfloat16().requires_grad_(True)
+            with state.step(step):
+                y = fn(x)
+                state.commit_forward()
+                y.float().square().sum().backward()
+            out.append([y.detach(), x.grad, *(p.grad.clone() for p in model.parameters())])
+            model.zero_grad(set_to_none=True)
+        runs[compiled] = out
+    for eager, comp in zip(runs[False], runs[True], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(eager, comp, strict=True))

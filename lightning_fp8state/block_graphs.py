@@ -482,6 +482,7 @@ class GraphedBlocks:
                     if g.static_in.requires_grad:
                         g.static_grad_in, grads = grads[0], grads[1:]
                     g.static_grad_params = tuple(grads)
+                    g._grad_layout = None  # fresh_grads works its buffer out anew for these
                     g.static_out = g.static_out.detach()  # the captured autograd graph is not needed again
                     grad = g.static_grad_in
                     if grad is None and g is not graphs[0]:

@@ -129,6 +129,13 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
             compute stream in order, and nothing waits. ZeRO-3 waits on its reduction stream at
             the end of every backward either way, so there the overlap costs no extra wait and
             stays on. A ``config=`` of your own keeps its own setting.
+
+    DeepSpeed's throughput timer (``timers.throughput``) is left on but **not synchronized**
+    unless the config sets ``synchronized``: synchronized, as DeepSpeed has it by default, it
+    calls ``get_accelerator().synchronize()`` at every forward's start and every step's end
+    (two waits for the whole device a step, found on the H200), so the host could not issue a
+    step ahead of the GPU. Unsynchronized it times the host, which is what its progress line
+    reports; ``TelemetryCallback`` measures the throughput this project logs.
     """
 
     strategy_name = "fp8state_deepspeed"
@@ -149,6 +156,9 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
             overlap_comm = _zero_stage(args, kwargs) == 3
         require_bool("overlap_comm", overlap_comm)
         super().__init__(*args, overlap_comm=overlap_comm, **kwargs)
+        # DeepSpeed's throughput timer waits for the whole device at every forward's start and
+        # every step's end unless told not to; a config that sets it keeps its own setting
+        self.config.setdefault("timers", {}).setdefault("throughput", {}).setdefault("synchronized", False)
         self.checkpoint_engine = checkpoint_engine
         self.device_guard = device_guard
         # why the device guard is not running (None: it is, or it was not asked for)

@@ -30,24 +30,29 @@ SCRIPT = textwrap.dedent(
     from lightning_fp8state.telemetry.engines import FOUND_INF_ATTR
     guard = sys.argv[1] == "guard"
     overlap = sys.argv[2] == "overlap"
+    timer_waits = sys.argv[3] == "synchronized-timer"  # DeepSpeed's default; Fp8StateDeepSpeedStrategy's is not
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     config = {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True}, "gradient_clipping": 0.5,
-              "zero_optimization": {"stage": 2, "overlap_comm": overlap}, "zero_allow_untested_optimizer": True}
+              "zero_optimization": {"stage": 2, "overlap_comm": overlap}, "zero_allow_untested_optimizer": True,
+              "timers": {"throughput": {"synchronized": timer_waits}}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     reason = deepspeed_guard.install(engine) if guard else "off"
     g = torch.Generator(device="cuda").manual_seed(1)
     flags, skipped, syncs, waits = [], [], [], []
     device_wait = torch.cuda.synchronize
+    def caller():  # the innermost DeepSpeed frame above its accelerator, or the innermost frame
+        stack = traceback.extract_stack()[:-2]
+        frames = [f for f in stack if "/deepspeed/" in f.filename and "/accelerator/" not in f.filename]
+        f = (frames or stack)[-1]
+        return f"{f.filename.split('/deepspeed/')[-1]}:{f.lineno} {f.name}"
     def counted_wait(*a, **k):  # torch.cuda.synchronize is not seen by set_sync_debug_mode
-        waits.append(1)
+        waits.append(caller())
         return device_wait(*a, **k)
     def record(message, category, filename, lineno, file=None, line=None):
         if str(message).startswith("called a synchronizing"):  # not set_sync_debug_mode's own notice
-            frames = [f for f in traceback.extract_stack() if "deepspeed" in f.filename]
-            syncs.append(f"{frames[-1].filename.split('deepspeed/')[-1]}:{frames[-1].lineno} {frames[-1].name}"
-                         if frames else "outside deepspeed")
+            syncs.append(caller())
     for step in range(6):
         x = torch.randn(8, 64, device="cuda", generator=g).bfloat16() * (30 if step == 2 else 1)
         loss = engine(x).float().pow(2).mean()
@@ -70,23 +75,30 @@ SCRIPT = textwrap.dedent(
         flags.append(None if flag is None else flag.item())
         skipped.append(engine.skipped_steps)
     params = torch.cat([p.detach().float().flatten().cpu() for p in engine.module.parameters()])
-    print(json.dumps({"reason": reason, "flags": flags, "skipped": skipped, "syncs": syncs, "waits": len(waits),
+    print(json.dumps({"reason": reason, "flags": flags, "skipped": skipped, "syncs": syncs, "waits": waits,
                       "params": params.tolist()}))
     """
 )
 
 
-def run(mode: str, tmp_path, overlap: bool = False) -> dict:
+def run(mode: str, tmp_path, overlap: bool = False, timer_waits: bool = False) -> dict:
     env = dict(
         os.environ,
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(29600 + (mode == "guard") + 2 * overlap),
+        MASTER_PORT=str(29600 + (mode == "guard") + 2 * overlap + 4 * timer_waits),
         RANK="0",
         LOCAL_RANK="0",
         WORLD_SIZE="1",
     )
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, mode, "overlap" if overlap else "in-order"],
+        [
+            sys.executable,
+            "-c",
+            SCRIPT,
+            mode,
+            "overlap" if overlap else "in-order",
+            "synchronized-timer" if timer_waits else "host-timer",
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -107,6 +119,7 @@ def test_the_device_guard_is_bitwise_deepspeeds_check_and_clip(tmp_path):
         "host syncs": host["syncs"],
         "guard syncs": device["syncs"],
         "params equal": device["params"] == host["params"],
+        "guard waits": device["waits"],
     }
     assert device["reason"] is None, facts
     assert device["flags"] == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0], facts  # the NaN step flagged and skipped
@@ -114,7 +127,7 @@ def test_the_device_guard_is_bitwise_deepspeeds_check_and_clip(tmp_path):
     assert device["params"] == host["params"], facts  # clipped steps and the skip: bitwise the same
     assert len(host["syncs"]) > 0, facts  # the probe sees DeepSpeed's own syncs
     assert device["syncs"] == [], facts
-    assert device["waits"] == 0, facts  # no torch.cuda.synchronize in the backward or the step
+    assert device["waits"] == [], facts  # no torch.cuda.synchronize in the backward or the step
 
 
 def test_overlap_comm_makes_every_backward_wait_for_the_device(tmp_path):
@@ -125,4 +138,14 @@ def test_overlap_comm_makes_every_backward_wait_for_the_device(tmp_path):
     the in-order engine does not make."""
     overlapped = run("guard", tmp_path, overlap=True)
     assert overlapped["reason"] is None, overlapped["reason"]
-    assert overlapped["waits"] > 0, overlapped["waits"]
+    assert len(overlapped["waits"]) > 0, overlapped["waits"]
+
+
+def test_deepspeeds_synchronized_throughput_timer_makes_every_step_wait_for_the_device(tmp_path):
+    """Why ``Fp8StateDeepSpeedStrategy`` sets ``timers.throughput.synchronized`` to false by
+    default: with DeepSpeed's default (true) the timer calls ``get_accelerator().synchronize()``
+    when it stops at the end of every step (and at the start of every forward), a wait the
+    in-order engine above does not make."""
+    timed = run("guard", tmp_path, timer_waits=True)
+    assert timed["reason"] is None, timed["reason"]
+    assert any("utils/timer.py" in w for w in timed["waits"]), timed["waits"]

@@ -278,6 +278,31 @@ def test_the_callback_reads_strategies_only_through_the_contract():
     assert probes == []
 
 
+def test_deepspeeds_throughput_timer_does_not_wait_for_the_device_unless_asked():
+    """DeepSpeed's throughput timer synchronizes the device at every forward and every step by
+    default (the GPU test ``test_the_device_guard_is_bitwise_deepspeeds_check_and_clip`` counts
+    the waits): ours keeps the timer and leaves out the waits; a config that sets
+    ``synchronized`` keeps it, and the CLI's strategy gets the same default."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from lightning_fp8state.cli.schema import StrategyCfg
+    from lightning_fp8state.lightning import STRATEGIES
+
+    def synced(strategy):
+        return strategy.config.get("timers", {}).get("throughput", {}).get("synchronized")
+
+    assert synced(DeepSpeedStrategy()) is None  # Lightning leaves DeepSpeed's default (True)
+    assert synced(Fp8StateDeepSpeedStrategy()) is False
+    assert [synced(Fp8StateDeepSpeedStrategy(stage=s)) for s in (1, 2, 3)] == [False, False, False]
+    own = {"zero_optimization": {"stage": 2}, "timers": {"throughput": {"synchronized": True, "enabled": True}}}
+    assert synced(Fp8StateDeepSpeedStrategy(config=own)) is True
+    own = {"zero_optimization": {"stage": 2}, "timers": {"throughput": {"enabled": False}}}
+    strategy = Fp8StateDeepSpeedStrategy(config=own)
+    assert strategy.config["timers"]["throughput"] == {"enabled": False, "synchronized": False}
+    cls = STRATEGIES["fp8state_deepspeed"]
+    assert synced(cls.from_cli(StrategyCfg(name="fp8state_deepspeed"))) is False
+
+
 def test_deepspeed_overlap_comm_is_off_under_zero_1_2_unless_asked():
     """ZeRO-1/2 with overlap_comm synchronize the device in every backward (the GPU test
     ``test_overlap_comm_makes_every_backward_wait_for_the_device`` counts it): ours leaves it

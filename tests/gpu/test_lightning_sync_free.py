@@ -29,8 +29,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 class DeviceWaits:
     """Counts the explicit waits for the device while on: ``torch.cuda.synchronize`` and the
-    ``synchronize`` of every ``torch.cuda.Stream`` and ``torch.cuda.Event``, each as the frame
-    that called it."""
+    ``synchronize`` of every ``torch.cuda.Stream`` and ``torch.cuda.Event``, each as the three
+    frames that led to it (the innermost alone is often a wrapper, such as DeepSpeed's
+    accelerator)."""
 
     _WAITS = ((torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize"))
 
@@ -51,8 +52,8 @@ class DeviceWaits:
 
     def _counted(self, original):
         def wait(*args, **kwargs):
-            caller = traceback.extract_stack()[-2]
-            self.calls.append(f"{caller.filename}:{caller.lineno} {caller.name}")
+            callers = traceback.extract_stack()[-4:-1]
+            self.calls.append(" < ".join(f"{f.filename}:{f.lineno} {f.name}" for f in reversed(callers)))
             return original(*args, **kwargs)
 
         return wait

@@ -280,8 +280,8 @@ def test_the_callback_reads_strategies_only_through_the_contract():
 
 def test_deepspeeds_throughput_timer_does_not_wait_for_the_device_unless_asked():
     """DeepSpeed's throughput timer synchronizes the device at every forward and every step by
-    default (the GPU test ``test_the_device_guard_is_bitwise_deepspeeds_check_and_clip`` counts
-    the waits): ours keeps the timer and leaves out the waits; a config that sets
+    default (the GPU test ``test_deepspeeds_synchronized_throughput_timer_makes_every_step_wait_for_the_device``
+    finds them): ours keeps the timer and leaves out the waits; a config that sets
     ``synchronized`` keeps it, and the CLI's strategy gets the same default."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 

@@ -270,6 +270,8 @@ def measure(variant: str, cfg: GPTConfig, args, data, mode: str = "eager") -> di
         torch.cuda.synchronize()
         print(f"--- host profile of 3 {variant} steps ({mode}), by own time")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.host_profile_rows)
+    if variant in args.host_waits:  # where the host waits while issuing steps back to back
+        host_waits(step, args.steps)
     if args.sync_check and state is not None and variant == "safe":
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -280,6 +282,62 @@ def measure(variant: str, cfg: GPTConfig, args, data, mode: str = "eager") -> di
         result["sync_free_step"] = True
     del model, state, opt
     return result
+
+
+def host_waits(step, n: int) -> None:
+    """Print what the host spends its time on while it issues ``n`` steps back to back (the
+    CUDA runtime calls among the torch profiler's CPU events, by own time: a wait for the
+    device, an allocation or a launch that blocks shows here) and how long Python's garbage
+    collector paused it; then the same ``n`` steps timed with the collector off."""
+    import gc  # noqa: PLC0415  (diagnostic only)
+
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    pauses: list[float] = []
+    started: list[float] = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append((time.perf_counter() - started.pop()) * 1e3)
+
+    torch.cuda.synchronize()
+    gc.callbacks.append(on_gc)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        host = (time.perf_counter() - t0) * 1e3 / n
+        torch.cuda.synchronize()
+    finally:
+        gc.callbacks.remove(on_gc)
+    print(
+        f"--- host waits: {n} steps back to back, host {host:.1f} ms/step; garbage collector ran "
+        f"{len(pauses)} times, {sum(pauses):.1f} ms in all (max {max(pauses, default=0):.1f} ms)"
+    )
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        print(f"    with the collector off: host {(time.perf_counter() - t0) * 1e3 / n:.1f} ms/step")
+        torch.cuda.synchronize()
+    finally:
+        gc.enable()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.key.startswith(("cuda", "cu"))]
+    rows.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    print("    CUDA runtime calls over 3 steps (profiler on), by own time:")
+    for e in rows[:15]:
+        print(
+            f"    {e.key:<40} {e.count:>7} calls {e.self_cpu_time_total / 1e3:>9.1f} ms "
+            f"({e.self_cpu_time_total / max(e.count, 1):.1f} us each)"
+        )
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
 
 
 def main(argv=None) -> list[dict]:
@@ -333,6 +391,14 @@ def main(argv=None) -> list[dict]:
         help="print a cProfile of 3 steps of these (each mode): where the host's issue time goes",
     )
     p.add_argument("--host-profile-rows", type=int, default=30)
+    p.add_argument(
+        "--host-waits",
+        nargs="*",
+        default=[],
+        choices=VARIANTS + EXTRA_VARIANTS,
+        help="for these: the garbage collector's pauses and the CUDA runtime calls (profiler) over steps issued "
+        "back to back, where the host waits",
+    )
     p.add_argument(
         "--repeat",
         type=int,

@@ -186,6 +186,30 @@ def measure(variant: str, cfg: GPTConfig, args, data, mode: str = "eager") -> di
     compiled, graphs = mode.startswith("compile"), mode.endswith("graphs")
     model, state, opt = build(variant, cfg, compiled, ("*head",) if args.exclude_head else (), graphs)
     step = make_step(model, state, opt, data, graphs, warmup=max(1, args.warmup - 1))
+    collector = None
+    if args.gc == "managed":  # Python's collector at step boundaries, for every variant alike
+        collector = f8s.ManagedCollector()
+        collector.start()
+        step = collected(step, collector)
+    try:
+        return _measure(variant, cfg, args, mode, model, state, opt, step)
+    finally:
+        if collector is not None:
+            collector.stop()
+
+
+def collected(step, collector):
+    """``step`` followed by the collector's step-boundary collection."""
+
+    def step_and_collect():
+        loss = step()
+        collector.step_end()
+        return loss
+
+    return step_and_collect
+
+
+def _measure(variant: str, cfg: GPTConfig, args, mode: str, model, state, opt, step) -> dict:
     probe, saturation = None, []
     if args.saturation and state is not None:
         from lightning_fp8state.telemetry import SaturationProbe  # noqa: PLC0415  (diagnostic only)
@@ -316,6 +340,7 @@ def host_waits(step, n: int) -> None:
         f"--- host waits: {n} steps back to back, host {host:.1f} ms/step; garbage collector ran "
         f"{len(pauses)} times, {sum(pauses):.1f} ms in all (max {max(pauses, default=0):.1f} ms)"
     )
+    enabled = gc.isenabled()  # (off already under --gc managed)
     gc.disable()
     try:
         t0 = time.perf_counter()
@@ -324,7 +349,8 @@ def host_waits(step, n: int) -> None:
         print(f"    with the collector off: host {(time.perf_counter() - t0) * 1e3 / n:.1f} ms/step")
         torch.cuda.synchronize()
     finally:
-        gc.enable()
+        if enabled:
+            gc.enable()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             step()
@@ -391,6 +417,14 @@ def main(argv=None) -> list[dict]:
         help="print a cProfile of 3 steps of these (each mode): where the host's issue time goes",
     )
     p.add_argument("--host-profile-rows", type=int, default=30)
+    p.add_argument(
+        "--gc",
+        choices=("automatic", "managed"),
+        default="automatic",
+        help="Python's garbage collector for every variant: automatic (Python's own, whose full collections can "
+        "land in the timed steps), or managed (lightning_fp8state.ManagedCollector: collections at step "
+        "boundaries, objects alive after the warm-up frozen; what fp8state train does by default)",
+    )
     p.add_argument(
         "--host-waits",
         nargs="*",

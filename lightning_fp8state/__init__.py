@@ -15,6 +15,7 @@ import importlib
 from . import ops
 from .audit import AuditReport, AuditRow, DeviceRecomputeAuditor, RecomputeAuditor
 from .block_graphs import GraphedBlocks
+from .collector import ManagedCollector
 from .config import QuantConfig
 from .errors import (
     AmbiguousRecomputeError,
@@ -55,6 +56,7 @@ __all__ = [
     "checkpoint",
     "GraphedStep",
     "GraphedBlocks",
+    "ManagedCollector",
     "selective_checkpoint_context",
     "selective_checkpoint_policy",
     "MATMUL_OPS",

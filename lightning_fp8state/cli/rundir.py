@@ -47,11 +47,13 @@ __all__ = [
 RUN_DIR_ENV = "FP8STATE_RUN_DIR"
 WANDB_ID_FILE = "wandb_run_id"
 # What a resume may change: how long to train, how often to save and log, where W&B goes,
-# loader workers and strictness. Everything else defines what the checkpoint holds (or the
+# loader workers, CPU threads, garbage collection and strictness. Everything else defines what the checkpoint holds (or the
 # data position and learning rate the optimizer state restores), so it is refused.
 RESUMABLE_KEYS = (
     "trainer.max_steps",
     "trainer.cpu_threads",
+    "trainer.gc",
+    "trainer.gc_full_every_n_steps",
     "trainer.schedule_steps",
     "trainer.checkpoint_every_n_steps",
     "telemetry.log_every_n_steps",

@@ -40,6 +40,7 @@ __all__ = [
 
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+GC_MODES = ("managed", "automatic")
 STRATEGIES = ("auto", "fp8state_ddp", "fp8state_deepspeed", "fp8state_fsdp")
 ZERO_STAGES = (1, 3)  # lowest and highest DeepSpeed ZeRO stage
 
@@ -148,8 +149,15 @@ class TrainerCfg:
     # OMP_NUM_THREADS wins when set). A small model gains nothing from more threads and, beside
     # another run on the same cores, loses most of its speed to them (the tiny recipe sets 1)
     cpu_threads: int = 0
+    # Python's garbage collector: managed (off during training, run after every batch, frozen
+    # objects after the first batches: lightning_fp8state.ManagedCollector) or automatic
+    # (Python's own, whose full collections land inside steps and stall the host)
+    gc: str = "managed"
+    gc_full_every_n_steps: int = 100  # managed: a collection of every generation this often
 
     def __post_init__(self) -> None:
+        require_choice("gc", self.gc, GC_MODES)
+        require_int("gc_full_every_n_steps", self.gc_full_every_n_steps, 1)
         require_choice("accelerator", self.accelerator, ACCELERATORS)
         require_choice("precision", self.precision, PRECISIONS)
         for key in ("max_steps", "devices", "num_nodes", "accumulate_grad_batches", "checkpoint_every_n_steps"):

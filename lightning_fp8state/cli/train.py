@@ -328,6 +328,15 @@ def require_accelerator(cfg: DictConfig, recipe: str | None) -> None:
         )
 
 
+def _garbage_collection(t) -> list:
+    """``trainer.gc=managed``: Python's collector at batch boundaries (``ManagedCollection``)."""
+    if t.gc != "managed":
+        return []
+    from ..lightning import ManagedCollection
+
+    return [ManagedCollection(full_every_n_steps=t.gc_full_every_n_steps)]
+
+
 def _progress_bar():
     """Lightning's rich bar says "Epoch 0/-2" when only max_steps bounds the run: say "Epoch 0"."""
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
@@ -603,6 +612,7 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
                 telemetry,
                 checkpoint,
                 _progress_bar(),
+                *_garbage_collection(t),
             ],
         )
     except MisconfigurationException as exc:

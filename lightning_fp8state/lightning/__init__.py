@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from .callback import Fp8StateCallback
 from .checkpoint_io import AtomicCheckpointIO
+from .collector import ManagedCollection
 from .contract import Fp8StateStrategyContract, contract_of
 from .fsdp import Fp8StateFSDPStrategy
 from .graphed import GraphedTrainingStep
@@ -32,6 +33,7 @@ __all__ = [
     "STRATEGIES",
     "GraphedTrainingStep",
     "LightningLoggerSink",
+    "ManagedCollection",
     "TelemetryCallback",
     "contract_of",
     "register_strategies",

@@ -453,3 +453,36 @@ def test_under_fsdp2_a_resumed_unfused_optimizer_is_fused_again_at_train_start()
     module._trainer = SimpleNamespace(optimizers=[opt])
     module.on_train_start()
     assert all(g["fused"] is True and g["foreach"] is None for g in opt.param_groups)
+
+
+def test_a_run_manages_pythons_collector_unless_told_not_to(run_root, monkeypatch, capsys):
+    """``trainer.gc=managed`` (the default): the training runs with Python's automatic collector
+    off (collections at batch ends, frozen objects after the warm-up), and the caller gets it back
+    on; ``trainer.gc=automatic`` leaves Python's own; anything else is refused by key."""
+    import gc
+
+    import lightning.pytorch as pl
+
+    seen = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(gc.isenabled())
+
+    original = pl.Trainer.__init__
+
+    def init(self, *a, callbacks=None, **kw):
+        original(self, *a, callbacks=[*(callbacks or []), Watch()], **kw)
+
+    monkeypatch.setattr(pl.Trainer, "__init__", init)
+    common = [*SMALL, "trainer.max_steps=3", "telemetry.wandb=disabled"]
+    assert gc.isenabled()
+    assert main(["train", *common, "out_dir=a"]) == 0
+    assert seen == [False] * 3 and gc.isenabled() and gc.get_freeze_count() == 0
+    seen.clear()
+    assert main(["train", *common, "trainer.gc=automatic", "out_dir=b"]) == 0
+    assert seen == [True] * 3
+    capsys.readouterr()
+    assert main(["train", *common, "trainer.gc=off", "out_dir=c"]) == 2
+    err = capsys.readouterr().err
+    assert "gc" in err and "managed" in err and "automatic" in err

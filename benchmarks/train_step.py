@@ -198,6 +198,19 @@ def measure(variant: str, cfg: GPTConfig, args, data, mode: str = "eager") -> di
             collector.stop()
 
 
+def cpu_probe_ms() -> float:
+    """The host's speed right now: ms for a fixed piece of pure Python (the best of 3). A
+    host-bound step's time moves with it; a GPU-bound one's does not."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(600_000):
+            total += i * i
+        best = min(best, (time.perf_counter() - t0) * 1e3)
+    return best
+
+
 def collected(step, collector):
     """``step`` followed by the collector's step-boundary collection."""
 
@@ -238,6 +251,7 @@ def _measure(variant: str, cfg: GPTConfig, args, mode: str, model, state, opt, s
     # wait for each step sees (the per-step timing above also pays the restart of the queue);
     # the host's time to issue them is read before that synchronization (an upper bound when
     # the launch queue fills up and makes the host wait for the GPU)
+    probe_before = cpu_probe_ms()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     t0 = time.perf_counter()
@@ -247,6 +261,7 @@ def _measure(variant: str, cfg: GPTConfig, args, mode: str, model, state, opt, s
     end.record()
     end.synchronize()
     result = {
+        "cpu_probe_ms": (probe_before + cpu_probe_ms()) / 2,  # around the back-to-back steps
         "variant": variant,
         "mode": mode,
         "host_ms": host_ms,
@@ -337,7 +352,8 @@ def host_waits(step, n: int) -> None:
     finally:
         gc.callbacks.remove(on_gc)
     print(
-        f"--- host waits: {n} steps back to back, host {host:.1f} ms/step; garbage collector ran "
+        f"--- host waits (CPU probe {cpu_probe_ms():.1f} ms): {n} steps back to back, host {host:.1f} ms/step; "
+        "garbage collector ran "
         f"{len(pauses)} times, {sum(pauses):.1f} ms in all (max {max(pauses, default=0):.1f} ms)"
     )
     enabled = gc.isenabled()  # (off already under --gc managed)
@@ -476,7 +492,9 @@ def main(argv=None) -> list[dict]:
                 runs.setdefault((v, mode), []).append(r)
                 tag = f" [repeat {rep + 1}/{args.repeat}]" if args.repeat > 1 else ""
                 print(
-                    f"  measured {v} ({mode}){tag}: {r['ms']:.1f} ms/step, b2b {r['ms_back_to_back']:.1f}", flush=True
+                    f"  measured {v} ({mode}){tag}: {r['ms']:.1f} ms/step, b2b {r['ms_back_to_back']:.1f}, host "
+                    f"{r['host_ms']:.1f} (CPU probe {r['cpu_probe_ms']:.1f} ms)",
+                    flush=True,
                 )
     results = [merge_repeats(rs) for rs in runs.values()]
     report(results)

@@ -14,7 +14,7 @@ import lightning_fp8state as f8s
 from lightning_fp8state.models import GPTConfig
 from tests.conftest import bitwise_equal
 from tests.gpu.test_compile_cuda import CLI_ON_THE_GPU
-from tests.gpu.test_lightning_sync_free import watched  # noqa: F401  (the fixture)
+from tests.gpu.test_lightning_sync_free import watch, watched  # noqa: F401  (the fixtures)
 from tests.lightning.test_graphed_training import STEPS, GPTModule, fit, losses
 
 pytestmark = [

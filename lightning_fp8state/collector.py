@@ -79,6 +79,7 @@ class ManagedCollector:
                 "a ManagedCollector is already started in this process: Python's collector is "
                 "process-wide, so one policy runs at a time. stop() it first"
             )
+        self.steps = 0  # each start counts its own steps: a second fit freezes after its own warm-up
         self._was_enabled = gc.isenabled()
         self._frozen_before = gc.get_freeze_count()  # someone else's frozen objects: left frozen
         gc.disable()

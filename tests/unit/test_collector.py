@@ -132,3 +132,15 @@ def test_one_policy_at_a_time_and_no_step_before_start(restored):
 def test_bad_arguments_are_refused_by_name(kwargs, key):
     with pytest.raises(ConfigError, match=key):
         ManagedCollector(**kwargs)
+
+
+def test_a_second_start_counts_its_own_warm_up(restored):
+    collector = ManagedCollector(freeze_after=2, full_every_n_steps=100)
+    for _ in range(2):  # e.g. two Trainer.fit calls with the same callback
+        with collector:
+            collector.step_end()
+            assert gc.get_freeze_count() == 0
+            collector.step_end()
+            assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() == 0
+    assert collector.collections == {"young": 2, "full": 2}

@@ -35,7 +35,7 @@ from .encoders import Prologue
 from .errors import ConfigError, StaleSnapshotError, StateTransitionError
 from .quant_recipes import Recipe, recipe_for
 from .recompute import CallRecord, Phase, SnapshotStash, current_frame, in_backward
-from .sac import outside_selective_checkpoint
+from .sac import in_selective_checkpoint, outside_selective_checkpoint
 from .state import (
     BACKWARD_ROLES,
     FORWARD_ROLES,
@@ -54,10 +54,24 @@ from .state import (
     scoped_owner,
 )
 
-__all__ = ["GraphTemplate", "QuantProtocol", "ShardSource"]
+__all__ = ["GraphTemplate", "QuantProtocol", "ShardSource", "release_weight_codes"]
 
 # keep_for_backward: key -> a call's host-side state, across protocols (a backward names only the key)
 _KEPT: dict[int, object] = {}
+# CallRecord.derived's key for the weight's codes of a call's true forward (its recompute reuses them)
+_CODES = "weight_codes"
+
+
+def _parameter_key(x: torch.Tensor) -> tuple:
+    """What identifies a parameter's contents inside an event: its memory, layout and version
+    (an in-place update bumps the version; a view, e.g. Conv1D's transposed weight, shares it)."""
+    return (x.data_ptr(), x.shape, x.stride(), x.dtype, x._version)
+
+
+def release_weight_codes(record: CallRecord) -> None:
+    """Drop the weight codes ``record``'s true forward kept for its recompute (the call's
+    backward, after which no recompute of it runs in the event, calls this)."""
+    record.derived.pop(_CODES, None)
 
 
 class _Scratch(NamedTuple):
@@ -837,6 +851,15 @@ class QuantProtocol:
         order = self.stream_order
         if phase is Phase.RECOMPUTE:  # read-only: _encode_discard's body
             self.ledger.recompute_read(event, owner)
+            held = record.derived.get(_CODES) if role == "weight" else None
+            if (
+                held is not None
+                and held[1] is snap
+                and held[2] is prologue
+                and held[0] == _parameter_key(x)
+                and not in_selective_checkpoint()  # SAC numbers the ops: the recompute issues them all
+            ):
+                return held[3], snap  # the true forward's codes of this weight, at this snapshot
             scratch = self._discard_slot(x.device, 0 if snap.center is None else snap.center.shape[-1])
             if order.active:
                 order.use(x.device, scratch.amax_pending, snap.scale)
@@ -853,7 +876,10 @@ class QuantProtocol:
             bank = self.bank
             if order.active:
                 order.use(x.device, bank.amax_pending, snap.scale)
-            return encoder.encode_record(x, snap, bank, index, prologue), snap
+            data = encoder.encode_record(x, snap, bank, index, prologue)
+        if role == "weight":  # for the recompute: the same parameter, snapshot and stage give these codes
+            record.derived[_CODES] = (_parameter_key(x), snap, prologue, data)
+        return data, snap
 
     def _quantize_dynamic(self, record: CallRecord, role: str, x: torch.Tensor, phase: Phase, event, stage=None):
         """A stateless role: the recipe's encoder derives the scale from ``x`` itself and returns

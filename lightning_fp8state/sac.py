@@ -31,6 +31,7 @@ from .errors import ConfigError
 __all__ = [
     "MATMUL_OPS",
     "QUANTIZE_OPS",
+    "in_selective_checkpoint",
     "outside_selective_checkpoint",
     "selective_checkpoint_context",
     "selective_checkpoint_policy",
@@ -58,11 +59,21 @@ MATMUL_OPS: tuple = (_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _
 #: includes the weights' codes: one byte per parameter of each checkpointed layer.
 QUANTIZE_OPS: tuple = (
     _f8.quantize_fp8_record_amax.default,
+    _f8.quantize_fp8_t_record_amax.default,  # a weight's codes with their transpose (fp8_delayed)
     _f8.gelu_quantize_fp8_record_amax.default,
     _f8.layer_norm_quantize_fp8_record_amax.default,
     _f8.quantize_fp4_record_amax.default,
     _f8.quantize_fp4_centered_record.default,
 )
+
+
+def in_selective_checkpoint() -> bool:
+    """Whether torch's SAC modes are on the dispatch mode stack (a selective checkpoint's true
+    forward or recompute is running): the ops issued now are numbered by SAC, so a recompute
+    must issue every op its true forward issued (no reuse of the forward's results)."""
+    if not torch._C._len_torch_dispatch_stack() or not _SAC_MODES:
+        return False
+    return any(isinstance(m, _SAC_MODES) for m in _get_current_dispatch_mode_stack())
 
 
 def outside_selective_checkpoint(fn: Callable, *args: Any, **kwargs: Any):

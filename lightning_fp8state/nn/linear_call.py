@@ -31,8 +31,9 @@ from torch import nn
 
 from ..encoders import Prologue, role_format
 from ..formats import fp8_format
+from ..ops import transpose_fp8
 from ..ops.library import LIB
-from ..protocol import QuantProtocol, take_kept
+from ..protocol import QuantProtocol, release_weight_codes, take_kept
 from ..recompute import Phase
 from ..sac import outside_selective_checkpoint
 
@@ -82,7 +83,8 @@ def _linear_forward(x, weight, bias, protocol: QuantProtocol, record, phase: Pha
     if gathered is not None:
         wq, sw = protocol.adopt(record, "weight", gathered, weight.snapshot, phase)
     else:
-        wq, sw = protocol.quantize(record, "weight", weight, phase)
+        stage = None if phase is Phase.INFERENCE else recipe.weight_stage(weight)
+        wq, sw = protocol.quantize(record, "weight", weight, phase, stage)
     if phase is not Phase.INFERENCE:
         protocol.check_consumer(record, "input", sx)
         protocol.check_consumer(record, "weight", sw)
@@ -119,6 +121,7 @@ def _linear_backward(grad_out, saved, call: _Call, needs) -> tuple:
     x_saved, w_saved, *prologue_saved = saved
     sx, sw = call.snaps
     protocol, record, prologue = call.protocol, call.record, call.prologue
+    release_weight_codes(record)  # no recompute of this call follows its backward in the event
     recipe = protocol.recipe
     g2 = grad_out.reshape(-1, grad_out.shape[-1])
     if not g2.is_contiguous():
@@ -164,12 +167,12 @@ _HOST_CALL = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsa
 LIB.define(
     "fp8_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, Tensor? norm_bias, Tensor module, "
     "str prologue, float eps, ScalarType out_dtype, ScalarType input_dtype, ScalarType weight_dtype, bool training, "
-    "Tensor instance, bool saves_inputs=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "Tensor instance, bool saves_inputs=False, bool weight_t=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     tags=_HOST_CALL,
 )
 LIB.define(
     "fp8_linear_backward(Tensor grad, Tensor xq, Tensor wq, Tensor? x, Tensor? mean, Tensor? rstd, bool[] needs, "
-    "ScalarType x_dtype, ScalarType w_dtype, ScalarType? bias_dtype, ScalarType? norm_dtype) "
+    "ScalarType x_dtype, ScalarType w_dtype, ScalarType? bias_dtype, ScalarType? norm_dtype, bool weight_t=False) "
     "-> (Tensor?, Tensor?, Tensor?, Tensor?, Tensor?)",
     tags=_HOST_CALL,
 )
@@ -190,9 +193,12 @@ def fp8_linear_op(module, x, weight, bias, norm, prologue: str | None) -> torch.
     protocol = module.protocol
     config = protocol.config  # the codes' formats: pure functions of the config (no cache to guard on)
     input_dtype, weight_dtype = (fp8_format(role_format(config, role)).dtype for role in ("input", "weight"))
+    training = torch.is_grad_enabled()
+    # whether the op hands its backward the weight's transposed codes ([in, out]; Recipe.weight_stage)
+    weight_t = training and protocol.recipe.weight_stage(weight) is not None
     return _CompiledFp8LinearFn.apply(
         x.contiguous(), weight, bias, nw, nb, module._op_key, prologue or "", eps, out_dtype,
-        input_dtype, weight_dtype, torch.is_grad_enabled(), protocol.recipe.saves_inputs,
+        input_dtype, weight_dtype, training, protocol.recipe.saves_inputs, weight_t,
     )  # fmt: skip
 
 
@@ -238,6 +244,7 @@ def _fp8_linear(
     training,
     instance,
     saves_inputs=False,
+    weight_t=False,
 ):
     mod = module_of(module.item())  # a CPU tensor: no device sync
     protocol = mod.protocol
@@ -256,6 +263,8 @@ def _fp8_linear(
     mean, rstd = rest[1:] if len(rest) == 3 else (_stats_empty(x), _stats_empty(x))
     if saves_inputs:  # saved: x (reshaped) and the weight themselves, which the Function saves
         xq, wq = _input_key(x), weight.new_empty((0, weight.shape[-1]))
+    elif weight_t:  # the fake's layout: the transposed codes, [in, out] contiguous
+        wq = wq.t() if wq.t().is_contiguous() and not wq.is_contiguous() else transpose_fp8(wq)
     if training and phase is not Phase.INFERENCE:  # the backward finds it by its codes' address
         if xq.numel() == 0:  # empty codes have no address: give them a storage of their own
             xq = xq.new_empty(1).as_strided(xq.shape, xq.stride())
@@ -279,6 +288,7 @@ def _fp8_linear_fake(
     training,
     instance,
     saves_inputs=False,
+    weight_t=False,
 ):
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
@@ -286,7 +296,7 @@ def _fp8_linear_fake(
         xq, wq = _input_key(x), weight.new_empty((0, k))
     else:
         xq = x2.new_empty(x2.shape, dtype=input_dtype)
-        wq = weight.new_empty((n, k), dtype=weight_dtype)
+        wq = weight.new_empty((k, n) if weight_t else (n, k), dtype=weight_dtype)
     if prologue == "layer_norm":
         norm = Prologue(prologue, norm_weight, norm_bias, eps)
         if norm.fusable(x2):  # the fused kernel's statistics
@@ -302,8 +312,10 @@ def _fp8_linear_fake(
 
 
 @torch.library.impl(LIB, "fp8_linear_backward", "CompositeExplicitAutograd")
-def _fp8_linear_backward(grad, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, bias_dtype, norm_dtype):
+def _fp8_linear_backward(grad, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, bias_dtype, norm_dtype, weight_t=False):
     call = take_kept(_codes_key(xq))
+    if weight_t:  # the transposed codes: the [out, in] view the eager call saves
+        wq = wq.t()
     saved = (xq, wq)
     if call.protocol.recipe.saves_inputs:  # xq is the key, wq the weight, x the call's input
         saved = (x.reshape(-1, x.shape[-1]), wq)
@@ -316,8 +328,10 @@ def _fp8_linear_backward(grad, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, b
 
 
 @torch.library.register_fake("fp8state::fp8_linear_backward")
-def _fp8_linear_backward_fake(grad, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, bias_dtype, norm_dtype):
-    k, n = xq.shape[-1], wq.shape[0]
+def _fp8_linear_backward_fake(
+    grad, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, bias_dtype, norm_dtype, weight_t=False
+):
+    k, n = xq.shape[-1], grad.shape[-1]
     column = (k,)
     return (
         grad.new_empty((*grad.shape[:-1], k), dtype=x_dtype) if needs[0] else None,
@@ -335,13 +349,15 @@ class _CompiledFp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x, weight, bias, norm_weight, norm_bias, key, prologue, eps, out_dtype, in_dt, w_dt, training, saves_inputs
-    ):
+        ctx, x, weight, bias, norm_weight, norm_bias, key, prologue, eps, out_dtype, in_dt, w_dt, training,
+        saves_inputs, weight_t,
+    ):  # fmt: skip
         instance = torch.empty(0, device=x.device)  # distinct per call: see the op's definition
         y, xq, wq, mean, rstd = torch.ops.fp8state.fp8_linear(
             x, weight, bias, norm_weight, norm_bias, key, prologue, eps, out_dtype, in_dt, w_dt, training, instance,
-            saves_inputs,
+            saves_inputs, weight_t,
         )  # fmt: skip
+        ctx.weight_t = weight_t
         if saves_inputs:  # what the eager Function saves: the input and the weight (no prologue: run before)
             ctx.save_for_backward(xq, weight, x, None, None)
         else:  # the codes; with a prologue its input (and the LayerNorm's statistics)
@@ -357,6 +373,6 @@ class _CompiledFp8LinearFn(torch.autograd.Function):
         x_dtype, w_dtype, bias_dtype, norm_dtype = ctx.dtypes
         needs = list(ctx.needs_input_grad[:5])
         grads = torch.ops.fp8state.fp8_linear_backward(
-            grad_y, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, bias_dtype, norm_dtype
+            grad_y, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, bias_dtype, norm_dtype, ctx.weight_t
         )
-        return (*grads, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None, None)

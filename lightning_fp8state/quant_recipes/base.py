@@ -94,6 +94,11 @@ class Recipe:
     def _make_encoder(self, role: str):
         return encoder_for(self.config, role)
 
+    def weight_stage(self, weight: torch.Tensor):
+        """The stage a training call's weight encode runs (its data feeds the forward GEMM and,
+        saved, the input gradient's; the recompute reuses it): ``None``, the plain encode."""
+        return None
+
     def grad_output_stage(self, column_sum: bool):
         """The stage the grad_output encode runs (its data feeds both backward GEMMs and, with
         ``column_sum``, gives the bias gradient): ``None`` where the role needs none."""

@@ -20,14 +20,22 @@ _CAST_TRANSPOSE = {True: CastTranspose(True), False: CastTranspose(False)}
 
 class PerTensorFp8(Recipe):
     """The GEMMs of one scale per tensor: the codes of input, weight and grad_output serve
-    all three products (transposed where needed)."""
+    all three products (transposed where needed). A weight encoded by the cast-transpose stage
+    (:meth:`weight_stage`) is the triple ``(codes, codes transposed, None)``: the forward GEMM
+    reads the codes, the input gradient's the transpose, so its backward transposes nothing."""
 
     def grad_output_stage(self, column_sum: bool):
         # one read of grad_output: its codes, their transpose and the bias gradient
         return _CAST_TRANSPOSE[column_sum]
 
     def linear_gemm(self, xq, wq, sx, sw, out_dtype, backend, bias):
+        if type(wq) is tuple:
+            wq = wq[0]
         return scaled_matmul(xq, wq.t(), sx.descale, sw.descale, out_dtype, backend, bias)
+
+    def saved_for_backward(self, xq, wq, x2, weight) -> tuple:
+        # the transposed codes as the [out, in] view the input gradient's GEMM takes without a copy
+        return (xq, wq[1].t()) if type(wq) is tuple else (xq, wq)
 
     def grad_weight(self, g_w, x_saved, sg, sx, out_dtype, backend):
         return scaled_matmul(g_w, x_saved, sg.descale, sx.descale, out_dtype, backend)
@@ -42,6 +50,13 @@ class Fp8Delayed(PerTensorFp8):
 
     name = "fp8_delayed"
     modes = ("safe", "naive", "naive_snapshot")
+
+    def weight_stage(self, weight):
+        # A weight's codes and their transpose from one read, once per event: the recompute
+        # reuses them (QuantProtocol), the backward reads the transpose. A non-contiguous weight
+        # (Conv1D's transposed view) is encoded plainly: the kernel would copy it first.
+        return _CAST_TRANSPOSE[False] if weight.is_contiguous() else None
+
     summary = (
         "per-tensor FP8, scale from the owner's amax history (delayed state in the bank); snapshots, "
         "one commit per owner per event, ledger, recompute reads the true forward's snapshot; FP8 "

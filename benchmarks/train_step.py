@@ -12,7 +12,10 @@ optimizer step; medians). Variants:
   ``fp8_current`` / ``fp8_rowwise`` / ``fp8_rowwise_gw_hp``, each against the torchao recipe it
   mirrors: ``torchao`` (tensorwise), ``torchao_rowwise`` and ``torchao_rowwise_gw_hp`` (on request);
 - ``safe_unfused`` (on request): ``safe`` with ``fuse_prologues=false``, the LayerNorm and
-  GELU running on their own before the input's quantize (the A/B of the fusion).
+  GELU running on their own before the input's quantize (the A/B of the fusion);
+- ``safe_percall_w`` (on request): ``safe`` with the weight encoded at every run of a call (the
+  recompute encodes it again, the backward transposes it), as before the weight's codes were
+  made once per event (``Recipe.weight_codes_once``; the A/B of that change).
 
 ``--modes`` runs every variant in each of: ``eager``; ``compile`` (every block compiled,
 ``Block.compile()``: each of our Fp8Linear calls is one opaque op in the block's graph, the
@@ -61,6 +64,7 @@ from lightning_fp8state.models import GPT, GPTConfig, MarkovTokens
 VARIANTS = ("bf16", "safe", "naive", "torchao")
 EXTRA_VARIANTS = (
     "safe_unfused",  # safe with fuse_prologues=false (LayerNorm / GELU not fused)
+    "safe_percall_w",  # safe with the weight encoded at every run of a call (no codes once per event)
     "current",  # quant.recipe=fp8_current
     "rowwise",  # quant.recipe=fp8_rowwise
     "rowwise_gw_hp",  # quant.recipe=fp8_rowwise_gw_hp
@@ -84,9 +88,9 @@ def build(variant: str, cfg: GPTConfig, compile_blocks: bool, exclude: tuple[str
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
     state = None
-    if variant in ("safe", "naive", "safe_unfused"):
+    if variant in ("safe", "naive", "safe_unfused", "safe_percall_w"):
         # naive mode violates the ledger on purpose (that is the defect): count, do not raise
-        mode = "safe" if variant == "safe_unfused" else variant
+        mode = "naive" if variant == "naive" else "safe"
         config = f8s.QuantConfig(
             mode=mode,
             ownership="per_layer",
@@ -95,6 +99,8 @@ def build(variant: str, cfg: GPTConfig, compile_blocks: bool, exclude: tuple[str
             fuse_prologues=variant != "safe_unfused",
         )
         state = f8s.Fp8State(config)
+        if variant == "safe_percall_w":  # this state's recipe only (an instance attribute)
+            state.protocol.recipe.weight_codes_once = False
         state.convert(model)
     elif variant in OUR_RECIPES:  # stateless: nothing to commit, the protocol's owners and stamps
         recipe = OUR_RECIPES[variant]  # rowwise: E4M3 grad_output, as configs/quant/fp8_rowwise*.yaml ship it

@@ -851,7 +851,7 @@ class QuantProtocol:
         order = self.stream_order
         if phase is Phase.RECOMPUTE:  # read-only: _encode_discard's body
             self.ledger.recompute_read(event, owner)
-            held = record.derived.get(_CODES) if role == "weight" else None
+            held = record.derived.get(_CODES) if role == "weight" else None  # (kept if weight_codes_once)
             if (
                 held is not None
                 and held[1] is snap
@@ -877,7 +877,8 @@ class QuantProtocol:
             if order.active:
                 order.use(x.device, bank.amax_pending, snap.scale)
             data = encoder.encode_record(x, snap, bank, index, prologue)
-        if role == "weight":  # for the recompute: the same parameter, snapshot and stage give these codes
+        if role == "weight" and self.recipe.weight_codes_once:  # for the recompute: the same
+            # parameter, snapshot and stage give these codes
             record.derived[_CODES] = (_parameter_key(x), snap, prologue, data)
         return data, snap
 

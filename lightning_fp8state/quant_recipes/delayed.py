@@ -51,11 +51,13 @@ class Fp8Delayed(PerTensorFp8):
     name = "fp8_delayed"
     modes = ("safe", "naive", "naive_snapshot")
 
+    weight_codes_once = True
+
     def weight_stage(self, weight):
         # A weight's codes and their transpose from one read, once per event: the recompute
         # reuses them (QuantProtocol), the backward reads the transpose. A non-contiguous weight
         # (Conv1D's transposed view) is encoded plainly: the kernel would copy it first.
-        return _CAST_TRANSPOSE[False] if weight.is_contiguous() else None
+        return _CAST_TRANSPOSE[False] if self.weight_codes_once and weight.is_contiguous() else None
 
     summary = (
         "per-tensor FP8, scale from the owner's amax history (delayed state in the bank); snapshots, "

@@ -29,7 +29,7 @@ class _OpCounter(TorchDispatchMode):
         self.counts: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[f"{func.namespace}::{func.__name__}"] += 1
+        self.counts[f"{func.namespace}::{func.__name__.removesuffix('.default')}"] += 1
         return func(*args, **(kwargs or {}))
 
 

@@ -61,6 +61,28 @@ def test_the_recompute_reuses_the_weight_codes_and_the_backward_transposes_no_we
     # (the transposes the GPU's GEMM needs are counted on the GPU: tests/gpu/test_weight_codes_cuda.py)
 
 
+def test_a_recipe_without_weight_codes_once_encodes_the_weight_at_every_run():
+    """``Recipe.weight_codes_once=False`` (benchmarks/train_step.py's ``safe_percall_w``, the A/B
+    of this change): the weight is encoded plainly in the forward and again in the recompute,
+    and the result is bitwise the same."""
+    xs = event_inputs(3)
+
+    def run(once):
+        state = f8s.Fp8State(f8s.QuantConfig(strict=False))
+        state.protocol.recipe.weight_codes_once = once
+        model = state.convert(make_stack(n=N_BLOCKS, ckpt=("torch", False)))
+        outs, grads = run_events(state, model, xs[:2])
+        return _one_event(state, model, xs[2], 2), outs, grads
+
+    counts, outs, grads = run(False)
+    assert counts["quantize_fp8_t_record_amax.default"] == N_LINEARS, counts  # grad_output only
+    assert counts["quantize_fp8_record_amax.default"] == 4 * N_LINEARS, counts  # input, weight: twice each
+    _, outs_once, grads_once = run(True)
+    for a, b in zip(grads, grads_once, strict=True):
+        assert all(bitwise_equal(a[n], b[n]) for n in a)
+    assert all(bitwise_equal(a, b) for a, b in zip(outs, outs_once, strict=True))
+
+
 def test_without_checkpointing_the_weight_is_encoded_once_and_saved_transposed():
     state = f8s.Fp8State(f8s.QuantConfig(strict=False))
     model = state.convert(make_stack(n=N_BLOCKS))

@@ -68,6 +68,8 @@ class _Recorder:
 
     def _keep(self, record, phase: Phase, q, snap) -> None:
         key = (self.protocol.event, record.layer, phase.name)
+        if isinstance(q, tuple):  # (codes, codes transposed, None): fp8_delayed's weight stage
+            q = q[0]
         self.weights[key] = q.detach().clone()
         self.snapshots[key] = (snap.scale.clone(), snap.owner)
 

@@ -15,7 +15,7 @@ optimizer step; medians). Variants:
   GELU running on their own before the input's quantize (the A/B of the fusion);
 - ``safe_percall_w`` (on request): ``safe`` with the weight encoded at every run of a call (the
   recompute encodes it again, the backward transposes it), as before the weight's codes were
-  made once per event (``Recipe.weight_codes_once``; the A/B of that change).
+  made once per event (``quant.weight_codes_once=false``; the A/B of that change).
 
 ``--modes`` runs every variant in each of: ``eager``; ``compile`` (every block compiled,
 ``Block.compile()``: each of our Fp8Linear calls is one opaque op in the block's graph, the
@@ -97,10 +97,9 @@ def build(variant: str, cfg: GPTConfig, compile_blocks: bool, exclude: tuple[str
             strict=mode == "safe",
             exclude=exclude,
             fuse_prologues=variant != "safe_unfused",
+            weight_codes_once=variant != "safe_percall_w",
         )
         state = f8s.Fp8State(config)
-        if variant == "safe_percall_w":  # this state's recipe only (an instance attribute)
-            state.protocol.recipe.weight_codes_once = False
         state.convert(model)
     elif variant in OUR_RECIPES:  # stateless: nothing to commit, the protocol's owners and stamps
         recipe = OUR_RECIPES[variant]  # rowwise: E4M3 grad_output, as configs/quant/fp8_rowwise*.yaml ship it

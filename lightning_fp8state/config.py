@@ -238,7 +238,7 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     # which modules are converted
     "selection": ("include", "exclude"),
     # how a quantized linear call runs: the GEMM backend, fused prologues (no change to what is stored)
-    "execution": ("gemm", "fuse_prologues"),
+    "execution": ("gemm", "fuse_prologues", "weight_codes_once"),
     # who shares delayed state: the ownership scope (layers, ranks, streams) and the amax reduction across ranks
     "sharing": ("ownership", "amax_reduction"),
     # the protocol's policy towards violations: the rules or the seed's defects, raise or count, ledger detail
@@ -309,7 +309,7 @@ class QuantConfig:
     - ``attention``: attn_format, attn_centered, attn_center_momentum, attn_quantize_v — the
       packed-FP4 attention operands;
     - ``selection``: include, exclude — which modules are converted;
-    - ``execution``: gemm, fuse_prologues — how a quantized call runs;
+    - ``execution``: gemm, fuse_prologues, weight_codes_once — how a quantized call runs;
     - ``sharing``: ownership, amax_reduction — who shares delayed state, across layers, ranks
       and streams;
     - ``diagnostics``: mode, strict, ledger_window — the protocol's policy on violations.
@@ -365,6 +365,11 @@ class QuantConfig:
     # for it through ``linear_after``) into the input's quantize: one pass writes the FP8
     # codes and records their amax. false: the prologue runs on its own, then the quantize.
     fuse_prologues: bool = True
+    # Make a weight's FP8 codes once per event where the recipe can (fp8_delayed): the true
+    # forward encodes the weight with its transpose, the recompute reuses those codes, the
+    # backward reads the transpose (bitwise the same result; a checkpointed call holds 2 bytes a
+    # parameter from its forward to its backward). false: every run of a call encodes the weight.
+    weight_codes_once: bool = True
     # -- sharing -------------------------------------------------------------------------
     # Which entrants get independent state; see OWNERSHIP_SCOPES. Applies to FP8 linears and
     # FP4 attention operands alike: per_layer* is the fix, per_model the defect (one state for
@@ -411,6 +416,7 @@ class QuantConfig:
         # execution
         require_choice("gemm", self.gemm, GEMM_BACKENDS)
         require_bool("fuse_prologues", self.fuse_prologues)
+        require_bool("weight_codes_once", self.weight_codes_once)
         # sharing
         require_choice("ownership", self.ownership, OWNERSHIP_SCOPES)
         object.__setattr__(self, "amax_reduction", _reduction_pairs(self.amax_reduction))
@@ -457,7 +463,7 @@ class QuantConfig:
 
     @property
     def execution(self) -> ConfigSection:
-        """gemm, fuse_prologues."""
+        """gemm, fuse_prologues, weight_codes_once."""
         return ConfigSection(self, "execution")
 
     @property

@@ -61,6 +61,7 @@ RESUMABLE_KEYS = (
     "telemetry.audit",
     "data.num_workers",
     "quant.strict",
+    "quant.weight_codes_once",  # how a call runs, bitwise the same either way
 )
 _STEP_CKPT = re.compile(r"^step=(\d+)\.ckpt$")
 

@@ -63,9 +63,10 @@ class Recipe:
     # rather than codes: the compiled op then saves the op's own inputs (its outputs may not
     # alias them) and returns only a key for the backward.
     saves_inputs: ClassVar[bool] = False
-    # Whether a training call's weight codes are made once per event: the true forward's encode
-    # (with the stage weight_stage names) is kept for its recompute, which reuses it
-    # (QuantProtocol._quantize); False: every run of the call encodes the weight.
+    # Whether the recipe can make a training call's weight codes once per event: the true
+    # forward's encode (with the stage weight_stage names) is kept for its recompute, which
+    # reuses it (QuantProtocol._quantize). An instance's attribute is what a run does: this and
+    # QuantConfig.weight_codes_once; False: every run of the call encodes the weight.
     weight_codes_once: ClassVar[bool] = False
     # What one line of the README's feature table says the recipe guarantees.
     summary: ClassVar[str] = ""
@@ -80,6 +81,7 @@ class Recipe:
     def __init__(self, config: QuantConfig) -> None:
         self.config = config
         self._encoders: dict[str, object] = {}
+        self.weight_codes_once = type(self).weight_codes_once and config.weight_codes_once
 
     # -- per role ---------------------------------------------------------------------
     def stateful(self, role: str) -> bool:

@@ -486,3 +486,25 @@ def test_a_run_manages_pythons_collector_unless_told_not_to(run_root, monkeypatc
     assert main(["train", *common, "trainer.gc=off", "out_dir=c"]) == 2
     err = capsys.readouterr().err
     assert "gc" in err and "managed" in err and "automatic" in err
+
+
+def test_weight_codes_once_may_change_on_resume_and_changes_no_bit(run_root, capsys):
+    """``quant.weight_codes_once`` says how a call runs, not what it computes: a run resumed with
+    it off ends bit for bit where one uninterrupted run with it on ends; a value that is not a
+    bool is refused by key."""
+    common = [*SMALL, "telemetry.wandb=disabled", "trainer.checkpoint_every_n_steps=10", "trainer.schedule_steps=20"]
+    assert main(["train", *common, "trainer.max_steps=20", f"out_dir={run_root / 'whole'}"]) == 0
+    assert main(["train", *common, "trainer.max_steps=10", f"out_dir={run_root / 'split'}"]) == 0
+    split = run_root / "split" / "tiny_gpt_cpu"
+    assert main(["train", "--resume", str(split), "trainer.max_steps=20", "quant.weight_codes_once=false"]) == 0
+
+    def final(run):
+        return torch.load(run / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+
+    a, b = final(run_root / "whole" / "tiny_gpt_cpu"), final(split)
+    assert a["global_step"] == b["global_step"] == 20
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
+    capsys.readouterr()
+    assert main(["train", *common, "quant.weight_codes_once=maybe", f"out_dir={run_root / 'bad'}"]) == 2
+    assert "weight_codes_once" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from lightning_fp8state.config import FIELD_GROUPS, GROUP_OF, ConfigSection, Qua
 # fields must not change one of them.
 USER_KEYS = {
     "recipe", "history_len", "margin", "amax_algo", "initial_scale", "mode", "ownership", "strict",
-    "include", "exclude", "forward_format", "backward_format", "gemm", "fuse_prologues", "ledger_window",
+    "include", "exclude", "forward_format", "backward_format", "gemm", "fuse_prologues", "weight_codes_once", "ledger_window",
     "amax_reduction", "attn_format", "attn_centered", "attn_center_momentum", "attn_quantize_v",
 }  # fmt: skip
 

@@ -61,15 +61,15 @@ def test_the_recompute_reuses_the_weight_codes_and_the_backward_transposes_no_we
     # (the transposes the GPU's GEMM needs are counted on the GPU: tests/gpu/test_weight_codes_cuda.py)
 
 
-def test_a_recipe_without_weight_codes_once_encodes_the_weight_at_every_run():
-    """``Recipe.weight_codes_once=False`` (benchmarks/train_step.py's ``safe_percall_w``, the A/B
-    of this change): the weight is encoded plainly in the forward and again in the recompute,
-    and the result is bitwise the same."""
+def test_weight_codes_once_false_encodes_the_weight_at_every_run():
+    """``QuantConfig(weight_codes_once=False)`` (benchmarks/train_step.py's ``safe_percall_w``,
+    the A/B of this change): the weight is encoded plainly in the forward and again in the
+    recompute, and the result is bitwise the same."""
     xs = event_inputs(3)
 
     def run(once):
-        state = f8s.Fp8State(f8s.QuantConfig(strict=False))
-        state.protocol.recipe.weight_codes_once = once
+        state = f8s.Fp8State(f8s.QuantConfig(strict=False, weight_codes_once=once))
+        assert state.protocol.recipe.weight_codes_once is once
         model = state.convert(make_stack(n=N_BLOCKS, ckpt=("torch", False)))
         outs, grads = run_events(state, model, xs[:2])
         return _one_event(state, model, xs[2], 2), outs, grads
@@ -222,3 +222,11 @@ def test_inference_encodes_the_weight_plainly():
         model(event_inputs(1, seed=3)[0])
     assert counter.counts["quantize_fp8_t_record_amax.default"] == 0
     assert counter.counts["quantize_fp8.default"] == 2 * 2 * 2  # input and weight of 4 linears
+
+
+def test_weight_codes_once_must_be_a_bool_and_only_delayed_scaling_uses_it():
+    with pytest.raises(f8s.ConfigError, match="weight_codes_once"):
+        f8s.QuantConfig(weight_codes_once="yes")
+    # a stateless recipe derives the weight's scale every call: it never keeps the codes
+    current = f8s.Fp8State(f8s.QuantConfig(recipe="fp8_current"))
+    assert current.protocol.recipe.weight_codes_once is False

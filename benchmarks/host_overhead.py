@@ -13,7 +13,11 @@ mode and compiled (``torch.compile`` of every block). Prints ms per step, and wh
 over the peer per linear call (forward, recompute and backward together).
 
     python benchmarks/host_overhead.py [--layers 12] [--steps 30] [--repeats 3] [--modes eager compile]
-                                       [--backend inductor] [--autocast] [--profile 25]
+                                       [--backend inductor] [--autocast] [--profile 25] [--by-area]
+
+``--by-area`` profiles 10 steps of every variant in every mode and prints the host time by area
+(torch's autograd engine, AOTAutograd's and dynamo's runtime wrappers, inductor's generated code,
+the checkpoint, ours by file): where compiling saves the plain model time and costs ours time.
 
 Each variant's time is the best of ``--repeats`` windows of ``--steps`` steps (a busy host
 only ever adds time), and the variants take turns window by window, so a slow spell of the
@@ -110,13 +114,14 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--backend", default="inductor", help="torch.compile's backend in the compile mode")
     p.add_argument("--autocast", action="store_true", help="run the steps under CPU bf16 autocast (bf16-mixed)")
     p.add_argument("--profile", type=int, default=0, help="print this many rows of a cProfile of ours, by own time")
+    p.add_argument("--by-area", action="store_true", help="a cProfile of every variant and mode, by area (ms a step)")
     args = p.parse_args(argv)
     stub_kernels()
     torch.set_num_threads(1)
     cfg = GPTConfig(vocab_size=64, seq_len=args.tokens, d_model=args.d_model, n_layers=args.layers, n_heads=4)
     x = torch.randint(0, cfg.vocab_size, (1, args.tokens))
     linears = 4 * args.layers  # qkv, proj, fc, out per block (the head stays plain)
-    rows = []
+    rows, areas = [], {}
     print(
         f"torch {torch.__version__}; GPT layers={args.layers} d={args.d_model} tokens={args.tokens}, kernels stubbed{', bf16 autocast' if args.autocast else ''}"
     )
@@ -148,11 +153,58 @@ def main(argv=None) -> list[dict]:
                 profiler.disable()
                 print(f"--- cProfile of 10 {mode} steps of ours, by own time")
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+            if args.by_area:
+                areas[(mode, variant)] = _by_area(step, start + 10, 10)
         if "plain" in times and "safe" in times:
             per_call = (times["safe"] - times["plain"]) * 1e3 / linears
             print(f"  {mode:>8}: ours adds {per_call:.1f} µs per linear (forward + recompute + backward)")
             rows.append({"mode": mode, "us_per_linear_added": per_call})
+    if areas:
+        _print_areas(areas)
     return rows
+
+
+_AREAS = (  # (substring of the profiled function's file, area), the first match wins
+    ("torchinductor", "inductor's generated code"),
+    ("_dynamo", "dynamo and AOTAutograd wrappers"),
+    ("_functorch", "dynamo and AOTAutograd wrappers"),
+    ("_inductor", "inductor's runtime"),
+    ("utils/checkpoint.py", "torch's checkpoint"),
+    ("lightning_fp8state/nn/", "ours: nn (modules, the linear call)"),
+    ("lightning_fp8state/", "ours: protocol, state, recompute"),
+    ("torch/nn/modules", "nn.Module calls"),
+)
+
+
+def _area(func: tuple) -> str:
+    filename, _, name = func
+    if filename == "~":  # a builtin: the autograd engine's own time is its own area
+        return "autograd engine (C++)" if "run_backward" in name else "builtins (ops, tensor methods)"
+    return next((area for key, area in _AREAS if key in filename), "other Python")
+
+
+def _by_area(step, start: int, n: int) -> dict[str, float]:
+    """ms a step by area, over ``n`` profiled steps (the profiler inflates every number)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for k in range(start, start + n):
+        step(k)
+    profiler.disable()
+    out: dict[str, float] = {}
+    for func, (_, _, own, _, _) in pstats.Stats(profiler).stats.items():
+        area = _area(func)
+        out[area] = out.get(area, 0.0) + own * 1e3 / n
+    return out
+
+
+def _print_areas(areas: dict) -> None:
+    cols = list(areas)
+    names = sorted({a for v in areas.values() for a in v}, key=lambda a: -max(v.get(a, 0.0) for v in areas.values()))
+    print("--- host time by area, ms a step (cProfile of 10 steps, own time; the profiler inflates it)")
+    print(f"{'area':>40} " + " ".join(f"{m + ' ' + v:>16}" for m, v in cols))
+    for a in [*names, "total"]:
+        vals = [sum(areas[c].values()) if a == "total" else areas[c].get(a, 0.0) for c in cols]
+        print(f"{a:>40} " + " ".join(f"{x:16.2f}" for x in vals))
 
 
 if __name__ == "__main__":

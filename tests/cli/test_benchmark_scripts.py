@@ -167,6 +167,26 @@ def test_host_overhead_runs_on_the_cpu_with_the_kernels_stubbed():
         assert f"{mode:>8}: ours adds" in out
 
 
+def test_host_overhead_by_area_splits_each_variants_host_time():
+    """``--by-area``: one column per (mode, variant), the areas' rows and a total that is their sum."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "host_overhead.py"), "--layers", "2", "--steps", "2", "--warmup", "1",
+         "--modes", "eager", "--by-area"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout  # fmt: skip
+    table = out.split("--- host time by area", 1)[1].splitlines()[1:]
+    assert table[0].split() == ["area", "eager", "plain", "eager", "safe"]
+    rows = {line.rsplit(None, 2)[0].strip(): [float(v) for v in line.split()[-2:]] for line in table[1:] if line.strip()}
+    assert "ours: protocol, state, recompute" in rows and "total" in rows
+    total = rows.pop("total")
+    for col in (0, 1):
+        assert abs(sum(r[col] for r in rows.values()) - total[col]) < 0.05 * total[col] + 0.05
+    assert rows["ours: nn (modules, the linear call)"][1] > rows["ours: nn (modules, the linear call)"][0]
+
+
 def test_memory_peak_replays_a_trace_to_its_peak(monkeypatch):
     """benchmarks/memory_peak.py on a hand-made trace of the recorder's shape: the peak is where
     the live bytes were highest (not the sum of every allocation), the blocks live then are

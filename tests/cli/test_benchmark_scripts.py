@@ -179,7 +179,9 @@ def test_host_overhead_by_area_splits_each_variants_host_time():
     ).stdout  # fmt: skip
     table = out.split("--- host time by area", 1)[1].splitlines()[1:]
     assert table[0].split() == ["area", "eager", "plain", "eager", "safe"]
-    rows = {line.rsplit(None, 2)[0].strip(): [float(v) for v in line.split()[-2:]] for line in table[1:] if line.strip()}
+    rows = {
+        line.rsplit(None, 2)[0].strip(): [float(v) for v in line.split()[-2:]] for line in table[1:] if line.strip()
+    }
     assert "ours: protocol, state, recompute" in rows and "total" in rows
     total = rows.pop("total")
     for col in (0, 1):

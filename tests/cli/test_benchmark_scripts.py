@@ -222,3 +222,39 @@ def test_memory_peak_replays_a_trace_to_its_peak(monkeypatch):
     assert "     1 x" in lines[1] and "torch/optim/adam.py:5(_init_group)" in lines[1]
     assert "     2 x" in lines[2] and "lightning_fp8state/nn/linear.py:9(fwd)" in lines[2]
     assert "module.py" not in text
+
+
+@pytest.mark.parametrize("recipe", ["gpt_124m_h200", "tiny_gpt_cpu"])
+def test_recipe_speed_runs_each_mode_as_named_whatever_the_recipe_ships(recipe, tmp_path, monkeypatch, capsys):
+    """``--modes eager`` must be eager on a recipe that ships graphs on (and ``graphs`` graphed on
+    one that ships them off); the default mode runs the recipe as it ships."""
+    from lightning_fp8state.cli.config import load_config
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import recipe_speed
+
+    runs = []
+
+    def fake_train(out, name, args):
+        runs.append((name, load_config(args[0], args[1:])))
+        return 0, [{"train/loss": 1.0}]
+
+    monkeypatch.setattr(recipe_speed, "train", fake_train)
+    monkeypatch.setattr(recipe_speed, "throughput", lambda rows, skip, key: 1.0)
+    modes = ["eager", "compile", "graphs", "compile+graphs"]
+    monkeypatch.setattr("sys.argv", ["recipe_speed.py", "--out", str(tmp_path / "a"), "--recipe", recipe, "--modes", *modes])
+    recipe_speed.main()
+    switches = {name: (cfg.trainer.compile, cfg.trainer.cuda_graphs) for name, cfg in runs}
+    for variant in ("fp8", "bf16"):
+        assert switches[f"{variant}_eager"] == (False, False)
+        assert switches[f"{variant}_compile"] == (True, False)
+        assert switches[f"{variant}_graphs"] == (False, True)
+        assert switches[f"{variant}_compile_graphs"] == (True, True)
+    runs.clear()
+    monkeypatch.setattr("sys.argv", ["recipe_speed.py", "--out", str(tmp_path / "b"), "--recipe", recipe])
+    recipe_speed.main()
+    shipped = load_config(recipe)
+    assert [name for name, _ in runs] == ["fp8", "bf16"]
+    assert all(cfg.trainer.cuda_graphs == shipped.trainer.cuda_graphs for _, cfg in runs)
+    assert runs[1][1].quant.recipe == "bf16" and runs[0][1].quant.recipe == shipped.quant.recipe
+    capsys.readouterr()

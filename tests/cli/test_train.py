@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lightning_fp8state.cli.main import main
-from lightning_fp8state.cli.train import last_checkpoint
+from lightning_fp8state.cli.config import load_config
+from lightning_fp8state.cli.train import last_checkpoint, require_cuda_graphs_setup
 from lightning_fp8state.errors import ConfigError
 from lightning_fp8state.telemetry.sinks import read_jsonl
 
@@ -373,6 +374,49 @@ def test_trainer_cuda_graphs_outside_its_setup_is_refused_by_key(run_root, capsy
     err = capsys.readouterr().err
     assert f"trainer.cuda_graphs=true with {key} is not allowed" in err
     assert not (run_root / "runs").exists()
+
+
+# the shipped recipes that replay from CUDA graphs, and the strategies each is measured under
+GRAPHED_RECIPES = [
+    ("gpt_124m_h200", []),
+    ("gpt_350m_h200x2_deepspeed", []),
+    ("gpt_350m_h200x2_deepspeed", ["strategy.name=fp8state_ddp"]),
+    ("gpt_350m_h200x2_deepspeed", ["strategy.name=fp8state_fsdp"]),
+    ("gpt_350m_h200x2_deepspeed", ["strategy.name=auto", "trainer.devices=1"]),
+]
+
+
+@pytest.mark.parametrize(("recipe", "override"), GRAPHED_RECIPES, ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_the_h200_recipes_ship_cuda_graphs_and_their_setup_is_accepted(recipe, override):
+    """The H200 recipes run the fast path as shipped: eager FP8 is host-bound at these sizes
+    (0.70x bf16 under DeepSpeed on one H200), replayed from graphs it leads under every strategy.
+    Their setup passes the graphs' checks under each strategy the 350M recipe is measured with."""
+    cfg = load_config(recipe, override)
+    assert cfg.trainer.cuda_graphs is True
+    require_cuda_graphs_setup(cfg)  # raises ConfigError on a setup graphs cannot run
+
+
+def test_the_1b_fsdp_recipe_stays_eager_until_its_shape_is_measured_with_graphs():
+    assert load_config("gpt_1b_h200x2_fsdp").trainer.cuda_graphs is False
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        (["telemetry.audit=true"], "telemetry.audit=true"),
+        (["strategy.name=auto"], "trainer.devices=2 x 1 node(s)"),  # the whole step: one GPU
+        (["trainer.accelerator=cpu"], "trainer.accelerator='cpu'"),
+    ],
+)
+def test_a_graphed_recipe_outside_the_graphs_setup_names_the_key_and_the_way_back_to_eager(override, key):
+    """The recipe's own trainer.cuda_graphs=true is refused like a user's: by key, with
+    trainer.cuda_graphs=false named as the way out; with it the same setup is accepted."""
+    cfg = load_config("gpt_350m_h200x2_deepspeed", override)
+    with pytest.raises(ConfigError) as refused:
+        require_cuda_graphs_setup(cfg)
+    assert f"trainer.cuda_graphs=true with {key} is not allowed" in str(refused.value)
+    assert str(refused.value).endswith("or trainer.cuda_graphs=false")
+    require_cuda_graphs_setup(load_config("gpt_350m_h200x2_deepspeed", [*override, "trainer.cuda_graphs=false"]))
 
 
 def test_trainer_cuda_graphs_warmup_below_one_is_refused(run_root, capsys):

@@ -9,7 +9,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+import lightning.pytorch  # noqa: F401  (below)
 import lightning_fp8state as f8s
+
+# Lightning gives its logger a StreamHandler on sys.stderr when lightning.pytorch is first
+# imported. Imported here, at collection, that is pytest's session stream; first imported inside
+# a test that uses capsys (a benchmark script's --help), it would be that test's capture, closed
+# when the test ends, and every later Trainer's info lines would print a "Logging error"
+# traceback (tests/cli alone failed test_faults' no-traceback checks that way).
 
 # (engine, use_reentrant) for the wrapper; "plain" = torch's checkpoint without the wrapper.
 ENGINES = [("torch", False), ("torch", True), ("deepspeed", None)]

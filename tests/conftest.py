@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import copy
 
+import lightning.pytorch  # noqa: F401  (below)
 import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-import lightning.pytorch  # noqa: F401  (below)
 import lightning_fp8state as f8s
 
 # Lightning gives its logger a StreamHandler on sys.stderr when lightning.pytorch is first

@@ -242,7 +242,9 @@ def test_recipe_speed_runs_each_mode_as_named_whatever_the_recipe_ships(recipe, 
     monkeypatch.setattr(recipe_speed, "train", fake_train)
     monkeypatch.setattr(recipe_speed, "throughput", lambda rows, skip, key: 1.0)
     modes = ["eager", "compile", "graphs", "compile+graphs"]
-    monkeypatch.setattr("sys.argv", ["recipe_speed.py", "--out", str(tmp_path / "a"), "--recipe", recipe, "--modes", *modes])
+    monkeypatch.setattr(
+        "sys.argv", ["recipe_speed.py", "--out", str(tmp_path / "a"), "--recipe", recipe, "--modes", *modes]
+    )
     recipe_speed.main()
     switches = {name: (cfg.trainer.compile, cfg.trainer.cuda_graphs) for name, cfg in runs}
     for variant in ("fp8", "bf16"):

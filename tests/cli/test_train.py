@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from lightning_fp8state.cli.main import main
 from lightning_fp8state.cli.config import load_config
+from lightning_fp8state.cli.main import main
 from lightning_fp8state.cli.train import last_checkpoint, require_cuda_graphs_setup
 from lightning_fp8state.errors import ConfigError
 from lightning_fp8state.telemetry.sinks import read_jsonl
@@ -386,7 +386,9 @@ GRAPHED_RECIPES = [
 ]
 
 
-@pytest.mark.parametrize(("recipe", "override"), GRAPHED_RECIPES, ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+@pytest.mark.parametrize(
+    ("recipe", "override"), GRAPHED_RECIPES, ids=lambda v: " ".join(v) if isinstance(v, list) else v
+)
 def test_the_h200_recipes_ship_cuda_graphs_and_their_setup_is_accepted(recipe, override):
     """The H200 recipes run the fast path as shipped: eager FP8 is host-bound at these sizes
     (0.70x bf16 under DeepSpeed on one H200), replayed from graphs it leads under every strategy.

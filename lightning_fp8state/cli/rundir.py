@@ -62,6 +62,8 @@ RESUMABLE_KEYS = (
     "data.num_workers",
     "quant.strict",
     "quant.weight_codes_once",  # how a call runs, bitwise the same either way
+    "trainer.cuda_graphs",  # how a step runs, bitwise the same either way: a resume warms up and captures again
+    "trainer.cuda_graphs_warmup",
 )
 _STEP_CKPT = re.compile(r"^step=(\d+)\.ckpt$")
 

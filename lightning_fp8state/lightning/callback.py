@@ -10,6 +10,8 @@ Every rank's state is gathered into the checkpoint and each rank restores its ow
 
 from __future__ import annotations
 
+import copy
+
 import json
 import logging
 import os
@@ -83,6 +85,32 @@ def _gather(obj: Any) -> list[Any]:
         dist.all_gather_object(out, obj)
         return out
     return [obj]
+
+
+_AUTOMATIC_STEPS = "epoch_loop.automatic_optimization.optim_progress"
+_MANUAL_STEPS = "epoch_loop.manual_optimization.optim_step_progress"
+
+
+def carry_optimizer_steps(checkpoint: dict, automatic: bool) -> None:
+    """Resume a checkpoint of one optimization mode in the other, in place, before Lightning
+    restores its loops (the callbacks' ``on_load_checkpoint`` runs first).
+
+    A run may go on eagerly after CUDA graphs (``GraphedTrainingStep`` switches the module to
+    manual optimization), or the reverse. Lightning counts optimizer steps, which are the
+    trainer's ``global_step``, per mode, so the resumed mode would start again at step 0 and the
+    quantizer's clock would refuse that step (events only move forward). The saved mode's count
+    is copied to the resumed mode's, when the resumed mode's is zero."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    if _AUTOMATIC_STEPS not in loop or _MANUAL_STEPS not in loop:
+        return
+    auto, manual = loop[_AUTOMATIC_STEPS], loop[_MANUAL_STEPS]
+    if automatic and auto["optimizer"]["step"]["total"]["completed"] == 0 and manual["total"]["completed"] > 0:
+        auto["optimizer"]["step"] = copy.deepcopy(manual)
+        auto["optimizer"]["zero_grad"] = {
+            part: {**counts, "started": counts["completed"]} for part, counts in manual.items()
+        }
+    elif not automatic and manual["total"]["completed"] == 0 and auto["optimizer"]["step"]["total"]["completed"] > 0:
+        loop[_MANUAL_STEPS] = copy.deepcopy(auto["optimizer"]["step"])
 
 
 class Fp8StateCallback(Callback):
@@ -352,6 +380,7 @@ class Fp8StateCallback(Callback):
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         if self.state is None:
             raise StateTransitionError("Fp8StateCallback.on_load_checkpoint before setup: nothing to load into")
+        carry_optimizer_steps(checkpoint, pl_module.automatic_optimization)
         entry = checkpoint.get(CHECKPOINT_KEY)
         if entry is None:
             rank_zero_warn(

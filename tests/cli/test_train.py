@@ -462,6 +462,16 @@ def test_trainer_cuda_graphs_trains_bitwise_the_eager_run_and_resumes(run_root, 
     split = run_root / "split" / "tiny_gpt_cpu"
     assert main(["train", "--resume", str(split), "trainer.max_steps=8"]) == 0
     assert [(r.eager_calls, r.replays) for r in runners[1:]] == [(2, 2), (2, 2)]  # a resume warms up again
+    # the recipes ship graphs on: a run may go on eagerly (e.g. with the audit, which graphs
+    # refuse) and an eager run may go on replayed, bitwise either way
+    assert main(["train", *graphs, "trainer.max_steps=4", f"out_dir={run_root / 'to_eager'}"]) == 0
+    to_eager = run_root / "to_eager" / "tiny_gpt_cpu"
+    assert main(["train", "--resume", str(to_eager), "trainer.max_steps=8", "trainer.cuda_graphs=false"]) == 0
+    assert main(["train", *common, "trainer.max_steps=4", f"out_dir={run_root / 'to_graphs'}"]) == 0
+    to_graphs = run_root / "to_graphs" / "tiny_gpt_cpu"
+    resumed = ["trainer.max_steps=8", "trainer.cuda_graphs=true", "trainer.cuda_graphs_warmup=1"]
+    assert main(["train", "--resume", str(to_graphs), *resumed]) == 0
+    assert [(r.eager_calls, r.replays) for r in runners[3:]] == [(2, 2), (1, 3)]
 
     def final(name):
         run = run_root / name / "tiny_gpt_cpu"
@@ -473,9 +483,10 @@ def test_trainer_cuda_graphs_trains_bitwise_the_eager_run_and_resumes(run_root, 
         return ckpt, logged
 
     (a, logged_a), (b, logged_b), (c, logged_c) = final("eager"), final("graphed"), final("split")
-    assert len(logged_a) == 8 and logged_a == logged_b == logged_c
+    (d, logged_d), (e, logged_e) = final("to_eager"), final("to_graphs")
+    assert len(logged_a) == 8 and logged_a == logged_b == logged_c == logged_d == logged_e
     assert any(r["train/clipped"] for r in read_jsonl(run_root / "graphed" / "tiny_gpt_cpu" / "telemetry.jsonl"))
-    for other in (b, c):
+    for other in (b, c, d, e):
         assert other["global_step"] == 8
         for k in a["state_dict"]:
             assert torch.equal(a["state_dict"][k], other["state_dict"][k]), k

@@ -11,7 +11,6 @@ Every rank's state is gathered into the checkpoint and each rank restores its ow
 from __future__ import annotations
 
 import copy
-
 import json
 import logging
 import os

@@ -99,16 +99,18 @@ def carry_optimizer_steps(checkpoint: dict, automatic: bool) -> None:
     trainer's ``global_step``, per mode, so the resumed mode would start again at step 0 and the
     quantizer's clock would refuse that step (events only move forward). The saved mode's count
     is copied to the resumed mode's, when the resumed mode's is zero."""
-    loop = checkpoint.get("loops", {}).get("fit_loop", {})
-    if _AUTOMATIC_STEPS not in loop or _MANUAL_STEPS not in loop:
+    try:
+        loop = checkpoint["loops"]["fit_loop"]
+        auto, manual = loop[_AUTOMATIC_STEPS], loop[_MANUAL_STEPS]
+        done = auto["optimizer"]["step"]["total"]["completed"], manual["total"]["completed"]
+    except (KeyError, TypeError):  # another layout (another Lightning): left to Lightning's own restore
         return
-    auto, manual = loop[_AUTOMATIC_STEPS], loop[_MANUAL_STEPS]
-    if automatic and auto["optimizer"]["step"]["total"]["completed"] == 0 and manual["total"]["completed"] > 0:
+    if automatic and done[0] == 0 and done[1] > 0:
         auto["optimizer"]["step"] = copy.deepcopy(manual)
         auto["optimizer"]["zero_grad"] = {
             part: {**counts, "started": counts["completed"]} for part, counts in manual.items()
         }
-    elif not automatic and manual["total"]["completed"] == 0 and auto["optimizer"]["step"]["total"]["completed"] > 0:
+    elif not automatic and done[1] == 0 and done[0] > 0:
         loop[_MANUAL_STEPS] = copy.deepcopy(auto["optimizer"]["step"])
 
 

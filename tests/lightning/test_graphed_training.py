@@ -6,6 +6,7 @@ run in tests/gpu/test_graphed_training_cuda.py."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import lightning.pytorch as pl
@@ -243,3 +244,53 @@ def test_bad_arguments_are_refused_by_name():
     with pytest.raises(ConfigError, match="loss_fn=None is not allowed: expected a function of the batch"):
         GraphedTrainingStep(module, None)
     assert module.automatic_optimization  # nothing was switched by a refused construction
+
+
+def _progress(auto_steps: int, manual_steps: int) -> dict:
+    """A fit loop's optimizer-step counters as Lightning 2.6 saves them."""
+
+    def counts(n, started=False):
+        return {"ready": n, "completed": n, **({"started": n} if started else {})}
+
+    return {
+        "loops": {
+            "fit_loop": {
+                "epoch_loop.automatic_optimization.optim_progress": {
+                    "optimizer": {
+                        "step": {"total": counts(auto_steps), "current": counts(auto_steps)},
+                        "zero_grad": {"total": counts(auto_steps, True), "current": counts(auto_steps, True)},
+                    }
+                },
+                "epoch_loop.manual_optimization.optim_step_progress": {
+                    "total": counts(manual_steps),
+                    "current": counts(manual_steps),
+                },
+            }
+        }
+    }
+
+
+def test_a_checkpoint_of_the_other_optimization_mode_keeps_its_step_count():
+    """The whole-step graph trains under manual optimization, an eager run under automatic:
+    Lightning keeps each mode's step count apart, and a resume in the other mode is given the
+    saved one (else it would start at step 0, which the quantizer's clock refuses)."""
+    from lightning_fp8state.lightning.callback import carry_optimizer_steps
+
+    auto, manual = (
+        "epoch_loop.automatic_optimization.optim_progress",
+        "epoch_loop.manual_optimization.optim_step_progress",
+    )
+    eager = _progress(auto_steps=4, manual_steps=0)
+    carry_optimizer_steps(eager, automatic=False)  # an eager run resumed with graphs
+    assert eager["loops"]["fit_loop"][manual] == _progress(0, 4)["loops"]["fit_loop"][manual]
+    graphed = _progress(auto_steps=0, manual_steps=6)
+    carry_optimizer_steps(graphed, automatic=True)  # a graphed run resumed eagerly
+    assert graphed["loops"]["fit_loop"][auto] == _progress(6, 0)["loops"]["fit_loop"][auto]
+    for same_mode, automatic in ((_progress(4, 0), True), (_progress(0, 6), False), (_progress(0, 0), True)):
+        before = copy.deepcopy(same_mode)
+        carry_optimizer_steps(same_mode, automatic=automatic)
+        assert same_mode == before
+    for other_layout in ({}, {"loops": {"fit_loop": {auto: {"optimizer": {}}}}}, {"loops": None}):
+        before = copy.deepcopy(other_layout)
+        carry_optimizer_steps(other_layout, automatic=False)  # left to Lightning
+        assert other_layout == before

@@ -1,7 +1,8 @@
 """Benchmark: the 2-GPU DeepSpeed recipe's scaling, and its resume, through ``fp8state train``.
 
 1. Scaling: the recipe (default ``gpt_350m_h200x2_deepspeed``: ZeRO-2, activation
-   checkpointing, bf16-mixed, FP8 safe mode, strict ledger) runs ``--steps`` steps on 1 and on
+   checkpointing, bf16-mixed, FP8 safe mode, per-block CUDA graphs as it ships, strict ledger;
+   ``trainer.cuda_graphs=false`` measures it eagerly) runs ``--steps`` steps on 1 and on
    2 GPUs with the same per-GPU batch. Throughput is the run's global tokens/s over the logged
    windows after ``--skip-windows`` warm-up windows. Scaling efficiency = tokens/s on 2 GPUs
    over twice that on 1. The ledger is strict (``quant.strict=true``): a protocol violation

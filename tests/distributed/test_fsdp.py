@@ -131,6 +131,12 @@ def _model(state, device: torch.device, *, fsdp: bool, fp8_all_gather: bool = Tr
     return model
 
 
+def _held_weight_codes(state) -> int:
+    """How many calls hold their weight's codes from the true forward for the recompute
+    (``QuantConfig.weight_codes_once``): each holds a full (gathered) weight's bytes."""
+    return sum("weight_codes" in r.derived for rs in state.protocol.stash._by_layer.values() for r in rs)
+
+
 def _full_weights(model) -> dict:
     """Every converted layer's weight in high precision (a collective under FSDP2)."""
     out = {}
@@ -159,7 +165,7 @@ def _train(
     recorder = _Recorder(state)
     counter = _CollectiveCounter(state) if fsdp else None
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses, full_before = [], []
+    losses, full_before, held_codes = [], [], []
     try:
         for i, x in enumerate(event_inputs(N_EVENTS, d=D, seed=11)):
             full_before.append(_full_weights(model))
@@ -171,6 +177,7 @@ def _train(
                 with state.step(i):
                     loss = model(x).float().pow(2).mean()
                     state.commit_forward()
+                    held_codes.append(_held_weight_codes(state))  # kept from the forward for the recompute
                     loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -207,6 +214,7 @@ def _train(
         "bias_numel": sum(m.bias.numel() for m in _layers(model).values()),
         "bank_device": str(bank.device),
         "sync_checked": 0 if sync_check_from is None else N_EVENTS - sync_check_from,
+        "held_weight_codes": held_codes,
     }
 
 
@@ -313,6 +321,18 @@ def test_sharded_run_equals_the_unsharded_run_bitwise(ranks):
         for key, (scale, history) in ref["by_owner"].items():
             assert bitwise_equal(run["by_owner"][key][0], scale), key
             assert bitwise_equal(run["by_owner"][key][1], history), key
+
+
+def test_fp8_all_gather_holds_no_weight_codes_between_forward_and_recompute(ranks):
+    """FSDP2's peak stays bf16's because a resharded weight is not kept gathered: with the FP8
+    all-gather the call adopts the gathered codes and holds none for the recompute (which
+    gathers again). The bf16 all-gather quantizes the gathered weight in the call, and keeps
+    those codes for the recompute as an unsharded run does (a full weight's bytes per call)."""
+    for d in ranks:
+        for name in ("same", "loud", "loud_compiled"):
+            assert d[name]["held_weight_codes"] == [0] * N_EVENTS, name
+        assert d["loud_off"]["held_weight_codes"] == [N_LAYERS] * N_EVENTS
+    assert ranks[0]["unsharded"]["held_weight_codes"] == [N_LAYERS] * N_EVENTS
 
 
 def test_backward_regather_gives_the_forward_bytes(ranks):

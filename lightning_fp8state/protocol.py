@@ -175,6 +175,11 @@ class QuantProtocol:
         # full weights (a per-call one) at begin_event, on the training stream, before any
         # all-gather reads them.
         self.gathered_layers: dict[str, Callable[[], ShardSource]] = {}
+        # Layers whose weight FSDP2 shards (nn.fsdp.mark_sharded): their true forward keeps no
+        # weight codes for the recompute (QuantConfig.weight_codes_once), which would hold a full
+        # weight per call from the forward to the backward, the memory sharding exists to free;
+        # the recompute encodes the re-gathered weight again (bitwise the same codes).
+        self.sharded_layers: set[str] = set()
 
     def reset(self) -> None:
         """Forget every owner's state: a fresh bank, clock and ledger, as constructed (a state
@@ -877,8 +882,8 @@ class QuantProtocol:
             if order.active:
                 order.use(x.device, bank.amax_pending, snap.scale)
             data = encoder.encode_record(x, snap, bank, index, prologue)
-        if role == "weight" and self.recipe.weight_codes_once:  # for the recompute: the same
-            # parameter, snapshot and stage give these codes
+        if role == "weight" and self.recipe.weight_codes_once and record.layer not in self.sharded_layers:
+            # for the recompute: the same parameter, snapshot and stage give these codes
             record.derived[_CODES] = (_parameter_key(x), snap, prologue, data)
         return data, snap
 

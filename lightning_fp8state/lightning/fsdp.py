@@ -40,6 +40,7 @@ from ..nn.fsdp import (
     enable_fp8_all_gather,
     fp8_all_gather_problem,
     gathered_layers,
+    mark_sharded,
     plain_shard,
     step_on_local_shards,
 )
@@ -179,6 +180,7 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
             self._check_presharded(self.model, config)
         else:
             self._shard(self.model)
+        mark_sharded(self.model)  # no weight codes held from forward to recompute (memory)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

@@ -46,6 +46,7 @@ __all__ = [
     "enable_fp8_all_gather",
     "fp8_all_gather_problem",
     "gathered_layers",
+    "mark_sharded",
     "plain_shard",
     "step_on_local_shards",
 ]
@@ -281,6 +282,29 @@ def gathered_layers(model: nn.Module) -> list[str]:
             if isinstance(local, (Fp8ShardedWeight, Fp8GatheredWeight)):
                 out.append(module.layer_name)
     return out
+
+
+def mark_sharded(model: nn.Module) -> list[str]:
+    """Tell each converted layer of ``model`` that sits in an FSDP2 unit (``fully_shard``) that
+    its weight is sharded; call after ``fully_shard`` (``fp8state_fsdp`` does). Returns their
+    names.
+
+    Under ``fp8_delayed`` a checkpointed call keeps its weight's codes from the true forward for
+    its recompute (``QuantConfig.weight_codes_once``). A layer whose weight FSDP2 reshards after
+    the forward would then hold a full weight's codes per call until its backward, a byte a
+    parameter of the whole model on every rank. A marked layer keeps none, and its recompute
+    encodes the re-gathered weight again, to the same codes. Layers gathered in FP8
+    (:func:`enable_fp8_all_gather`) keep none either way: their codes come from the gather."""
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415  (FSDP2, torch >= 2.6)
+
+    names = set()
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            for module in unit.modules():
+                if isinstance(module, Fp8Linear):
+                    module.protocol.sharded_layers.add(module.layer_name)
+                    names.add(module.layer_name)
+    return sorted(names)
 
 
 def plain_shard(t: torch.Tensor) -> torch.Tensor:

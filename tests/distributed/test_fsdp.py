@@ -22,7 +22,13 @@ import torch.distributed as dist
 
 import lightning_fp8state as f8s
 from lightning_fp8state import ops
-from lightning_fp8state.nn.fsdp import Fp8GatheredWeight, enable_fp8_all_gather, gathered_layers, plain_shard
+from lightning_fp8state.nn.fsdp import (
+    Fp8GatheredWeight,
+    enable_fp8_all_gather,
+    gathered_layers,
+    mark_sharded,
+    plain_shard,
+)
 from lightning_fp8state.recompute import Phase
 from tests.conftest import bitwise_equal, event_inputs, make_stack
 from tests.distributed.spawn import save_rank_results, spawn_pair_results
@@ -111,7 +117,9 @@ class _CollectiveCounter:
             setattr(dist, name, fn)
 
 
-def _model(state, device: torch.device, *, fsdp: bool, fp8_all_gather: bool = True, compiled: bool = False):
+def _model(
+    state, device: torch.device, *, fsdp: bool, fp8_all_gather: bool = True, compiled: bool = False, mark: bool = True
+):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -123,6 +131,8 @@ def _model(state, device: torch.device, *, fsdp: bool, fp8_all_gather: bool = Tr
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        if mark:  # as fp8state_fsdp does
+            assert mark_sharded(model) == sorted(_layers(model))
         state.enable_amax_reduction(group=mesh.get_group())
     if compiled:  # each block through torch.compile, after fully_shard (as torchtitan orders them)
         torch._dynamo.reset()
@@ -155,13 +165,14 @@ def _train(
     fp8_all_gather: bool = True,
     sync_check_from: int | None = None,
     compiled: bool = False,
+    mark: bool = True,
 ):
     """N_EVENTS steps of SGD; rank 1's inputs times ``loud``. Returns what the tests compare.
 
     ``sync_check_from``: from that event on (CUDA), each step (forward, backward, optimizer)
     runs under ``torch.cuda.set_sync_debug_mode("error")``: a host sync raises."""
     state = f8s.Fp8State(f8s.QuantConfig(), rank=rank)
-    model = _model(state, device, fsdp=fsdp, fp8_all_gather=fp8_all_gather, compiled=compiled)
+    model = _model(state, device, fsdp=fsdp, fp8_all_gather=fp8_all_gather, compiled=compiled, mark=mark)
     recorder = _Recorder(state)
     counter = _CollectiveCounter(state) if fsdp else None
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -267,6 +278,7 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
         "same": _train(rank, device, fsdp=True, sync_check_from=sync_check_from),
         "loud": _train(rank, device, fsdp=True, loud=8.0, sync_check_from=sync_check_from),
         "loud_off": _train(rank, device, fsdp=True, loud=8.0, fp8_all_gather=False),
+        "loud_off_unmarked": _train(rank, device, fsdp=True, loud=8.0, fp8_all_gather=False, mark=False),
         "loud_compiled": _train(rank, device, fsdp=True, loud=8.0, compiled=True),
         "loud_off_compiled": _train(rank, device, fsdp=True, loud=8.0, fp8_all_gather=False, compiled=True),
         "refusals": _refusals(rank, device),
@@ -323,15 +335,21 @@ def test_sharded_run_equals_the_unsharded_run_bitwise(ranks):
             assert bitwise_equal(run["by_owner"][key][1], history), key
 
 
-def test_fp8_all_gather_holds_no_weight_codes_between_forward_and_recompute(ranks):
-    """FSDP2's peak stays bf16's because a resharded weight is not kept gathered: with the FP8
+def test_a_sharded_weight_holds_no_codes_between_forward_and_recompute(ranks):
+    """FSDP2's peak stays bf16's because a resharded weight is not kept gathered. With the FP8
     all-gather the call adopts the gathered codes and holds none for the recompute (which
-    gathers again). The bf16 all-gather quantizes the gathered weight in the call, and keeps
-    those codes for the recompute as an unsharded run does (a full weight's bytes per call)."""
+    gathers again). With the bf16 all-gather the call quantizes the gathered weight; marked
+    sharded (``mark_sharded``, as fp8state_fsdp does) it holds those codes no longer than the
+    call, and the run is bitwise the unmarked one, which holds a full weight's codes per call
+    from the forward to the backward, as an unsharded run does."""
     for d in ranks:
-        for name in ("same", "loud", "loud_compiled"):
+        for name in ("same", "loud", "loud_compiled", "loud_off", "loud_off_compiled"):
             assert d[name]["held_weight_codes"] == [0] * N_EVENTS, name
-        assert d["loud_off"]["held_weight_codes"] == [N_LAYERS] * N_EVENTS
+        assert d["loud_off_unmarked"]["held_weight_codes"] == [N_LAYERS] * N_EVENTS
+        marked, unmarked = d["loud_off"], d["loud_off_unmarked"]
+        assert all(bitwise_equal(a, b) for a, b in zip(marked["losses"], unmarked["losses"], strict=True))
+        for layer in marked["full_after"]:
+            assert bitwise_equal(marked["full_after"][layer], unmarked["full_after"][layer]), layer
     assert ranks[0]["unsharded"]["held_weight_codes"] == [N_LAYERS] * N_EVENTS
 
 

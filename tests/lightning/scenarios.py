@@ -142,6 +142,8 @@ def observe(trainer, model, cb) -> dict:
         "device": str(state.bank.device),  # where the quantizers ran (Lightning may move the model back)
         "strategy": type(trainer.strategy).__name__,
         "fp8_gathered": gathered_layers(model),  # layers whose weight FSDP2 gathers in FP8
+        # layers that hold no weight codes from forward to recompute (nn.fsdp.mark_sharded)
+        "sharded_layers": sorted(state.protocol.sharded_layers),
         "default_engine": f8s.recompute.default_engine(),
         # DeepSpeed's micro-step counter (its accumulation boundaries); None without DeepSpeed
         "engine_micro_steps": getattr(getattr(trainer.strategy, "deepspeed_engine", None), "micro_steps", None),

@@ -133,6 +133,14 @@ def test_fp8_current_gathers_fp8_under_the_lightning_strategy(out):
     assert all(bitwise(a["params"][k], b["params"][k]) for k in a["params"])
 
 
+@pytest.mark.parametrize("name", ["fsdp", "fsdp_bf16_gather"])
+def test_the_strategy_marks_every_converted_layer_sharded(out, name):
+    """fp8state_fsdp marks each converted layer in an FSDP2 unit (every one: the root is a unit
+    too), so no call holds its gathered weight's codes from the forward to the recompute."""
+    for d in ranks(out, name):
+        assert len(d["sharded_layers"]) == 6 and set(d["fp8_gathered"]) <= set(d["sharded_layers"])
+
+
 def test_adamw_steps_on_the_local_shards_bitwise_the_dtensor_step(out):
     """The strategy makes AdamW step on each rank's local shards (no DTensor dispatch over every
     tensor: host time a step); weights and moments are bitwise those of the DTensor step."""

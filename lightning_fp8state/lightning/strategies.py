@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from ..config import require_bool, require_choice, require_int
 from ..errors import StateLoadError
+from ..nn.fsdp import mark_sharded
 from ..state.checkpoint_files import check_checkpoint
 from . import deepspeed_guard
 from .callback import Fp8StateCallback
@@ -232,6 +233,8 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         _require_callback(trainer, self.strategy_name)
         super().setup(trainer)
+        if self.zero_stage_3:  # partitioned weights: no codes held from forward to recompute (memory)
+            mark_sharded(self.lightning_module, every_layer=True)
 
     @override
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):

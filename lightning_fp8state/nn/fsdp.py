@@ -284,10 +284,11 @@ def gathered_layers(model: nn.Module) -> list[str]:
     return out
 
 
-def mark_sharded(model: nn.Module) -> list[str]:
+def mark_sharded(model: nn.Module, *, every_layer: bool = False) -> list[str]:
     """Tell each converted layer of ``model`` that sits in an FSDP2 unit (``fully_shard``) that
-    its weight is sharded; call after ``fully_shard`` (``fp8state_fsdp`` does). Returns their
-    names.
+    its weight is sharded; call after ``fully_shard`` (``fp8state_fsdp`` does). With
+    ``every_layer``, every converted layer (DeepSpeed ZeRO-3 partitions every parameter:
+    ``fp8state_deepspeed`` at stage 3 does this). Returns their names.
 
     Under ``fp8_delayed`` a checkpointed call keeps its weight's codes from the true forward for
     its recompute (``QuantConfig.weight_codes_once``). A layer whose weight FSDP2 reshards after
@@ -297,13 +298,13 @@ def mark_sharded(model: nn.Module) -> list[str]:
     (:func:`enable_fp8_all_gather`) keep none either way: their codes come from the gather."""
     from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415  (FSDP2, torch >= 2.6)
 
+    units = [model] if every_layer else [m for m in model.modules() if isinstance(m, FSDPModule)]
     names = set()
-    for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            for module in unit.modules():
-                if isinstance(module, Fp8Linear):
-                    module.protocol.sharded_layers.add(module.layer_name)
-                    names.add(module.layer_name)
+    for unit in units:
+        for module in unit.modules():
+            if isinstance(module, Fp8Linear):
+                module.protocol.sharded_layers.add(module.layer_name)
+                names.add(module.layer_name)
     return sorted(names)
 
 

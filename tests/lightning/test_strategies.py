@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
 
 import lightning_fp8state as f8s
 from lightning_fp8state.lightning import Fp8StateCallback, Fp8StateDeepSpeedStrategy
@@ -333,3 +334,21 @@ def test_deepspeed_overlap_comm_is_off_under_zero_1_2_unless_asked():
     for stage in (1, 2, 3):
         entry = pl.strategies.StrategyRegistry[f"fp8state_deepspeed_stage_{stage}"]
         assert overlap(entry["strategy"](**entry["init_params"])) is (stage == 3), stage
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero3_marks_every_converted_layer_sharded(monkeypatch, stage):
+    """ZeRO-3 partitions every parameter: no call may hold its weight's codes from the forward
+    to the recompute (nn.fsdp.mark_sharded). ZeRO-1/2 keep whole weights, so the codes are
+    kept. DeepSpeed's own setup needs CUDA and is stood in for here."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    state = f8s.Fp8State(f8s.QuantConfig(strict=False))
+    model = state.convert(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
+    monkeypatch.setattr(DeepSpeedStrategy, "setup", lambda self, trainer: None)
+    strategy = Fp8StateDeepSpeedStrategy(stage=stage)
+    monkeypatch.setattr(type(strategy), "lightning_module", property(lambda self: model))
+    strategy.setup(SimpleNamespace(callbacks=[Fp8StateCallback()]))
+    converted = sorted(m.layer_name for m in model.modules() if isinstance(m, f8s.nn.Fp8Linear))
+    assert len(converted) == 2
+    assert sorted(state.protocol.sharded_layers) == (converted if stage == 3 else [])

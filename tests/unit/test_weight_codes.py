@@ -230,3 +230,33 @@ def test_weight_codes_once_must_be_a_bool_and_only_delayed_scaling_uses_it():
     # a stateless recipe derives the weight's scale every call: it never keeps the codes
     current = f8s.Fp8State(f8s.QuantConfig(recipe="fp8_current"))
     assert current.protocol.recipe.weight_codes_once is False
+
+
+def test_a_layer_marked_sharded_holds_no_codes_and_trains_bitwise_the_same():
+    """A weight that is partitioned between forward and recompute (FSDP2, DeepSpeed ZeRO-3) must
+    not be held as codes per call (a full weight's bytes per layer on every rank): marked
+    sharded, a call keeps none, its recompute encodes the weight again, bitwise the same run."""
+    from lightning_fp8state.nn.fsdp import mark_sharded
+
+    runs = {}
+    for marked in (False, True):
+        state = f8s.Fp8State(f8s.QuantConfig(strict=False))
+        model = state.convert(make_stack(n=2, ckpt=("torch", False)))
+        names = mark_sharded(model, every_layer=True) if marked else []
+        assert mark_sharded(model) == []  # no FSDP2 unit: nothing is sharded
+        assert sorted(state.protocol.sharded_layers) == names
+        held = []
+        with f8s.RecomputeAuditor(state) as auditor, state.step(0):
+            y = model(event_inputs(1)[0])
+            records = [r for rs in state.protocol.stash._by_layer.values() for r in rs]
+            held.append(sum("weight_codes" in r.derived for r in records))
+            state.commit_forward()
+            y.float().pow(2).mean().backward()
+        assert auditor.report().ok, auditor.report().format_table()
+        outs, grads = run_events(state, model, event_inputs(3), step0=1)
+        runs[marked] = (held, outs, grads, len(names))
+    assert runs[False][0] == [4] and runs[True][0] == [0] and runs[True][3] == 4
+    for a, b in zip(runs[False][1], runs[True][1], strict=True):
+        assert bitwise_equal(a, b)
+    for ga, gb in zip(runs[False][2], runs[True][2], strict=True):
+        assert all(bitwise_equal(ga[k], gb[k]) for k in ga)

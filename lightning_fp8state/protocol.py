@@ -175,10 +175,10 @@ class QuantProtocol:
         # full weights (a per-call one) at begin_event, on the training stream, before any
         # all-gather reads them.
         self.gathered_layers: dict[str, Callable[[], ShardSource]] = {}
-        # Layers whose weight FSDP2 shards (nn.fsdp.mark_sharded): their true forward keeps no
-        # weight codes for the recompute (QuantConfig.weight_codes_once), which would hold a full
-        # weight per call from the forward to the backward, the memory sharding exists to free;
-        # the recompute encodes the re-gathered weight again (bitwise the same codes).
+        # Layers whose weight FSDP2 shards or ZeRO-3 partitions (nn.fsdp.mark_sharded): their true
+        # forward keeps no weight codes for the recompute (QuantConfig.weight_codes_once), which
+        # would hold a full weight per call from the forward to the backward, the memory sharding
+        # exists to free; the recompute encodes the re-gathered weight again (the same codes).
         self.sharded_layers: set[str] = set()
 
     def reset(self) -> None:

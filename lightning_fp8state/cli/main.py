@@ -18,9 +18,10 @@ from pathlib import Path
 from ..config import require_int
 from ..errors import ConfigError, DiskFullError, StateLoadError
 
-__all__ = ["EXIT_DISK_FULL", "main"]
+__all__ = ["EXIT_DISK_FULL", "EXIT_INTERRUPTED", "main"]
 
 EXIT_DISK_FULL = 3  # a file could not be written for lack of space; what was saved before is intact
+EXIT_INTERRUPTED = 130  # Ctrl-C, SIGTERM or SIGHUP (128 + SIGINT, as shells report it)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,7 +65,7 @@ def _split(args) -> tuple[str | None, list[str]]:
 def _audit(args) -> int:
     from .audit import HEADER, run_audit
     from .config import load_config
-    from .train import require_finite
+    from .train import require_accelerator, require_finite
 
     require_int("--steps", args.steps, 1)
     recipe, overrides = _split(args)
@@ -80,6 +81,7 @@ def _audit(args) -> int:
             extra = ["quant.recipe=fp8_delayed", f"quant.mode={mode}"]
         cfg = load_config(recipe, overrides + extra + ["quant.strict=false"])
         require_finite(cfg)
+        require_accelerator(cfg, recipe)  # a GPU recipe on a machine without one: refused at once
         outcome = run_audit(cfg, args.steps)
         print(f"== {outcome.mode}: {args.steps} events, recipe {cfg.name}")
         print(outcome.report.format_table())
@@ -163,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"fp8state: error: {_disk_full(exc)}", file=sys.stderr)
         return EXIT_DISK_FULL
+    except KeyboardInterrupt:  # Ctrl-C before Lightning's own handling (imports, validation, setup)
+        print("fp8state: interrupted (Ctrl-C); nothing was saved", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except OmegaConfBaseException as exc:  # a configuration error the checks above did not name
         key = getattr(exc, "full_key", None)
         print(f"fp8state: error: {f'key {key!r}: ' if key else ''}{str(exc).splitlines()[0]}", file=sys.stderr)

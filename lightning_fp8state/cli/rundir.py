@@ -32,6 +32,7 @@ from ..state.checkpoint_files import check_checkpoint, deepspeed_safe_globals, l
 from .config import quant_config
 
 __all__ = [
+    "DIRECTORY_CHECKPOINT_STRATEGIES",
     "RESUMABLE_KEYS",
     "RUN_DIR_ENV",
     "ResumePlan",
@@ -66,6 +67,9 @@ RESUMABLE_KEYS = (
     "trainer.cuda_graphs_warmup",
 )
 _STEP_CKPT = re.compile(r"^step=(\d+)\.ckpt$")
+# the strategies that write a checkpoint as a directory of shards (DeepSpeed's, FSDP2's DCP); every
+# other one writes one file through AtomicCheckpointIO
+DIRECTORY_CHECKPOINT_STRATEGIES = ("fp8state_deepspeed", "fp8state_fsdp")
 
 
 def launch_rank() -> int:
@@ -323,8 +327,22 @@ def _few(names: list[str], n: int = 3) -> str:
     return f"{names[:n]}{f' and {len(names) - n} more' if len(names) > n else ''}"
 
 
+def _require_checkpoint_kind(cfg: DictConfig, candidates: list[Path], resume: str) -> None:
+    """A strategy that writes one file per checkpoint finds no directory under a checkpoint's
+    name: it would fall back past it, train, and then fail to save over it."""
+    if cfg.strategy.name in DIRECTORY_CHECKPOINT_STRATEGIES:
+        return
+    for path in candidates:
+        if path.is_dir():
+            raise RunDirectoryError(
+                f"--resume {resume!r}: {path} is a directory, but strategy.name={cfg.strategy.name!r} writes "
+                "each checkpoint as one file there: move or remove that directory, then resume"
+            )
+
+
 def _select_checkpoint(cfg: DictConfig, run_dir: Path, resume: str) -> tuple[Path, dict, list[str]]:
     candidates = _checkpoint_candidates(run_dir)
+    _require_checkpoint_kind(cfg, candidates, resume)
     if not candidates:
         raise RunDirectoryError(
             f"--resume {resume!r}: no checkpoint to continue from (expected {run_dir / 'checkpoints' / 'last.ckpt'} "

@@ -14,6 +14,8 @@ import json
 import math
 import os
 import platform
+import shlex
+import shutil
 import subprocess
 import sys
 import warnings
@@ -29,6 +31,7 @@ from ..quant_recipes import RECIPE_CLASSES, Recipe, recipe_for
 from .audit import model_config
 from .config import load_config, quant_config
 from .rundir import (
+    DIRECTORY_CHECKPOINT_STRATEGIES,
     RUN_DIR_ENV,
     claim_run_dir,
     launch_rank,
@@ -39,7 +42,12 @@ from .rundir import (
     write_text_atomic,
 )
 
-__all__ = ["lr_factor", "provenance", "run_training", "set_cpu_threads"]
+__all__ = ["lr_factor", "provenance", "resume_command", "run_training", "set_cpu_threads"]
+
+
+def resume_command(run_dir: Path, *overrides: str) -> str:
+    """The command that continues the run in ``run_dir``, quoted for the shell."""
+    return shlex.join(["fp8state", "train", "--resume", str(run_dir), *overrides])
 
 
 def _git_commit() -> str:
@@ -109,6 +117,7 @@ def _module_and_data(cfg: DictConfig):
                 for block in self.model.blocks:
                     block.compile()
             self.graphed = None
+            self.last_loss = None  # the last step's loss, on the device: read once, when the run ends
             if cfg.trainer.cuda_graphs and cfg.strategy.name in BLOCK_GRAPH_STRATEGIES:
                 # per-block graphs: the strategy's gradient hooks stay eager between the blocks
                 from ..block_graphs import GraphedBlocks  # noqa: PLC0415
@@ -124,6 +133,7 @@ def _module_and_data(cfg: DictConfig):
         def training_step(self, batch, batch_idx):
             x, y = batch
             loss = self.graphed(self, batch) if self.graphed is not None else self.model.loss(x, y)
+            self.last_loss = loss.detach()
             # for callback_metrics only: the telemetry writes the loss to the loggers and the
             # bar on log steps; a device value in the bar would be read back every batch (a sync)
             self.log("train/loss", loss, on_step=True, prog_bar=False, logger=False)
@@ -485,8 +495,8 @@ def _run_validated(cfg: DictConfig, plan, recipe: str | None, rank: int, resume:
             if rank == 0:
                 print(
                     f"run {run_dir} is already complete at step {plan.step} (trainer.max_steps={cfg.trainer.max_steps}); "
-                    f"to train on, pass a larger trainer.max_steps, e.g. --resume {run_dir} "
-                    f"trainer.max_steps={plan.step + int(cfg.trainer.max_steps)}"
+                    "to train on, pass a larger trainer.max_steps, e.g. "
+                    + resume_command(run_dir, f"trainer.max_steps={plan.step + int(cfg.trainer.max_steps)}")
                 )
             return 0
         if rank == 0:
@@ -541,6 +551,30 @@ def quiet_lightning() -> None:
     )
 
 
+def _interrupted(run_dir: Path, step: int, *, fresh: bool, stopping: bool) -> int:
+    """Say where an interrupted run stands (exit 130). With a checkpoint: which one, and the command
+    that continues from it. Without one (a new run stopped before its first save): nothing can be
+    resumed, so the run's directory is removed and the line says to start again."""
+    saved = sorted((run_dir / "checkpoints").glob("step=*.ckpt"), key=lambda p: p.stat().st_mtime)
+    how = "stopped by a signal (SIGTERM or SIGHUP)" if stopping else "interrupted"
+    if saved:
+        print(
+            f"fp8state: {how} at step {step}; the last checkpoint is {saved[-1]}. "
+            f"Continue with: {resume_command(run_dir)}",
+            file=sys.stderr,
+        )
+    elif fresh:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        print(
+            f"fp8state: {how} at step {step}, before the first checkpoint: nothing to resume, and the run "
+            f"directory {run_dir} was removed; start the run again",
+            file=sys.stderr,
+        )
+    else:
+        print(f"fp8state: {how} at step {step}; no checkpoint was saved in {run_dir / 'checkpoints'}", file=sys.stderr)
+    return 130
+
+
 def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = False) -> int:
     os.environ.setdefault("WANDB_SILENT", "true")
     quiet_lightning()
@@ -588,7 +622,7 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
     )
     fp8 = Fp8StateCallback(config=quant_config(cfg), audit=cfg.telemetry.audit, verbose=verbose)
     # DeepSpeed and FSDP2 write their own (sharded) checkpoint directories
-    plugins = [] if cfg.strategy.name in ("fp8state_deepspeed", "fp8state_fsdp") else [AtomicCheckpointIO()]
+    plugins = [] if cfg.strategy.name in DIRECTORY_CHECKPOINT_STRATEGIES else [AtomicCheckpointIO()]
     try:
         trainer = pl.Trainer(
             default_root_dir=str(run_dir),
@@ -640,19 +674,12 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
     for line in failures:
         print(f"fp8state: warning: {line}", file=sys.stderr)
     if interrupted:
-        saved = sorted((run_dir / "checkpoints").glob("step=*.ckpt"), key=lambda p: p.stat().st_mtime)
-        where = f"the last checkpoint is {saved[-1]}" if saved else "no checkpoint was saved yet"
-        print(
-            f"fp8state: interrupted at step {trainer.global_step}; {where}. Continue with: "
-            f"fp8state train --resume {run_dir}",
-            file=sys.stderr,
-        )
-        return 130
+        return _interrupted(run_dir, trainer.global_step, fresh=plan is None, stopping=trainer.received_sigterm)
     try:
         _write_run_files(run_dir, cfg)  # again: the CUDA extension (and its hash) is known only now
     except DiskFullError as exc:  # the run itself is saved: say what is stale, do not fail it
         print(f"fp8state: warning: {exc}; the run's files keep what they said at its start", file=sys.stderr)
-    loss = trainer.callback_metrics.get("train/loss")
+    loss = module.last_loss  # the last step's (one read, at the end)
     print(f"run directory: {run_dir}")
     text = f"steps: {trainer.global_step}"
     skipped = (telemetry.state_dict().get("counters") or {}).get("skipped") or 0

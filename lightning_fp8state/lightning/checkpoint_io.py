@@ -17,13 +17,16 @@ import contextlib
 import errno
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from ..errors import DiskFullError
@@ -121,8 +124,21 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class RunCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint(filename="{step}", monitor="step", mode="max")`` that keeps pruning after a
-    resume, whatever the directory is called and whatever the resume changed.
+    """``ModelCheckpoint(filename="{step}", monitor="step", mode="max")`` that saves the run's last
+    step, saves at a preemption, and keeps pruning after a resume, whatever the directory is
+    called and whatever the resume changed.
+
+    The last step: ``every_n_train_steps`` alone leaves the steps after the last multiple unsaved
+    (``max_steps=12`` with every 5 saved step 10), and Lightning's ``on_train_end`` writes
+    ``last.ckpt`` only when no ``last.ckpt`` was saved before; here the step that reaches
+    ``max_steps`` is always saved (``step=N.ckpt`` and ``last.ckpt``), so "steps: N" means the
+    checkpoint is at N.
+
+    A preemption: Lightning's signal connector turns SIGTERM into a ``SIGTERMException`` at the
+    next batch boundary (after the optimizer step and ``on_train_batch_end``), then calls every
+    callback's ``on_exception``; that one exception is saved here like a periodic checkpoint (any
+    other exception is not: it may have stopped mid-step). SIGHUP (a closed terminal, some
+    schedulers) is forwarded as SIGTERM for the time of the fit, so it stops the same way.
 
     Lightning restores which checkpoints it kept (``best_k_models``) only when the saved
     ``dirpath`` string equals the current one, and only under a callback state key that holds
@@ -131,6 +147,49 @@ class RunCheckpoint(ModelCheckpoint):
     older ``step=N.ckpt`` again. Here the kept set is read from the directory itself when
     training starts: the ``save_top_k`` newest ``step=N.ckpt`` are kept, older ones removed.
     """
+
+    @override
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._hangup = None
+        if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGHUP"):
+            self._hangup = signal.signal(signal.SIGHUP, _hangup_as_sigterm)
+
+    @override
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if getattr(self, "_hangup", None) is not None:
+            signal.signal(signal.SIGHUP, self._hangup)
+            self._hangup = None
+        super().teardown(trainer, pl_module, stage)
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps:
+            self._save_now(trainer)
+
+    @override
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):
+            self._save_now(trainer)
+
+    @override
+    def _should_remove_checkpoint(self, trainer, previous: str, current: str) -> bool:
+        """Lightning never removes the checkpoint it resumed from; here a ``step=N.ckpt`` of this
+        directory goes like any other once two newer ones are saved (a resume that fell back to
+        an older checkpoint kept it for good)."""
+        if previous == current or self.dirpath is None:
+            return False
+        previous_path = Path(previous).absolute()
+        return previous_path.parent == Path(self.dirpath).absolute() and previous_path.name.startswith("step=")
+
+    def _save_now(self, trainer) -> None:
+        """Save ``step=N.ckpt`` and ``last.ckpt`` at this step, unless saved already."""
+        if self._should_skip_saving_checkpoint(trainer):
+            return
+        candidates = self._monitor_candidates(trainer)
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -156,3 +215,8 @@ class RunCheckpoint(ModelCheckpoint):
         if keep:
             self.best_model_path, self.best_model_score = str(keep[0][1]), torch.tensor(keep[0][0])
             self.kth_best_model_path, self.kth_value = str(keep[-1][1]), torch.tensor(keep[-1][0])
+
+
+def _hangup_as_sigterm(signum, frame) -> None:
+    """SIGHUP, handled as the SIGTERM Lightning already handles (a checkpoint at the next step)."""
+    os.kill(os.getpid(), signal.SIGTERM)

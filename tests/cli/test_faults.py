@@ -258,11 +258,14 @@ def uninterrupted(tmp_path_factory):
     return out / "tiny_gpt_cpu"
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL"])
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL", "SIGTERM", "SIGHUP"])
 def test_interrupt_then_resume_counts_each_step_once_and_ends_bitwise_equal(run_root, uninterrupted, sig):
-    """A real signal at step 15 (the last checkpoint is step 10, telemetry is written up to
-    step 14 or 15); the resume re-runs 11..15: the report counts 30 steps, not 35, and the
-    weights equal those of one uninterrupted run of 30 steps, bit for bit."""
+    """A real signal at step 15 (the last periodic checkpoint is step 10, telemetry is written up
+    to step 14 or 15). After SIGINT or SIGKILL the resume re-runs 11..15: the report counts 30
+    steps, not 35. A preemption (SIGTERM, or SIGHUP handled as SIGTERM) checkpoints at the step
+    boundary it arrived in, so nothing is re-run. Either way the weights equal those of one
+    uninterrupted run of 30 steps, bit for bit."""
+    preempted = sig in ("SIGTERM", "SIGHUP")
     env = launch_env()
     env.update(WANDB_SILENT="true", OMP_NUM_THREADS=str(torch.get_num_threads()))  # the same sums as in here
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -270,16 +273,23 @@ def test_interrupt_then_resume_counts_each_step_once_and_ends_bitwise_equal(run_
     cmd = [sys.executable, "-c", code, "train", *COMMON, "trainer.max_steps=30", "trainer.schedule_steps=30"]
     done = subprocess.run([*cmd, "out_dir=runs"], cwd=run_root, env=env, capture_output=True, text=True, timeout=300)
     run = run_root / "runs" / "tiny_gpt_cpu"
-    if sig == "SIGINT":
+    if sig == "SIGKILL":
+        assert done.returncode == -signal.SIGKILL
+    else:
         assert done.returncode == 130, done.stderr[-3000:]
         assert f"fp8state train --resume {Path('runs') / 'tiny_gpt_cpu'}" in done.stderr
-    else:
-        assert done.returncode == -signal.SIGKILL
+        assert ("stopped by a signal" in done.stderr) == preempted and "Traceback" not in done.stderr
     raw = [r["step"] for r in read_jsonl(run / "telemetry.jsonl")]
-    assert max(raw) >= 14 and torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 10
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
+    assert max(raw) >= 14 and saved == (15 if preempted else 10)
+    if preempted:
+        assert (run / "checkpoints" / "step=15.ckpt").is_file() and f"step=15.ckpt" in done.stderr
     assert train("--resume", str(run), "trainer.max_steps=30") == 0
     raw = [r["step"] for r in read_jsonl(run / "telemetry.jsonl")]
-    assert len(raw) > 30  # steps 11..14 were written twice ...
+    if preempted:
+        assert raw == list(range(1, 31))  # every step once: none re-run
+    else:
+        assert len(raw) > 30  # steps 11..14 were written twice ...
     report = write_report(run, show=False)
     assert report.rows == 30 and report.superseded == len(raw) - 30  # ... and count once
     assert report.summary["steps attempted"] == 30

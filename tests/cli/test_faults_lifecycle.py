@@ -1,0 +1,150 @@
+"""A run's life from start to stop (issue 41): the last step is always saved, the summary's loss is
+the last step's, an interrupt before the first checkpoint leaves nothing to resume and says so,
+printed commands are quoted for the shell, a GPU recipe is refused by ``audit`` at once, and a
+``last.ckpt`` that is not what the strategy writes is refused before anything runs.
+
+Preemption (SIGTERM and SIGHUP checkpoint at the next step boundary) is tested with the other
+signals in ``tests/cli/test_faults.py::test_interrupt_then_resume_counts_each_step_once_and_ends_bitwise_equal``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_fp8state.cli import main as cli_main
+from lightning_fp8state.telemetry.sinks import read_jsonl
+from tests.cli.test_faults import COMMON, assert_one_clean_error, run_root, snapshot, train  # noqa: F401
+from tests.lightning.launch import ROOT, launch_env
+
+
+def _step(ckpt) -> int:
+    return torch.load(ckpt, weights_only=False, map_location="cpu")["global_step"]
+
+
+def test_the_last_step_is_saved_and_the_summary_gives_its_loss(run_root, capsys):
+    """max_steps=12 with a checkpoint every 5 steps: last.ckpt is at step 12 (it was at 10, and a
+    resume re-trained 11-12), and the printed loss is step 12's row in telemetry.jsonl."""
+    assert train(*COMMON, "trainer.max_steps=12", "trainer.checkpoint_every_n_steps=5", "out_dir=runs") == 0
+    out = capsys.readouterr().out
+    run = run_root / "runs" / "tiny_gpt_cpu"
+    ckpts = run / "checkpoints"
+    assert _step(ckpts / "last.ckpt") == 12
+    assert {p.name for p in ckpts.iterdir()} == {"last.ckpt", "step=10.ckpt", "step=12.ckpt"}
+    rows = {r["step"]: r for r in read_jsonl(run / "telemetry.jsonl")}
+    assert f"steps: 12, last loss: {rows[12]['train/loss']:.4f}" in out
+    assert train("--resume", str(run)) == 0
+    assert "already complete at step 12" in capsys.readouterr().out
+
+
+def test_audit_refuses_a_gpu_recipe_without_a_gpu_at_once(monkeypatch, capsys):
+    """``audit gpt_124m_h200`` on a CPU machine once ran for minutes and was killed for memory."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without a GPU
+    ran = []
+    import lightning_fp8state.cli.audit as audit
+
+    monkeypatch.setattr(audit, "run_audit", lambda *a, **k: ran.append(a))
+    assert cli_main.main(["audit", "gpt_124m_h200", "--steps", "1"]) == 2
+    assert_one_clean_error(capsys.readouterr().err, "needs a CUDA GPU", "gpt_124m_h200")
+    assert ran == []
+
+
+def _child(code: str, *args: str, cwd, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = launch_env()
+    env.update(WANDB_SILENT="true", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+CTRL_C_AT_STEP = """
+import os, signal, sys
+from lightning_fp8state.lightning import telemetry_callback as tc
+hook = tc.TelemetryCallback.on_train_batch_end
+def stop(self, trainer, *args):
+    hook(self, trainer, *args)
+    if trainer.global_step == 3:
+        os.kill(os.getpid(), signal.SIGINT)
+tc.TelemetryCallback.on_train_batch_end = stop
+from lightning_fp8state.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_before_the_first_checkpoint_removes_the_run_and_says_start_again(run_root):
+    """It printed a resume command that then exited 2, and left the directory behind."""
+    done = _child(CTRL_C_AT_STEP, "train", *COMMON, "trainer.max_steps=30", "out_dir=runs", cwd=run_root)
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert "before the first checkpoint" in done.stderr and "start the run again" in done.stderr
+    assert "--resume" not in done.stderr and "Traceback" not in done.stderr
+    assert not (run_root / "runs" / "tiny_gpt_cpu").exists()
+
+
+CTRL_C_AT_SETUP = """
+import sys
+import lightning_fp8state.cli.train as train
+def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+train._module_and_data = interrupted  # Ctrl-C while the model is built, before Lightning's own handling
+from lightning_fp8state.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_in_the_first_seconds_is_one_line_and_exit_130(run_root):
+    done = _child(CTRL_C_AT_SETUP, "train", *COMMON, "trainer.max_steps=30", "out_dir=runs", cwd=run_root)
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr
+    assert [line for line in done.stderr.splitlines() if line.startswith("fp8state:")] == [
+        "fp8state: interrupted (Ctrl-C); nothing was saved"
+    ]
+    assert not (run_root / "runs" / "tiny_gpt_cpu").exists()
+
+
+def test_printed_commands_are_quoted_for_the_shell(run_root, capsys):
+    """A run named with a space: the 'already complete' line gives a command a shell runs as is."""
+    assert train(*COMMON, "trainer.max_steps=4", "out_dir=my runs", "name=a b") == 0
+    run = run_root / "my runs" / "a b"
+    capsys.readouterr()
+    assert train("--resume", str(run)) == 0
+    out = capsys.readouterr().out
+    command = shlex.join(["fp8state", "train", "--resume", str(run), "trainer.max_steps=8"])
+    assert command in out and shlex.split(command)[3] == str(run)
+
+
+def test_a_last_ckpt_that_is_a_directory_is_refused_before_training(run_root, capsys):
+    """A file-writing run whose last.ckpt is a directory: the resume fell back, trained, then
+    crashed at the first save. Now: exit 2 naming it, the run untouched."""
+    assert train(*COMMON, "trainer.max_steps=10", "out_dir=runs") == 0
+    run = run_root / "runs" / "tiny_gpt_cpu"
+    last = run / "checkpoints" / "last.ckpt"
+    last.unlink()
+    last.mkdir()
+    (last / "x").write_text("not ours")
+    before = snapshot(run)
+    capsys.readouterr()
+    assert train("--resume", str(run), "trainer.max_steps=20") == 2
+    assert_one_clean_error(capsys.readouterr().err, "last.ckpt", "is a directory")
+    assert snapshot(run) == before
+
+
+def test_the_checkpoint_a_resume_fell_back_to_is_pruned_afterwards(run_root, capsys):
+    """last.ckpt and step=20.ckpt damaged: the resume continues from step=10.ckpt; once it has
+    saved two newer checkpoints, step=10.ckpt goes like any older one."""
+    assert train(*COMMON, "trainer.max_steps=20", "out_dir=runs") == 0
+    run = run_root / "runs" / "tiny_gpt_cpu"
+    ckpts = run / "checkpoints"
+    for name in ("last.ckpt", "step=20.ckpt"):
+        data = (ckpts / name).read_bytes()
+        (ckpts / name).write_bytes(data[: len(data) // 2])
+    assert train("--resume", str(run), "trainer.max_steps=40") == 0
+    assert {p.name for p in ckpts.iterdir()} == {"last.ckpt", "step=30.ckpt", "step=40.ckpt"}
+    assert _step(ckpts / "last.ckpt") == 40

@@ -283,7 +283,7 @@ def test_interrupt_then_resume_counts_each_step_once_and_ends_bitwise_equal(run_
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
     assert max(raw) >= 14 and saved == (15 if preempted else 10)
     if preempted:
-        assert (run / "checkpoints" / "step=15.ckpt").is_file() and f"step=15.ckpt" in done.stderr
+        assert (run / "checkpoints" / "step=15.ckpt").is_file() and "step=15.ckpt" in done.stderr
     assert train("--resume", str(run), "trainer.max_steps=30") == 0
     raw = [r["step"] for r in read_jsonl(run / "telemetry.jsonl")]
     if preempted:

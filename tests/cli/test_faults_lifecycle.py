@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
-import signal
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from lightning_fp8state.cli import main as cli_main
 from lightning_fp8state.telemetry.sinks import read_jsonl
-from tests.cli.test_faults import COMMON, assert_one_clean_error, run_root, snapshot, train  # noqa: F401
+from tests.cli.test_faults import COMMON, assert_one_clean_error, snapshot, train
 from tests.lightning.launch import ROOT, launch_env
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "AmbiguousRecomputeError",
     "ConcurrentEntryError",
@@ -59,25 +61,51 @@ class StateLoadError(ValueError):
 
 
 class DiskFullError(OSError):
-    """A file could not be written for lack of space (``ENOSPC``/``EDQUOT``). The file it would
-    have replaced is intact (every save writes a temporary and renames it)."""
+    """A file could not be written for lack of space (``ENOSPC``/``EDQUOT``) or because it would
+    pass this process's file-size limit (``EFBIG``: ``ulimit -f``). The file it would have
+    replaced is intact (every save writes a temporary and renames it)."""
 
     def __init__(self, path, needed: int | None, free: int | None, cause: OSError | None = None) -> None:
-        def mb(n: int) -> str:
-            return f"{n / 2**20:.1f} MiB"
-
-        need = f"it needs about {mb(needed)}" if needed is not None else "it needs more space"
-        have = f", {mb(free)} free there" if free is not None else ""
-        why = f" ({cause.strerror})" if cause is not None and cause.strerror else ""
-        super().__init__(
-            cause.errno if cause is not None else 28,
-            f"no space left to write {path}{why}: {need}{have}. The previous file is kept as it was; "
-            "free some space (or pass another out_dir), then continue",
-        )
+        code = cause.errno if cause is not None and cause.errno is not None else errno.ENOSPC
+        need = f"it needs about {format_bytes(needed)}" if needed is not None else "it needs more space"
+        if code == errno.EFBIG:
+            limit = _file_size_limit()
+            text = (
+                f"cannot write {path}: it would pass this process's file-size limit "
+                f"({format_bytes(limit) if limit is not None else 'ulimit -f'}); {need}. "
+                "The previous file is kept as it was; raise the limit (ulimit -f unlimited)"
+            )
+        else:
+            why = f" ({cause.strerror})" if cause is not None and cause.strerror else ""
+            have = f", {format_bytes(free)} free there" if free is not None else ""
+            text = (
+                f"no space left to write {path}{why}: {need}{have}. The previous file is kept as it was; "
+                "free some space (or pass another out_dir)"
+            )
+        super().__init__(code, text)
         self.path, self.needed, self.free = path, needed, free
 
     def __str__(self) -> str:
         return self.strerror
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps a digit before the point (``1.5 KiB``)."""
+    value, unit = float(n), "bytes"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{n} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
+
+
+def _file_size_limit() -> int | None:
+    try:
+        import resource  # noqa: PLC0415  (POSIX only)
+    except ImportError:
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 class UntrustedCheckpointError(StateLoadError):

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import errno
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from ..config import require_int
@@ -118,13 +120,26 @@ def _yaml_error(exc) -> str:
 
 
 def _disk_full(exc: OSError) -> str:
-    """A full disk as one line: the file, the space needed and free (DiskFullError), and how
-    to continue the run once there is room."""
+    """A full disk (or a file-size limit) as one line: the file, the space needed and free
+    (DiskFullError), and what to do: the command that continues the run where it has a
+    checkpoint, else to start it again."""
+    from .train import resume_command  # noqa: PLC0415
+
     path = getattr(exc, "path", None) or exc.filename
-    text = str(exc) if isinstance(exc, DiskFullError) else f"no space left to write {path or 'a file'} ({exc.strerror})"
-    if path is not None and Path(path).parent.name == "checkpoints":
-        text += f": fp8state train --resume {Path(path).parent.parent}"
-    return text
+    if isinstance(exc, DiskFullError):
+        text = str(exc)
+    else:
+        text = f"no space left to write {path or 'a file'} ({exc.strerror}); free some space (or pass another out_dir)"
+    if path is None:
+        return text
+    path = Path(path)
+    run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    ckpts = run / "checkpoints"
+    if ckpts.is_dir() and any(ckpts.glob("*.ckpt")):
+        return f"{text}, then continue: {resume_command(run)}"
+    if not run.exists():
+        return f"{text}; no checkpoint had been saved, so the run's directory {run} was removed: start the run again"
+    return f"{text}; no checkpoint was saved yet: start the run again"
 
 
 def _options_first(argv: list[str]) -> list[str]:
@@ -151,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     args = parser.parse_args(_options_first(argv))
+    if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
+        # past a file-size limit (ulimit -f) a write then fails with EFBIG, said in one line,
+        # instead of the signal killing the process with no word
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     from omegaconf.errors import OmegaConfBaseException  # noqa: PLC0415  (the CLI's own dependency)
     from yaml import YAMLError  # noqa: PLC0415
 
@@ -161,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     except YAMLError as exc:
         print(f"fp8state: error: {_yaml_error(exc)}", file=sys.stderr)
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise
         print(f"fp8state: error: {_disk_full(exc)}", file=sys.stderr)
         return EXIT_DISK_FULL

@@ -159,10 +159,11 @@ def wandb_run_id(run_dir: Path, *, create: bool) -> str | None:
 
 
 def remove_if_empty_run(run_dir: Path) -> bool:
-    """Remove a new run's directory if the run produced nothing (no checkpoint, no telemetry):
-    a run that failed before its first step leaves no stray directory. Returns whether removed."""
+    """Remove a new run's directory if the run saved no checkpoint: nothing in it can be resumed,
+    so a run that failed (or was stopped) before its first checkpoint leaves no half-made
+    directory. Returns whether removed."""
     ckpts = run_dir / "checkpoints"
-    if (run_dir / "telemetry.jsonl").exists() or (ckpts.is_dir() and any(ckpts.iterdir())):
+    if ckpts.is_dir() and any(ckpts.iterdir()):
         return False
     shutil.rmtree(run_dir, ignore_errors=True)
     return True

@@ -15,7 +15,6 @@ import math
 import os
 import platform
 import shlex
-import shutil
 import subprocess
 import sys
 import warnings
@@ -518,7 +517,7 @@ def _run_validated(cfg: DictConfig, plan, recipe: str | None, rank: int, resume:
             if lock is not None:
                 lock.close()
                 lock = None
-            remove_if_empty_run(run_dir)  # a run that failed before its first step leaves nothing
+            remove_if_empty_run(run_dir)  # a run that failed before its first checkpoint leaves nothing
         raise
     finally:
         if exported:
@@ -564,7 +563,7 @@ def _interrupted(run_dir: Path, step: int, *, fresh: bool, stopping: bool) -> in
             file=sys.stderr,
         )
     elif fresh:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        remove_if_empty_run(run_dir)
         print(
             f"fp8state: {how} at step {step}, before the first checkpoint: nothing to resume, and the run "
             f"directory {run_dir} was removed; start the run again",

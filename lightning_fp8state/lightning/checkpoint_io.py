@@ -36,6 +36,7 @@ __all__ = ["TMP_SUFFIX", "AtomicCheckpointIO", "RunCheckpoint", "checkpoint_nbyt
 
 TMP_SUFFIX = ".tmp"  # what a save interrupted by SIGKILL may leave behind: `.NAME.XXXX.tmp`
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+NO_ROOM = (*DISK_FULL, errno.EFBIG)  # EFBIG: past the process's file-size limit (ulimit -f)
 
 
 def checkpoint_nbytes(obj: Any) -> int:
@@ -71,28 +72,46 @@ def write_atomic(path: str | os.PathLike, write, *, binary: bool = True, nbytes:
     it onto ``path``. On any error the temporary file is removed and ``path`` is untouched.
 
     Raises:
-        DiskFullError: the disk (or quota) is full; it names ``path``, ``nbytes`` (what the
-            write needs, when the caller knows) and the space free there.
+        DiskFullError: the disk (or quota) is full, or the file would pass the process's file-size
+            limit; it names ``path``, ``nbytes`` (what the write needs, when the caller knows) and
+            the space free there. Also when the write failed inside torch's zip writer, which
+            reports a failed write as ``RuntimeError: [enforce fail at inline_container.cc]`` with
+            the ``OSError`` as its context.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
         with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError) and not isinstance(exc, DiskFullError) and exc.errno in DISK_FULL:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        cause = _no_room(exc)
+        if cause is not None and not isinstance(exc, DiskFullError):
             free = None
             with contextlib.suppress(OSError):
                 free = shutil.disk_usage(path.parent).free
-            raise DiskFullError(path, nbytes, free, exc) from None
+            raise DiskFullError(path, nbytes, free, cause) from None
         raise
     _fsync_dir(path.parent)
+
+
+def _no_room(exc: BaseException | None) -> OSError | None:
+    """The full-disk or file-size ``OSError`` that ``exc`` is, or that it was raised while
+    handling (torch's zip writer turns a failed write into a ``RuntimeError``)."""
+    for _ in range(8):  # a short chain: the writer's error, the OSError, maybe a close's
+        if exc is None:
+            return None
+        if isinstance(exc, OSError) and exc.errno in NO_ROOM:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError, RunDirectoryError, UntrustedCheckpointError
 from ..fp8state import Fp8State
-from ..state.checkpoint_files import check_checkpoint, deepspeed_safe_globals, load_checkpoint_file
+from ..state.checkpoint_files import DEEPSPEED_LATEST, check_checkpoint, deepspeed_safe_globals, load_checkpoint_file
 from .config import quant_config
 
 __all__ = [
@@ -217,18 +217,19 @@ def _read_checkpoint(path: Path) -> dict:
     DCP ``.metadata``) is read with ``weights_only=True`` and our allowlist first
     (:func:`~lightning_fp8state.state.checkpoint_files.check_checkpoint`): a file that names
     anything else raises UntrustedCheckpointError, and nothing in it has run."""
+    check_checkpoint(path)  # every file a loader would unpickle (each shard), and no link: before anything reads one
     target = path
     if path.is_dir() and (path / "meta.pt").is_file():  # FSDP2 (DCP): Lightning's state beside the shards
         target = path / "meta.pt"
     elif path.is_dir():  # DeepSpeed: a directory of shards; the client state is in mp_rank_00
-        shards = sorted(path.rglob("*mp_rank_00_model_states.pt"))  # ZeRO-3: zero_pp_rank_0_...
+        latest = path / DEEPSPEED_LATEST  # the tag folder DeepSpeed's engine will open (checked above)
+        tag_dir = path / latest.read_text(encoding="utf-8").strip() if latest.is_file() else path
+        shards = sorted(tag_dir.rglob("*mp_rank_00_model_states.pt"))  # ZeRO-3: zero_pp_rank_0_...
         if not shards:
             raise ValueError("a checkpoint directory without mp_rank_00_model_states.pt")
         target = shards[0]
     if target.stat().st_size == 0:
         raise ValueError("the file is empty")
-    if path.is_dir():
-        check_checkpoint(path)  # every shard, before DeepSpeed's engine or DCP unpickles one
     allowed = deepspeed_safe_globals() if path.is_dir() and target.name != "meta.pt" else ()
     ckpt = load_checkpoint_file(target, mmap=True, safe_globals=allowed)
     if not isinstance(ckpt, dict) or "global_step" not in ckpt:

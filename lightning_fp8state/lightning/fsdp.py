@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_load, _is_sharded_checkpoint
+from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.load import _METADATA_FILENAME
@@ -44,7 +44,7 @@ from ..nn.fsdp import (
     plain_shard,
     step_on_local_shards,
 )
-from ..state.checkpoint_files import check_checkpoint, load_checkpoint_file
+from ..state.checkpoint_files import check_checkpoint, load_checkpoint_file, safe_dcp_load
 from .callback import CHECKPOINT_KEY, Fp8StateCallback, check_resume_world_size
 from .contract import Fp8StateStrategyContract
 from .strategies import _require_callback
@@ -270,7 +270,8 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
                 f"strategy '{self.strategy_name}' resumes from the checkpoints it writes"
             )
         # DCP unpickles .metadata itself: every file is read the safe way first (refused if it
-        # names a type outside our allowlist), and meta.pt is read weights_only whatever is asked
+        # names a type outside our allowlist, a storage path outside the folder or a link), meta.pt
+        # is read weights_only whatever is asked, and the shards' bytes items too (safe_dcp_load)
         check_checkpoint(path, deepspeed=False)
         metadata = load_checkpoint_file(path / _METADATA_FILENAME, map_location="cpu")
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
@@ -279,11 +280,11 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
             check_resume_world_size(entry["world_size"], self.world_size, fitting, sharded=True)
         # the plain shards alias the parameters' storage: the load fills them in place
         model_state = {"state_dict": {k: plain_shard(v) for k, v in get_model_state_dict(self.model).items()}}
-        _distributed_checkpoint_load(model_state, path)
+        safe_dcp_load(model_state, path)
         for idx, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{idx}"
             optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
-            _distributed_checkpoint_load(optim_state, path)
+            safe_dcp_load(optim_state, path)
             set_optimizer_state_dict(
                 self.model, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True)
             )

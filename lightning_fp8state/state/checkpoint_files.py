@@ -18,16 +18,34 @@ numbers, plus an explicit allowlist of the few other types our checkpoints hold:
 DeepSpeed's engine and torch's DCP reader unpickle their files themselves: :func:`check_checkpoint`
 reads every file of a checkpoint this way first, so a file that names anything else is refused
 (:class:`~lightning_fp8state.errors.UntrustedCheckpointError`, naming the file and the type)
-before those loaders see it, and nothing in it has run.
+before those loaders see it, and nothing in it has run. What it checks beyond the files' types:
+
+- no symbolic link anywhere in a checkpoint directory (a linked folder was never walked, and
+  a loader follows it);
+- a DCP checkpoint: every storage path ``.metadata`` names is a plain relative path to a regular
+  file inside the checkpoint (a ``..`` pointed an item at any file beside it), and every bytes
+  item (the optimizer's ``param_groups`` values, which DCP's default planner reads with
+  ``torch.load(weights_only=False)``) is read with ``weights_only=True``; every DCP load of ours
+  goes through :class:`SafeLoadPlanner`, which reads them so too;
+- a DeepSpeed checkpoint: ``latest`` (which names the tag folder DeepSpeed's engine opens) is one
+  plain path component whose folder is inside the checkpoint;
+- a file that is a plain pickle rather than a torch checkpoint, and names any callable (protocol
+  4 and 5 pickles are not even parsed by torch's safe loader), is refused as untrusted, not
+  skipped as unreadable (a resume would otherwise fall back past a planted file).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import io
+import os
 import pickle
+import pickletools
 import re
+import stat
 import sys
+import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -38,12 +56,15 @@ from ..errors import UntrustedCheckpointError
 
 __all__ = [
     "DCP_METADATA_TYPES",
+    "DEEPSPEED_LATEST",
     "DEEPSPEED_TYPES",
+    "SafeLoadPlanner",  # noqa: F822  (module __getattr__: DCP is imported on first use)
     "check_checkpoint",
     "checkpoint_files",
     "deepspeed_safe_globals",
     "load_checkpoint_file",
     "load_dcp_metadata",
+    "safe_dcp_load",
 ]
 
 # (module, name) of the non-tensor types a DeepSpeed shard holds besides its configuration models
@@ -76,6 +97,8 @@ DCP_METADATA_TYPES = (
     ("collections", "OrderedDict"),
 )
 DCP_METADATA_FILE = ".metadata"
+DEEPSPEED_LATEST = "latest"  # DeepSpeed's engine reads the tag (the shard folder's name) from this file
+_LATEST_MAX_BYTES = 4096
 _REFUSED = (  # how torch's weights_only unpickler names what it refused
     re.compile(r"GLOBAL ([\w.]+)"),
     re.compile(r"add_safe_globals`,? but got <class '([\w.]+)'>"),
@@ -144,10 +167,50 @@ def load_checkpoint_file(
                     raise
                 return torch.load(path, map_location=map_location, weights_only=True)  # legacy (non-zip) format
         except pickle.UnpicklingError as exc:
-            refused = _refused_type(exc)
+            refused = _refused_type(exc) or _pickled_callable(path)
             if refused is not None:
                 raise UntrustedCheckpointError(path, refused) from None
             raise pickle.UnpicklingError(f"not a readable checkpoint ({_inner_reason(exc)})") from None
+
+
+_STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING"}
+_CALL_OPS = {"REDUCE", "NEWOBJ", "NEWOBJ_EX", "BUILD", "OBJ", "INST", "GLOBAL", "STACK_GLOBAL"}
+
+
+def _pickled_callable(path: Path) -> str | None:
+    """What a file that is a plain pickle (not torch's zip format) would call when unpickled: the
+    first global it names, or a description when it calls something it does not name plainly.
+    None for a file that is not a parseable pickle or calls nothing. Parsed with ``pickletools``,
+    which runs nothing."""
+    try:
+        if zipfile.is_zipfile(path):
+            return None  # torch's own format: its pickle is read by the safe loader above
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if not data.startswith(b"\x80"):  # PROTO: every binary pickle protocol starts so
+        return None
+    strings: list = []
+    memo: dict = {}
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in ("GLOBAL", "INST"):
+                return str(arg).replace(" ", ".")
+            if op.name == "STACK_GLOBAL":
+                return ".".join(str(x) for x in strings[-2:]) if len(strings) >= 2 else "a global it hides"
+            if op.name in _STRING_OPS:
+                strings.append(arg)
+            elif op.name == "MEMOIZE" and strings:
+                memo[len(memo)] = strings[-1]
+            elif op.name in ("PUT", "BINPUT", "LONG_BINPUT") and strings:
+                memo[arg] = strings[-1]
+            elif op.name in ("GET", "BINGET", "LONG_BINGET") and arg in memo:
+                strings.append(memo[arg])
+            elif op.name in _CALL_OPS:
+                return f"a pickled call ({op.name})"
+    except (ValueError, pickle.UnpicklingError, UnicodeDecodeError, IndexError):
+        return None
+    return None
 
 
 def _inner_reason(exc: BaseException) -> str:
@@ -190,10 +253,94 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file() and (p.suffix == ".pt" or p.name == DCP_METADATA_FILE))
 
 
+def _refuse_links(path: Path) -> None:
+    """No symbolic link at ``path`` or anywhere under it (walked without following links): a
+    loader would follow one to files these checks never read."""
+    if path.is_symlink():
+        raise UntrustedCheckpointError(path, f"a symbolic link (to {os.readlink(path)!r})")
+    for root, dirs, files in os.walk(path, followlinks=False):
+        for name in dirs + files:
+            entry = Path(root) / name
+            if entry.is_symlink():
+                raise UntrustedCheckpointError(entry, f"a symbolic link (to {os.readlink(entry)!r})")
+
+
+def _inside(folder: Path, relative: str, what: str, owner: Path) -> Path:
+    """``folder / relative`` where ``relative`` is a plain relative path to a regular file under
+    ``folder`` (no ``..``, not absolute, no link on the way), else UntrustedCheckpointError."""
+    parts = Path(relative).parts
+    if not relative or Path(relative).is_absolute() or any(p in ("..", ".") for p in parts):
+        raise UntrustedCheckpointError(owner, f"{what} {relative!r} outside the checkpoint folder")
+    target = folder.joinpath(*parts)
+    try:
+        mode = os.lstat(target).st_mode
+    except OSError:
+        raise UntrustedCheckpointError(owner, f"{what} {relative!r}, which does not exist") from None
+    if not stat.S_ISREG(mode):
+        raise UntrustedCheckpointError(owner, f"{what} {relative!r}, which is not a regular file")
+    return target
+
+
+def _check_dcp_items(folder: Path, metadata: Any) -> None:
+    """Every storage path of a DCP checkpoint inside ``folder``, and every bytes item readable
+    with ``weights_only=True`` (DCP's default planner unpickles them with no restriction)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata  # noqa: PLC0415
+
+    meta_file = folder / DCP_METADATA_FILE
+    storage = getattr(metadata, "storage_data", None) or {}
+    if not isinstance(storage, dict):
+        raise UntrustedCheckpointError(meta_file, f"storage data of type {type(storage).__name__}")
+    items = getattr(metadata, "state_dict_metadata", None) or {}
+    for index, info in storage.items():
+        relative = getattr(info, "relative_path", None)
+        if not isinstance(relative, str):
+            raise UntrustedCheckpointError(meta_file, f"a storage path of type {type(relative).__name__}")
+        file = _inside(folder, relative, "a storage path", meta_file)
+        if getattr(info, "transform_descriptors", None):
+            raise UntrustedCheckpointError(meta_file, f"storage transforms {list(info.transform_descriptors)}")
+        if not isinstance(items.get(getattr(index, "fqn", None)), BytesStorageMetadata):
+            continue  # a tensor: DCP's reader loads those with weights_only=True
+        with open(file, "rb") as f:
+            f.seek(int(info.offset))
+            blob = f.read(int(info.length))
+        _load_bytes_item(blob, file)
+
+
+def _load_bytes_item(blob: bytes, file: Path) -> Any:
+    """One DCP bytes item, read with ``weights_only=True``: UntrustedCheckpointError names ``file``
+    and the type for anything that could run code."""
+    try:
+        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        refused = _refused_type(exc)
+        if refused is not None:
+            raise UntrustedCheckpointError(file, refused) from None
+        raise pickle.UnpicklingError(f"{file}: not a readable checkpoint item ({_inner_reason(exc)})") from None
+
+
+def _check_deepspeed_latest(path: Path) -> None:
+    """DeepSpeed's ``latest`` names one folder inside the checkpoint (its engine opens
+    ``path / tag``; a tag of ``../../x`` pointed it at shards these checks never read)."""
+    latest = path / DEEPSPEED_LATEST
+    if not os.path.lexists(latest):
+        return
+    if not stat.S_ISREG(os.lstat(latest).st_mode) or latest.stat().st_size > _LATEST_MAX_BYTES:
+        raise UntrustedCheckpointError(latest, "a 'latest' that is not a small regular file")
+    try:
+        tag = latest.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        raise UntrustedCheckpointError(latest, "a tag that is not UTF-8 text") from None
+    if not tag or tag in (".", "..") or any(c in tag for c in "/\\\0") or len(Path(tag).parts) != 1:
+        raise UntrustedCheckpointError(latest, f"the tag {tag!r}, which is not one folder name inside the checkpoint")
+    folder = path / tag
+    if not folder.is_dir() or folder.is_symlink():
+        raise UntrustedCheckpointError(latest, f"the tag {tag!r}, which is not a folder inside the checkpoint")
+
+
 def check_checkpoint(path: str | Path, *, deepspeed: bool | None = None) -> None:
     """Read every file of the checkpoint at ``path`` the safe way (memory-mapped: tensor data is
     not read), so that a loader that unpickles it afterwards (DeepSpeed's engine, DCP) sees only
-    files that hold nothing but data.
+    files that hold nothing but data, and only files inside ``path``.
 
     Args:
         path: a checkpoint file, or a checkpoint directory (DeepSpeed's, or FSDP2's DCP one).
@@ -201,15 +348,57 @@ def check_checkpoint(path: str | Path, *, deepspeed: bool | None = None) -> None
             ``.metadata`` (a DeepSpeed checkpoint).
 
     Raises:
-        UntrustedCheckpointError: a file names a type outside the allowlist.
+        UntrustedCheckpointError: a file names a type outside the allowlist, a symbolic link, a
+            DCP storage path outside the folder, or a DeepSpeed ``latest`` that leads outside.
     """
     path = Path(path)
+    _refuse_links(path)
     files = checkpoint_files(path)
     if deepspeed is None:
         deepspeed = path.is_dir() and not (path / DCP_METADATA_FILE).is_file()
+    if deepspeed and path.is_dir():
+        _check_deepspeed_latest(path)
     allowed = deepspeed_safe_globals() if deepspeed else []
     for f in files:
         if f.name == DCP_METADATA_FILE:
-            load_dcp_metadata(f)
+            _check_dcp_items(f.parent, load_dcp_metadata(f))
         else:
             load_checkpoint_file(f, mmap=True, safe_globals=allowed)
+
+
+@functools.cache
+def _safe_load_planner_class() -> type:
+    from torch.distributed.checkpoint._traverse import set_element  # noqa: PLC0415
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner  # noqa: PLC0415
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        """DCP's default load planner, but a bytes item is read with ``weights_only=True`` (the
+        default one unpickles it with no restriction: a planted item runs)."""
+
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            where = Path(f"<distributed checkpoint item {read_item.dest_index.fqn}>")
+            obj = _load_bytes_item(value.getvalue(), where)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    SafeLoadPlanner.__module__ = __name__
+    return SafeLoadPlanner
+
+
+def __getattr__(name: str) -> Any:
+    # SafeLoadPlanner subclasses DCP's planner: DCP (most of a second to import) loads on first use
+    if name == "SafeLoadPlanner":
+        return _safe_load_planner_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def safe_dcp_load(state: dict[str, Any], path: str | Path) -> None:
+    """``torch.distributed.checkpoint.load`` of ``path`` into ``state`` after
+    :func:`check_checkpoint`, with :class:`SafeLoadPlanner` and the local file-system reader
+    (never a reader chosen from the path)."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+    check_checkpoint(path, deepspeed=False)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), planner=_safe_load_planner_class()())

@@ -41,6 +41,7 @@ __all__ = [
     "lock_run_dir",
     "plan_resume",
     "remove_if_empty_run",
+    "require_no_links",
     "wandb_run_id",
     "write_text_atomic",
 ]
@@ -108,17 +109,60 @@ def claim_run_dir(out_dir: str | os.PathLike, name: str) -> Path:
 
 
 LOCK_FILE = ".lock"
+# Every entry of a run directory that fp8state writes or reads. None may be a symbolic link: a run
+# directory may come from someone else, and a link would lead a write (or a prune) anywhere.
+RUN_ENTRIES = (
+    "config.yaml",
+    "provenance.json",
+    "conversion.json",
+    "telemetry.jsonl",
+    WANDB_ID_FILE,
+    LOCK_FILE,
+    "checkpoints",
+    "wandb",
+    "report",
+)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def require_no_links(run_dir: Path, entries: tuple[str, ...] = RUN_ENTRIES) -> None:
+    """Refuse a run directory in which one of ``entries`` is a symbolic link (RunDirectoryError
+    naming it), before anything there is read or written."""
+    for name in entries:
+        path = run_dir / name
+        if path.is_symlink():
+            raise RunDirectoryError(
+                f"{path} is a symbolic link (to {os.readlink(path)!r}): fp8state never writes or reads a run's "
+                "files through a link (a received run directory could point them anywhere); remove the link, "
+                "or put a copy of what it points to in its place"
+            )
 
 
 def lock_run_dir(run_dir: Path):
     """Hold ``RUN_DIR/.lock`` (an advisory ``flock``) for as long as the returned file is open:
     a second process that resumes the same run at the same time is refused, with the holder's
-    pid. Taken by rank 0 once everything is validated. Returns None where ``flock`` is missing."""
+    pid. Taken by rank 0 once everything is validated; opened without following a link. Returns
+    None where ``flock`` is missing.
+
+    Raises:
+        RunDirectoryError: another process holds it, or it cannot be created (a read-only run
+            directory), or it is a link.
+    """
     try:
         import fcntl  # noqa: PLC0415  (POSIX only)
     except ImportError:
         return None
-    f = open(run_dir / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115  (held for the run)
+    path = run_dir / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
+    except OSError as exc:
+        if os.path.islink(path):
+            require_no_links(run_dir, (LOCK_FILE,))
+        raise RunDirectoryError(
+            f"{path} cannot be created ({exc.strerror}): a run directory must be writable to train in it; "
+            "copy the run somewhere writable and resume the copy"
+        ) from None
+    f = os.fdopen(fd, "r+", encoding="utf-8")
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -147,9 +191,10 @@ def wandb_run_id(run_dir: Path, *, create: bool) -> str | None:
     """The W&B run id kept in the run directory (so a resume continues the same W&B run);
     a new one is written when ``create`` and there is none."""
     path = run_dir / WANDB_ID_FILE
-    if path.is_file():
-        text = path.read_text(encoding="utf-8").strip()
-        if text:
+    if path.is_file() and not path.is_symlink():
+        with os.fdopen(os.open(path, os.O_RDONLY | _NOFOLLOW), encoding="utf-8", errors="replace") as f:
+            text = f.read(256).strip()
+        if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", text):
             return text
     if not create:
         return None
@@ -386,6 +431,7 @@ def plan_resume(resume: str, recipe: str | None, overrides: list[str]) -> Resume
             "cannot be given too: pass only key=value overrides, or drop --resume to start a new run"
         )
     saved_path = run_dir / "config.yaml"
+    require_no_links(run_dir)
     if not saved_path.is_file():
         raise RunDirectoryError(f"--resume {resume!r}: no config.yaml there (not a run directory)")
     try:

@@ -675,7 +675,8 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
     if interrupted:
         return _interrupted(run_dir, trainer.global_step, fresh=plan is None, stopping=trainer.received_sigterm)
     try:
-        _write_run_files(run_dir, cfg)  # again: the CUDA extension (and its hash) is known only now
+        if run_dir.is_dir():  # (moved or deleted mid-run: the telemetry has said so; nothing is recreated)
+            _write_run_files(run_dir, cfg)  # again: the CUDA extension (and its hash) is known only now
     except DiskFullError as exc:  # the run itself is saved: say what is stale, do not fail it
         print(f"fp8state: warning: {exc}; the run's files keep what they said at its start", file=sys.stderr)
     loss = module.last_loss  # the last step's (one read, at the end)

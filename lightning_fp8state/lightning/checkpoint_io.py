@@ -29,7 +29,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from ..errors import DiskFullError
+from ..errors import DiskFullError, RunDirectoryError
 from ..state.checkpoint_files import load_checkpoint_file
 
 __all__ = ["TMP_SUFFIX", "AtomicCheckpointIO", "RunCheckpoint", "checkpoint_nbytes", "write_atomic"]
@@ -193,6 +193,19 @@ class RunCheckpoint(ModelCheckpoint):
             self._save_now(trainer)
 
     @override
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        """Refuse to save when the directory that held the checkpoints' folder at the start is gone
+        (the run directory moved or deleted mid-run): saving would create a stray copy of it at
+        the old path."""
+        run_dir = getattr(self, "_run_dir", None)
+        if run_dir is not None and not run_dir.is_dir():
+            raise RunDirectoryError(
+                f"{run_dir} was moved or deleted during the run, so the checkpoint of step {trainer.global_step} "
+                "cannot be saved there; the run stops. Resume it where it is now: fp8state train --resume <its new path>"
+            )
+        super()._save_checkpoint(trainer, filepath)
+
+    @override
     def _should_remove_checkpoint(self, trainer, previous: str, current: str) -> bool:
         """Lightning never removes the checkpoint it resumed from; here a ``step=N.ckpt`` of this
         directory goes like any other once two newer ones are saved (a resume that fell back to
@@ -218,6 +231,8 @@ class RunCheckpoint(ModelCheckpoint):
     @override
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
+        parent = Path(self.dirpath).parent if self.dirpath is not None else None
+        self._run_dir = parent if parent is not None and parent.is_dir() else None
         if self.dirpath is None or self.save_top_k < 1 or self.monitor != "step":
             return
         found = []

@@ -294,6 +294,10 @@ class TelemetryCallback(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         if self.telemetry is not None:
+            # a checkpoint is being saved: its steps' rows go to the disk first (a kill after the
+            # save would otherwise lose the rows still waiting for the log step, and a resume does
+            # not re-run those steps), and the counters saved then include them
+            self.telemetry.checkpoint()
             return {"counters": self.telemetry.state_dict()}
         return {"counters": self._restored} if self._restored is not None else {}
 

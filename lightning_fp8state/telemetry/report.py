@@ -96,6 +96,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     losses = _finite(r.get("train/loss") for r in rows)
     if losses:
         s["loss first"], s["loss last"], s["loss min"] = losses[0], losses[-1], min(losses)
+    final = last.get("train/loss")
+    if isinstance(final, (int, float)) and not math.isfinite(final):  # the run ended non-finite: say so,
+        s["loss last"] = final  # not the last finite loss of an earlier step
+        if losses:
+            s["loss last finite"] = losses[-1]
     norms = _finite(r.get("train/grad_norm") for r in rows)
     if norms:
         s["grad norm median"], s["grad norm max"] = statistics.median(norms), max(norms)
@@ -149,6 +154,8 @@ def _save(plt, fig, ax, path: Path, *, ylabel: str, title: str, xlabel: str = "o
     ax.set_title(title)
     if legend is not False:
         ax.legend(**(legend or OUTSIDE))
+    if path.is_symlink():  # a link planted in a received run's report/: replaced, never written through
+        path.unlink()
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return True
@@ -312,6 +319,29 @@ def print_summary(summary: dict[str, Any], title: str) -> None:
     Console().print(table)
 
 
+def _require_report_dir(out: Path, *, given: bool) -> None:
+    """A folder the plots can be written into, created if missing; ConfigError naming it (and
+    ``--out``) when it is a link (a received run's ``report`` may point anywhere), a file, or
+    cannot be created or written (a read-only run directory)."""
+    what = "--out" if given else "the report folder"
+    if out.is_symlink():
+        raise ConfigError(
+            f"{what} {out} is a symbolic link (to {os.readlink(out)!r}): plots are never written through one; "
+            "remove it, or pass --out DIR"
+        )
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{what} {out} is a file, not a folder: pass --out DIR (a folder, created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(
+            f"{what} {out} cannot be written ({exc.strerror}): pass --out DIR, a folder you can write"
+        ) from None
+
+
 def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, *, show: bool = True):
     """Draw the run's plots (PNG) and print its summary.
 
@@ -340,7 +370,7 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
             "telemetry.jsonl that fp8state train (TelemetryCallback, TrainingTelemetry) writes"
         )
     out = Path(out_dir) if out_dir is not None else jsonl.parent / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    _require_report_dir(out, given=out_dir is not None)
     report = TelemetryReport(jsonl=jsonl, rows=len(rows), warnings=log.warnings(), superseded=log.superseded)
     if log.superseded:
         report.notes.append(

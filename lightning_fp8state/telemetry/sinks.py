@@ -76,23 +76,73 @@ class JsonlSink:
     before it returns.
 
     Append mode: a resumed run continues the same file (the report supersedes the rows a
-    resume re-runs), on a new line when the file ends in a torn row. The file is opened on the first write, so constructing the sink creates
-    nothing. Writes are unbuffered: a write that fails (a full disk) raises at once, and the
-    next write starts on a new line, so a torn line stays one line that the reader skips.
+    resume re-runs), on a new line when the file ends in a torn row. The file is opened on the
+    first write, so constructing the sink creates nothing; it is opened without following a
+    symbolic link (``O_NOFOLLOW``: a link planted in a received run directory is never written
+    through) and readable by its owner only (0600, as the run's other files). Writes are
+    unbuffered: a write that fails (a full disk) raises at once, and the next write starts on a
+    new line, so a torn line stays one line that the reader skips. :meth:`sync` puts what was
+    written on the disk (``fsync``): the telemetry does so at every checkpoint.
+
+    A file deleted, moved or replaced under a running sink is noticed at the next write and said
+    once (a warning): deleted from a directory that is still there, a new file is started at
+    ``path``; when the directory itself is gone (the run directory moved or deleted), the rows go
+    on into the open file, wherever it went, and nothing is created at the old path.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self._file = None
         self._torn = False
+        self._identity: tuple[int, int] | None = None
+        self._gone_said = False
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(self.path, flags, 0o600)
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, 0o600)  # a file of an earlier version was 0644
+        self._file = os.fdopen(fd, "ab", buffering=0)
+        st = os.fstat(fd)
+        self._identity = (st.st_dev, st.st_ino)
+        self._torn = self._torn or _ends_mid_line(self.path)  # a kill left a torn last line
+
+    def _check_still_there(self) -> None:
+        """Whether ``path`` is still the open file; say it once when it is not."""
+        try:
+            st = os.lstat(self.path)
+            same = (st.st_dev, st.st_ino) == self._identity
+        except OSError:
+            same = False
+        if same:
+            return
+        if self.path.parent.is_dir():  # the file alone was deleted or replaced: start a new one here
+            warnings.warn(
+                f"{self.path} was deleted or replaced during the run; the rows written before are not in the new "
+                "file started there now",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._file.close()
+            self._file = None
+            self._open()
+        elif not self._gone_said:  # the run directory moved or went: keep writing into the open file
+            self._gone_said = True
+            warnings.warn(
+                f"{self.path.parent} was moved or deleted during the run; telemetry rows go on into the open "
+                f"file (wherever it moved), and nothing is created at {self.path}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def write(self, rows: Sequence[dict[str, Any]]) -> None:
         if not rows:
             return
         if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115  (kept open for the run)
-            self._torn = self._torn or _ends_mid_line(self.path)  # a kill left a torn last line
+            self._open()
+        else:
+            self._check_still_there()
         text = "".join(json.dumps({k: encode_value(v) for k, v in row.items()}, allow_nan=False) + "\n" for row in rows)
         data = (b"\n" if self._torn else b"") + text.encode("utf-8")
         self._torn = True  # until the whole chunk is written
@@ -101,6 +151,11 @@ class JsonlSink:
             written = self._file.write(view)
             view = view[written or 0 :]
         self._torn = False
+
+    def sync(self) -> None:
+        """Put every row written so far on the disk (``fsync``)."""
+        if self._file is not None:
+            os.fsync(self._file.fileno())
 
     def close(self) -> None:
         if self._file is not None:
@@ -291,6 +346,17 @@ class FanOut:
             RuntimeWarning,
             stacklevel=3,
         )
+
+    def sync(self) -> None:
+        """Each sink that keeps a file puts it on the disk (a failure is reported as a write's)."""
+        for sink in self.sinks:
+            sync = getattr(sink, "sync", None)
+            if sync is None:
+                continue
+            try:
+                sync()
+            except Exception as exc:  # noqa: BLE001  (as in write: one sink's failure is reported, not raised)
+                self._failed(sink, [], exc)
 
     def failure_report(self) -> list[str]:
         """One line per sink that failed during the run (empty when none did)."""

@@ -458,6 +458,12 @@ class TrainingTelemetry:
         self.last_row = last
         return last
 
+    def checkpoint(self) -> None:
+        """Write the rows measured so far and put them on the disk: called when a checkpoint is
+        saved, so that a kill after it loses no row of a step that a resume will not re-run."""
+        self.flush()
+        self.sink.sync()
+
     def close(self) -> None:
         """Write what is left of the window, close the sinks and detach the probe. A sink that
         failed during the run is summed up once more here (a warning per sink)."""

@@ -1,20 +1,32 @@
 """Loading a run configuration: schema defaults <- configs/ pieces <- recipe <- overrides.
 
 A recipe is a YAML file (a path, or a name under ``recipes/``) that may list reusable
-pieces under ``base:`` (paths relative to ``configs/``); both folders ship with the package
-(:mod:`lightning_fp8state.shipped`). The schema's defaults are the library's own
-(``cli/schema.py``); a recipe that wants others says so. Every error — unknown key, wrong
-type, value out of range, missing file — is a ``ConfigError`` whose message names the key
+pieces under ``base:`` (paths relative to ``configs/``, or to the recipe's own folder); both
+folders ship with the package (:mod:`lightning_fp8state.shipped`). The schema's defaults are the
+library's own (``cli/schema.py``); a recipe that wants others says so. Every error — unknown key,
+wrong type, value out of range, missing file — is a ``ConfigError`` whose message names the key
 (or path) and what is allowed.
+
+A recipe, a received run's ``config.yaml`` and a command-line override are data, not programs:
+
+- an interpolation may refer to another key (``${trainer.lr}``) but call no resolver
+  (``${oc.env:VAR}`` read the environment into ``config.yaml``, checkpoints and W&B; any
+  ``${name:...}`` is refused, naming the key);
+- a ``base:`` piece is a plain relative path (no ``..``, not absolute) to a file inside the
+  package's ``configs/`` or the recipe's own folder, and stays inside it through links;
+- a YAML file is at most :data:`MAX_YAML_BYTES`, UTF-8, and uses no aliases (``*anchor``: a few
+  lines of them expand to gigabytes).
 """
 
 from __future__ import annotations
 
 import difflib
+import io
 import re
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -26,6 +38,7 @@ from .schema import RunCfg
 __all__ = [
     "CONFIGS_DIR",
     "DEFAULT_RECIPE",
+    "MAX_YAML_BYTES",
     "RECIPES_DIR",
     "load_config",
     "require_run_name",
@@ -37,6 +50,9 @@ CONFIGS_DIR = shipped_dir("configs")
 RECIPES_DIR = shipped_dir("recipes")
 DEFAULT_RECIPE = "tiny_gpt_cpu"
 _SECTIONS = tuple(f.name for f in fields(RunCfg))
+MAX_YAML_BYTES = 1 << 20  # a recipe or config.yaml is a few KiB; 50 MB once took gigabytes of memory
+# an interpolation that calls a resolver: ${name:...} (oc.env, oc.decode, any registered one)
+_RESOLVER = re.compile(r"\$\{\s*[\w.\-]+\s*:")
 
 
 def resolve_recipe(recipe: str | None) -> Path:
@@ -45,6 +61,8 @@ def resolve_recipe(recipe: str | None) -> Path:
     path = Path(name)
     if path.is_file():
         return path
+    if path.is_dir():
+        raise ConfigError(f"recipe {name!r} is a directory: pass a recipe's YAML file, or a packaged recipe's name")
     packaged = RECIPES_DIR / (name if name.endswith(".yaml") else f"{name}.yaml")
     if packaged.is_file():
         return packaged
@@ -52,13 +70,62 @@ def resolve_recipe(recipe: str | None) -> Path:
     raise ConfigError(f"recipe {name!r}: no such file, and no packaged recipe by that name (known: {known})")
 
 
-def _load_yaml(path: Path) -> DictConfig:
+def _read_yaml_text(path: Path) -> str:
+    """The file's text: at most MAX_YAML_BYTES, UTF-8, no YAML alias; else ConfigError naming it."""
     try:
-        node = OmegaConf.load(path)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+        with open(path, "rb") as f:
+            data = f.read(MAX_YAML_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot be read ({exc.strerror})") from exc
+    if len(data) > MAX_YAML_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_YAML_BYTES // 1024} KiB: not a recipe or run config")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {data[exc.start]:#04x} on line {line}); save it as UTF-8"
+        ) from None
+    try:
+        alias = next((t for t in yaml.scan(text) if isinstance(t, yaml.AliasToken)), None)
+    except yaml.YAMLError:
+        return text  # the parser below says where the syntax is wrong
+    if alias is not None:
+        raise ConfigError(
+            f"{path}, line {alias.start_mark.line + 1}: YAML alias *{alias.value} is not allowed in a recipe "
+            "(aliases can expand a small file to gigabytes); write the values out"
+        )
+    return text
+
+
+def _refuse_resolvers(node, origin: str) -> None:
+    """No value of ``node`` calls a resolver (``${oc.env:VAR}`` and the like): ConfigError naming
+    the key. Plain references to other keys (``${trainer.lr}``) stay allowed."""
+    raw = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else node
+
+    def walk(value, key: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, f"{key}[{i}]")
+        elif isinstance(value, str) and _RESOLVER.search(value):
+            raise ConfigError(
+                f"{origin}: key {key!r}: the interpolation {value!r} calls a resolver, which is not allowed: a "
+                "recipe, a run's config.yaml and an override are data (a resolver such as oc.env reads the "
+                "environment or files into the run's files); write the value itself, or ${other.key}"
+            )
+
+    walk(raw, "")
+
+
+def _load_yaml(path: Path) -> DictConfig:
+    text = _read_yaml_text(path)
+    try:
+        node = OmegaConf.load(io.StringIO(text))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
     if not isinstance(node, DictConfig):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     if len(node) == 0:  # an empty file would train the library defaults under the default name
@@ -66,7 +133,27 @@ def _load_yaml(path: Path) -> DictConfig:
             f"{path}: the recipe is empty: expected a mapping of sections ({', '.join(_SECTIONS)}), "
             "at least name: ...; or run a packaged recipe (e.g. tiny_gpt_cpu)"
         )
+    _refuse_resolvers(node, str(path))
     return node
+
+
+def _base_piece(recipe: Path, piece) -> Path:
+    """A ``base:`` piece: a plain relative path to a YAML file inside the package's ``configs/``
+    or the recipe's own folder (looked up in that order), which stays inside it through links."""
+    text = str(piece)
+    rel = Path(text if text.endswith(".yaml") else f"{text}.yaml")
+    if not isinstance(piece, str) or rel.is_absolute() or ".." in rel.parts:
+        raise ConfigError(
+            f"{recipe}: base piece {piece!r} is not allowed: expected a relative path inside {CONFIGS_DIR} or "
+            f"the recipe's folder {recipe.parent} (no '..', not absolute)"
+        )
+    for root in (CONFIGS_DIR, recipe.parent):
+        candidate = root / rel
+        if candidate.is_file():
+            if not candidate.resolve().is_relative_to(root.resolve()):
+                raise ConfigError(f"{recipe}: base piece {piece!r} leads outside {root} through a link")
+            return candidate
+    raise ConfigError(f"{recipe}: base piece {piece!r}: no such file under {CONFIGS_DIR} or {recipe.parent}")
 
 
 def _merge(base: DictConfig, other, origin: str) -> DictConfig:
@@ -105,6 +192,8 @@ def _parse_override(item: str) -> tuple[str, str]:
     if "=" not in item or item.startswith("="):
         raise ConfigError(f"override {item!r}: expected key=value, e.g. trainer.max_steps=50")
     key, value = item.split("=", 1)
+    if not value.strip():
+        raise ConfigError(f"override {item!r}: {key.strip()} needs a value: expected {key.strip()}=VALUE")
     return key.strip(), value
 
 
@@ -118,9 +207,7 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None) -
     pieces = node.pop("base", []) if "base" in node else []
     cfg = schema
     for piece in pieces:
-        piece_path = CONFIGS_DIR / (piece if str(piece).endswith(".yaml") else f"{piece}.yaml")
-        if not piece_path.is_file():
-            raise ConfigError(f"{path}: base piece {piece!r}: no such file under {CONFIGS_DIR}")
+        piece_path = _base_piece(path, piece)
         cfg = _merge(cfg, _load_yaml(piece_path), str(piece_path))
     cfg = _merge(cfg, node, str(path))
     for item in overrides or []:
@@ -131,6 +218,7 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None) -
             dotted = OmegaConf.from_dotlist([item])
         except OmegaConfBaseException as exc:
             raise ConfigError(f"override {item!r}: cannot parse ({_reason(exc)})") from exc
+        _refuse_resolvers(dotted, f"override {item!r}")
         cfg = _merge(cfg, dotted, f"override {item!r}")
     validate(cfg)
     return cfg
@@ -177,10 +265,15 @@ def validate(cfg: DictConfig) -> None:
 
 def require_run_name(name: object) -> None:
     """A run name is one path component: the run directory is ``out_dir/name``, never elsewhere."""
-    ok = isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+    ok = (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in "/\\" or ord(c) < 32 or ord(c) == 127 for c in name)
+    )
     if not ok:
         raise ConfigError(
-            f"name={name!r} is not allowed: expected a single path component (no '/', '\\', '.' or '..'); "
+            f"name={name!r} is not allowed: expected a single path component (no '/', '\\', '.' or '..', no "
+            "control character such as a newline); "
             "the run directory is out_dir/name, so choose the folder with out_dir=..."
         )
 

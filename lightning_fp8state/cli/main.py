@@ -19,11 +19,26 @@ from pathlib import Path
 
 from ..config import require_int
 from ..errors import ConfigError, DiskFullError, StateLoadError
+from .rundir import RESUMABLE_KEYS
 
 __all__ = ["EXIT_DISK_FULL", "EXIT_INTERRUPTED", "main"]
 
 EXIT_DISK_FULL = 3  # a file could not be written for lack of space; what was saved before is intact
 EXIT_INTERRUPTED = 130  # Ctrl-C, SIGTERM or SIGHUP (128 + SIGINT, as shells report it)
+
+
+MAX_AUDIT_STEPS = 1_000_000  # an audit records every call of every event: far more is a typo
+
+
+class _Once(argparse.Action):
+    """An option that may be given once (``--resume A --resume B`` took B silently)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(
+                f"{option_string} given twice ({getattr(namespace, self.dest)!r} and {values!r}): give it once"
+            )
+        setattr(namespace, self.dest, values)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,7 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("recipe", nargs="?", default=None, help="recipe name or YAML path")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_steps=50")
     t.add_argument(
-        "--resume", metavar="RUN_DIR", default=None, help="continue the run in RUN_DIR from its last checkpoint"
+        "--resume",
+        metavar="RUN_DIR",
+        default=None,
+        action=_Once,
+        help="continue the run in RUN_DIR from its last checkpoint; the overrides may change only "
+        + ", ".join(RESUMABLE_KEYS),
     )
     t.add_argument(
         "--verbose", action="store_true", help="log the full conversion report (always in RUN_DIR/conversion.json)"
@@ -69,7 +89,7 @@ def _audit(args) -> int:
     from .config import load_config
     from .train import require_accelerator, require_finite
 
-    require_int("--steps", args.steps, 1)
+    require_int("--steps", args.steps, 1, MAX_AUDIT_STEPS)
     recipe, overrides = _split(args)
     modes = [args.mode] if args.mode else [None]
     if args.compare:

@@ -34,6 +34,7 @@ from .config import quant_config
 __all__ = [
     "DIRECTORY_CHECKPOINT_STRATEGIES",
     "RESUMABLE_KEYS",
+    "RUN_CONFIG_KEY",
     "RUN_DIR_ENV",
     "ResumePlan",
     "claim_run_dir",
@@ -47,13 +48,13 @@ __all__ = [
 ]
 
 RUN_DIR_ENV = "FP8STATE_RUN_DIR"
+RUN_CONFIG_KEY = "fp8state_run_config"  # the resolved run configuration a checkpoint was trained with
 WANDB_ID_FILE = "wandb_run_id"
 # What a resume may change: how long to train, how often to save and log, where W&B goes,
 # loader workers, CPU threads, garbage collection and strictness. Everything else defines what the checkpoint holds (or the
 # data position and learning rate the optimizer state restores), so it is refused.
-RESUMABLE_KEYS = (
+RESUMABLE_KEYS = (  # (not trainer.cpu_threads: another thread count changes CPU sums, so the losses)
     "trainer.max_steps",
-    "trainer.cpu_threads",
     "trainer.gc",
     "trainer.gc_full_every_n_steps",
     "trainer.schedule_steps",
@@ -415,6 +416,24 @@ def _select_checkpoint(cfg: DictConfig, run_dir: Path, resume: str) -> tuple[Pat
     )
 
 
+def _check_recorded_config(saved_path: Path, old: dict[str, Any], recorded: Any, path: Path) -> None:
+    """``config.yaml`` against the configuration the checkpoint records, key by key, under the rule
+    of the overrides: a hand edit of a key outside RESUMABLE_KEYS trained another run silently
+    (or, for ``trainer.lr``, was written back and not used). Checkpoints of earlier versions record
+    none; keys one side does not have (another version's schema) are not compared."""
+    if not isinstance(recorded, dict):
+        return
+    rec = _flatten(recorded)
+    edited = sorted(k for k in set(old) & set(rec) if old[k] != rec[k] and k not in RESUMABLE_KEYS)
+    if edited:
+        k = edited[0]
+        raise RunDirectoryError(
+            f"{saved_path}: {k}={old[k]!r}, but {path} was trained with {k}={rec[k]!r}: the file was edited. A resume "
+            f"continues the run as it was configured and may change only {', '.join(RESUMABLE_KEYS)}; put back "
+            f"{k}: {rec[k]!r}, or start a new run (without --resume) to change {k}"
+        )
+
+
 def plan_resume(resume: str, recipe: str | None, overrides: list[str]) -> ResumePlan:
     """Validate a resume of ``resume`` with ``overrides``; nothing is written.
 
@@ -457,4 +476,5 @@ def plan_resume(resume: str, recipe: str | None, overrides: list[str]) -> Resume
         # re-stretches it only by asking (trainer.schedule_steps=N)
         cfg.trainer.schedule_steps = int(saved.trainer.schedule_steps or saved.trainer.max_steps)
     path, ckpt, notes = _select_checkpoint(cfg, run_dir, resume)
+    _check_recorded_config(saved_path, old, ckpt.get(RUN_CONFIG_KEY), path)
     return ResumePlan(cfg=cfg, checkpoint=path, step=int(ckpt["global_step"]), notes=notes, saved_cfg=saved)

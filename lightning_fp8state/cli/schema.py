@@ -87,6 +87,10 @@ def schema_twin(cls: type, name: str, *, skip: tuple[str, ...] = ()) -> type:
 QuantCfg = schema_twin(QuantConfig, "QuantCfg", skip=("extra",))
 
 
+# an upper bound for step and sample counts: far beyond any run, well inside every integer type used
+MAX_COUNT = 10**12
+
+
 @dataclass
 class DataCfg:
     source: str = "markov"  # markov (generated) | text (UTF-8 file, byte tokens) | bin (uint16 memmap)
@@ -99,12 +103,22 @@ class DataCfg:
     def __post_init__(self) -> None:
         require_choice("source", self.source, DATA_SOURCES)
         require_int("batch_size", self.batch_size, 1)
-        require_int("num_samples", self.num_samples, 1)
+        require_int("num_samples", self.num_samples, 1, MAX_COUNT)
         require_int("num_workers", self.num_workers, 0)
+        if self.source == "markov" and self.num_samples < self.batch_size:
+            raise ConfigError(
+                f"num_samples={self.num_samples} is not allowed: expected at least batch_size={self.batch_size} "
+                "(fewer samples make no batch, and the run would train 0 steps)"
+            )
         if self.source in ("text", "bin") and not self.path:
             raise ConfigError(f"path is required when data.source={self.source!r}")
         if self.path and not Path(self.path).is_file():
             raise ConfigError(f"path={self.path!r}: no such file")
+        if self.source == "bin" and Path(self.path).stat().st_size % 2:
+            raise ConfigError(
+                f"path={self.path!r} holds {Path(self.path).stat().st_size} bytes, an odd number: a .bin file is "
+                "uint16 token ids (2 bytes each); write it with numpy's uint16 tofile(), or use data.source=text"
+            )
 
 
 @dataclass
@@ -160,10 +174,12 @@ class TrainerCfg:
         require_int("gc_full_every_n_steps", self.gc_full_every_n_steps, 1)
         require_choice("accelerator", self.accelerator, ACCELERATORS)
         require_choice("precision", self.precision, PRECISIONS)
-        for key in ("max_steps", "devices", "num_nodes", "accumulate_grad_batches", "checkpoint_every_n_steps"):
+        for key in ("devices", "num_nodes", "accumulate_grad_batches"):
             require_int(key, getattr(self, key), 1)
+        for key in ("max_steps", "checkpoint_every_n_steps"):
+            require_int(key, getattr(self, key), 1, MAX_COUNT)
         for key in ("warmup_steps", "schedule_steps"):
-            require_int(key, getattr(self, key), 0)
+            require_int(key, getattr(self, key), 0, MAX_COUNT)
         for key in ("gradient_clip_val", "lr", "weight_decay"):
             require_number(key, getattr(self, key), 0)
         require_bool("deterministic", self.deterministic)

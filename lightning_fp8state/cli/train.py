@@ -31,6 +31,7 @@ from .audit import model_config
 from .config import load_config, quant_config
 from .rundir import (
     DIRECTORY_CHECKPOINT_STRATEGIES,
+    RUN_CONFIG_KEY,
     RUN_DIR_ENV,
     claim_run_dir,
     launch_rank,
@@ -419,6 +420,11 @@ def _run_files_callback(run_dir: Path, cfg: DictConfig, plan, fp8_callback):
     from lightning.pytorch.callbacks import Callback
 
     class RunFiles(Callback):
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+            # the configuration the checkpoint was trained with (plain values: weights_only loads
+            # it): a resume compares config.yaml with it key by key
+            checkpoint[RUN_CONFIG_KEY] = OmegaConf.to_container(cfg, resolve=True)
+
         def on_fit_start(self, trainer, pl_module) -> None:
             if trainer.is_global_zero:
                 _write_run_files(run_dir, cfg, plan, conversion=fp8_callback.conversion.to_dict())

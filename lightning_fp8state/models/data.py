@@ -55,6 +55,12 @@ class TokenFile(Dataset):
         if not p.is_file():
             raise ConfigError(f"data.path={path!r}: no such file")
         if p.suffix == ".bin":
+            size = p.stat().st_size
+            if size % 2:
+                raise ConfigError(
+                    f"data.path={path!r} holds {size} bytes, an odd number: a .bin file is uint16 token ids "
+                    "(2 bytes each); write it with numpy's uint16 tofile(), or pass a text file"
+                )
             self.tokens = np.memmap(p, dtype=np.uint16, mode="r")
         else:
             self.tokens = np.frombuffer(p.read_bytes(), dtype=np.uint8)

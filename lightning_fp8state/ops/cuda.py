@@ -18,6 +18,15 @@ CUDA versions, the architectures and ``source_hash()``, a hash of every source a
 in ``csrc/``. torch's JIT only tracks the ``sources`` it compiles, so without the hash an
 edited header would reuse a stale library; with it, any change to ``csrc/`` builds afresh.
 
+What is trusted: the cache folder is where a library is loaded from, so it must belong to this
+user and be writable by nobody else (``_private_dir``: created 0700; a folder of another owner,
+or one that group or others may write, is refused and the reference ops serve); each build
+records the SHA-256 of its library beside it (``fp8state_cuda.so.sha256``) and a library is
+loaded only when it matches (``_check_library``: a mismatch is refused; a build without a record,
+from an earlier version, is built afresh). The child that checks a first load runs isolated
+(``python -I``, the parent's own ``sys.path`` and nothing else): a ``torch.py`` in the working
+directory is not imported.
+
 Environment:
     FP8STATE_CUDA_ARCHS: ``TORCH_CUDA_ARCH_LIST`` syntax for the build (default ``9.0+PTX``).
     FP8STATE_CACHE_DIR: where builds are cached (default ``~/.cache/lightning_fp8state``),
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -102,11 +112,58 @@ def build_tag() -> str:
     return tag.replace("+", "_").replace(" ", "")
 
 
+def _private_dir(path: Path) -> Path:
+    """``path``, created (0700) if missing; RuntimeError unless it is a folder of this user that
+    neither group nor others may write (a library is loaded from it)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
+    if not stat.S_ISDIR(st.st_mode):
+        problem = "is not a folder (a link?)"
+    elif st.st_uid != uid:
+        problem = f"belongs to user id {st.st_uid}, not to this user ({uid})"
+    elif st.st_mode & 0o022:
+        problem = f"may be written by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    else:
+        return path
+    raise RuntimeError(
+        f"the extension cache {path} {problem}: a library there is not loaded; set FP8STATE_CACHE_DIR to a "
+        "folder of yours that only you may write (chmod 700)"
+    )
+
+
 def _build_dir() -> Path:
     root = Path(os.environ.get("FP8STATE_CACHE_DIR", Path.home() / ".cache" / "lightning_fp8state"))
-    path = root / build_tag()
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    _private_dir(root)
+    return _private_dir(root / build_tag())
+
+
+def _library_digest(library: Path) -> str:
+    return hashlib.sha256(library.read_bytes()).hexdigest()
+
+
+def _check_library(build_dir: Path) -> None:
+    """Before loading: the library in ``build_dir`` is the one built there (its SHA-256 equals the
+    record). A library without a record (an earlier version's build) is removed, so the build
+    that follows makes it afresh; one that does not match its record is refused (RuntimeError)."""
+    library, record = build_dir / f"{_NAME}.so", build_dir / f"{_NAME}.so.sha256"
+    if not library.exists():
+        return
+    if not record.is_file():
+        library.unlink()
+        return
+    expected = record.read_text(encoding="utf-8").strip()
+    found = _library_digest(library)
+    if found != expected:
+        raise RuntimeError(
+            f"{library} does not match the SHA-256 recorded at its build ({found[:16]}... against {expected[:16]}...): "
+            f"it was changed after the build and is not loaded; remove {build_dir} to build it afresh"
+        )
+
+
+def _record_library(build_dir: Path) -> None:
+    library = build_dir / f"{_NAME}.so"
+    (build_dir / f"{_NAME}.so.sha256").write_text(_library_digest(library) + "\n", encoding="utf-8")
 
 
 def build(verbose: bool = False) -> Path:
@@ -121,6 +178,7 @@ def build(verbose: bool = False) -> Path:
     os.environ["TORCH_CUDA_ARCH_LIST"] = _archs()
     try:
         build_dir = _build_dir()
+        _check_library(build_dir)
         cpp_extension.load(
             name=_NAME,
             sources=sources,
@@ -134,6 +192,8 @@ def build(verbose: bool = False) -> Path:
             os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
         else:
             os.environ["TORCH_CUDA_ARCH_LIST"] = previous
+    if (build_dir / f"{_NAME}.so").is_file() and not (build_dir / f"{_NAME}.so.sha256").is_file():  # built just now
+        _record_library(build_dir)
     return build_dir / f"{_NAME}.so"
 
 
@@ -157,7 +217,12 @@ def _write_load_marker() -> Path:
 
 
 def _load_check_command() -> list[str]:
-    return [sys.executable, "-c", "from lightning_fp8state.ops import cuda; cuda.build()"]
+    """``python -I`` (no environment variables, no user site, no working directory on the path)
+    with this process's own ``sys.path`` (the working directory, where it is on it, spelled out):
+    the child imports exactly what this process imports."""
+    paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+    code = f"import sys; sys.path[:] = {paths!r}; from lightning_fp8state.ops import cuda; cuda.build()"
+    return [sys.executable, "-I", "-c", code]
 
 
 def load_check(timeout_s: float = 3600.0) -> Path:
@@ -167,12 +232,10 @@ def load_check(timeout_s: float = 3600.0) -> Path:
     marker = _load_marker()
     if marker.is_file():
         return marker
-    # the child imports the package from where this process does (sys.path, not only the
-    # environment's PYTHONPATH: a script may have extended sys.path itself)
-    env = os.environ.copy()
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    # the child imports the package from where this process does: its sys.path, passed in the
+    # command (python -I ignores PYTHONPATH), not only the environment's
     try:
-        child = subprocess.run(_load_check_command(), capture_output=True, text=True, timeout=timeout_s, env=env)
+        child = subprocess.run(_load_check_command(), capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
         raise RuntimeError(
             f"building and loading the extension in a child process took over {timeout_s:.0f} s"

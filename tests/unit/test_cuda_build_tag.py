@@ -156,5 +156,8 @@ def test_the_child_imports_from_this_process_sys_path(csrc, monkeypatch, tmp_pat
     (extra / "f8s_probe_module.py").write_text("VALUE = 1\n")
     monkeypatch.syspath_prepend(str(extra))
     monkeypatch.delenv("PYTHONPATH", raising=False)
-    _child(monkeypatch, "import f8s_probe_module")
+    real = cuda._load_check_command()  # python -I: the path travels in the command itself
+    assert real[1] == "-I" and str(extra) in real[-1]
+    probe = real[-1].replace("from lightning_fp8state.ops import cuda; cuda.build()", "import f8s_probe_module")
+    monkeypatch.setattr(cuda, "_load_check_command", lambda: [*real[:-1], probe])
     assert cuda.load_check().is_file()

@@ -18,6 +18,7 @@ from .block_graphs import GraphedBlocks
 from .collector import ManagedCollector
 from .config import QuantConfig
 from .errors import (
+    AlreadyConvertedError,
     AmbiguousRecomputeError,
     ConcurrentEntryError,
     ConfigError,
@@ -82,6 +83,7 @@ __all__ = [
     "Fp8Format",
     "Fp4Layout",
     # errors and warnings
+    "AlreadyConvertedError",
     "AmbiguousRecomputeError",
     "ConcurrentEntryError",
     "ConfigError",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 
 __all__ = [
+    "AlreadyConvertedError",
     "AmbiguousRecomputeError",
     "ConcurrentEntryError",
     "ConfigError",
@@ -41,6 +42,11 @@ class StateTransitionError(RuntimeError):
 
 class ConcurrentEntryError(RuntimeError):
     """A second stream (or thread) entered an owner that is in flight on another one."""
+
+
+class AlreadyConvertedError(ValueError):
+    """A model's layers were converted by another ``Fp8State``: a second state would own none of
+    them (it converted nothing, then failed later with a misleading message)."""
 
 
 class OwnerAlignmentError(RuntimeError):

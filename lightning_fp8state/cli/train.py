@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import netrc
 import os
 import platform
 import shlex
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -313,6 +315,55 @@ def require_cuda_graphs_setup(cfg: DictConfig) -> None:
             )
 
 
+WANDB_INIT_TIMEOUT_S = 30  # W&B's own default waits 90 s for a network that is not there, then raises
+
+
+def _wandb_host() -> str:
+    return urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+
+
+def require_wandb_credentials(cfg: DictConfig) -> None:
+    """``telemetry.wandb=online`` needs an API key where W&B looks for one (``WANDB_API_KEY``, an
+    identity token file, or a netrc entry for its host): without one, W&B asks on a terminal
+    (or fails) after the run has started. Checked without any network call."""
+    if cfg.telemetry.wandb != "online":
+        return
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return
+    path = Path(os.environ.get("NETRC") or "~/.netrc").expanduser()
+    try:
+        if netrc.netrc(path).authenticators(_wandb_host()):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise ConfigError(
+        f"telemetry.wandb='online' needs a W&B API key, and none is set (no WANDB_API_KEY, no entry for "
+        f"{_wandb_host()} in {path}): run `wandb login` or set WANDB_API_KEY, or pass telemetry.wandb=offline "
+        "(the run is kept under RUN_DIR/wandb; `wandb sync` uploads it later)"
+    )
+
+
+def _wandb_settings():
+    import wandb  # noqa: PLC0415
+
+    return wandb.Settings(init_timeout=WANDB_INIT_TIMEOUT_S)
+
+
+def _start_wandb(logger) -> None:
+    """Start the online W&B run now, before training, so that a W&B that cannot be reached says so
+    in one line (ConfigError) within WANDB_INIT_TIMEOUT_S, not with a traceback after a long wait."""
+    import wandb  # noqa: PLC0415
+
+    try:
+        logger.experiment  # noqa: B018  (the property starts the run)
+    except wandb.errors.Error as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"telemetry.wandb='online': W&B could not start the run ({reason}); check the network and "
+            "`wandb login`, or pass telemetry.wandb=offline (`wandb sync` uploads the run later)"
+        ) from None
+
+
 def require_accelerator(cfg: DictConfig, recipe: str | None) -> None:
     """Refuse a GPU configuration on a machine without (enough) GPUs, before anything is created."""
     t = cfg.trainer
@@ -485,6 +536,8 @@ def run_training(recipe: str | None, overrides: list[str], *, resume: str | None
     require_compile_strategy(cfg)
     require_cuda_graphs_setup(cfg)
     require_accelerator(cfg, recipe)
+    if rank == 0:
+        require_wandb_credentials(cfg)
     threads = torch.get_num_threads()  # the caller's, put back when the run ends (main() in a process of its own)
     set_cpu_threads(cfg)
     try:
@@ -601,8 +654,11 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
                 name=run_dir.name,
                 id=run_id,
                 resume="allow",
+                **({"settings": _wandb_settings()} if cfg.telemetry.wandb == "online" else {}),
             )
         )
+        if cfg.telemetry.wandb == "online" and rank == 0:
+            _start_wandb(loggers[-1])
     module, data = _module_and_data(cfg)
     t = cfg.trainer
     # With the fused AdamW the telemetry clips, reusing the norm it measures: Lightning's

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..errors import ConversionWarning
+from ..errors import AlreadyConvertedError, ConversionWarning
 from ..protocol import QuantProtocol
 from .attention import Fp4AttentionQuantizer
 from .conv1d import Fp8Conv1D, is_hf_conv1d
@@ -266,7 +266,8 @@ def convert_model(model: nn.Module, protocol: QuantProtocol) -> ConversionReport
     eval fast path (module by module).
 
     Parameters are shared, not copied: an optimizer built before conversion keeps working.
-    Already-converted layers are left alone (converting twice is a no-op).
+    Layers this protocol converted already are left alone (converting twice is a no-op); a layer
+    converted by another protocol raises :class:`AlreadyConvertedError`.
 
     Every :class:`Fp4AttentionQuantizer` of ``model`` that is not bound yet is bound to
     ``protocol`` under its module path (the include/exclude patterns apply to Linears only:
@@ -304,6 +305,12 @@ def convert_model(model: nn.Module, protocol: QuantProtocol) -> ConversionReport
                 attentions.append((name, module, chosen, entries))
             continue
         if isinstance(module, (Fp8Linear, Fp8Conv1D)):
+            if module.protocol is not protocol:
+                raise AlreadyConvertedError(
+                    f"{name or type(model).__name__} was converted by another Fp8State (layer "
+                    f"{module.layer_name!r}): a model is converted, and its quantizer state owned, by one Fp8State; "
+                    "use that Fp8State, or convert a fresh copy of the original model"
+                )
             continue
         if isinstance(module, nn.Linear):
             kind = "nn.Linear" if type(module) is nn.Linear else f"nn.Linear subclass {type(module).__name__}"

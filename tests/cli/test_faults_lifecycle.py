@@ -14,6 +14,7 @@ import shlex
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from lightning_fp8state.cli import main as cli_main
@@ -145,3 +146,54 @@ def test_the_checkpoint_a_resume_fell_back_to_is_pruned_afterwards(run_root, cap
     assert train("--resume", str(run), "trainer.max_steps=40") == 0
     assert {p.name for p in ckpts.iterdir()} == {"last.ckpt", "step=30.ckpt", "step=40.ckpt"}
     assert _step(ckpts / "last.ckpt") == 40
+
+
+# -- W&B online ---------------------------------------------------------------------------
+def _no_wandb_key(monkeypatch, home) -> None:
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "NETRC"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(home))  # no ~/.netrc there
+
+
+def test_wandb_online_without_a_key_is_refused_at_once(run_root, capsys, monkeypatch):
+    """It printed a traceback (or W&B asked for a key on the terminal) after the run had started."""
+    _no_wandb_key(monkeypatch, run_root)
+    import wandb
+
+    monkeypatch.setattr(wandb, "init", lambda *a, **k: pytest.fail("W&B must not be started"))
+    assert train(*COMMON, "telemetry.wandb=online", "out_dir=runs") == 2
+    assert_one_clean_error(
+        capsys.readouterr().err, "telemetry.wandb='online'", "wandb login", "telemetry.wandb=offline"
+    )
+    assert not (run_root / "runs").exists()
+
+
+def test_wandb_online_that_cannot_be_reached_is_one_line_within_a_bounded_wait(run_root, capsys, monkeypatch):
+    """With a key and no network W&B waited 98 s, then a traceback said the run id 'is in use'."""
+    _no_wandb_key(monkeypatch, run_root)
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    import wandb
+
+    asked = {}
+
+    def unreachable(*args, **kwargs):
+        asked.update(kwargs)
+        raise wandb.errors.CommError("Network error (ConnectionError), entering retry loop")
+
+    monkeypatch.setattr(wandb, "init", unreachable)
+    assert train(*COMMON, "telemetry.wandb=online", "out_dir=runs") == 2
+    assert_one_clean_error(capsys.readouterr().err, "W&B could not start the run", "Network error", "offline")
+    assert asked["settings"].init_timeout == 30
+    assert not (run_root / "runs" / "tiny_gpt_cpu").exists()
+
+
+def test_wandb_online_with_a_netrc_entry_is_not_refused(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    from lightning_fp8state.cli.train import require_wandb_credentials
+
+    _no_wandb_key(monkeypatch, tmp_path)
+    netrc = tmp_path / ".netrc"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "y" * 40 + "\n")
+    netrc.chmod(0o600)
+    require_wandb_credentials(OmegaConf.create({"telemetry": {"wandb": "online"}}))

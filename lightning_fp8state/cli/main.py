@@ -149,7 +149,8 @@ def _disk_full(exc: OSError) -> str:
     if isinstance(exc, DiskFullError):
         text = str(exc)
     else:
-        text = f"no space left to write {path or 'a file'} ({exc.strerror}); free some space (or pass another out_dir)"
+        where = f"to write {path}" if path else "on the device"
+        text = f"no space left {where} ({exc.strerror}); free some space (or pass another out_dir)"
     if path is None:
         return text
     path = Path(path)

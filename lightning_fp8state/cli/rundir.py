@@ -15,6 +15,7 @@ and that checkpoint was made with this configuration. Every failure is a
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..errors import ConfigError, RunDirectoryError, UntrustedCheckpointError
+from ..errors import ConfigError, DiskFullError, RunDirectoryError, UntrustedCheckpointError
 from ..fp8state import Fp8State
 from ..state.checkpoint_files import DEEPSPEED_LATEST, check_checkpoint, deepspeed_safe_globals, load_checkpoint_file
 from .config import quant_config
@@ -174,10 +175,15 @@ def lock_run_dir(run_dir: Path):
             f"{run_dir} is in use by a running fp8state process ({holder}): wait for it to end, "
             "or stop it; two processes never share a run directory"
         ) from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()}\n")
-    f.flush()
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}\n")
+        f.flush()
+    except OSError as exc:  # a full disk: name the file (the bare error said only "a file")
+        f.close()
+        free = shutil.disk_usage(run_dir).free if run_dir.is_dir() else None
+        raise DiskFullError(path, 64, free, exc) if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc from None
     return f
 
 

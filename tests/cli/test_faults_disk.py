@@ -116,3 +116,29 @@ def test_a_file_size_limit_is_one_line_and_exit_3(run_root):
     assert done.returncode == 3, (done.returncode, done.stderr[-3000:])
     assert_one_clean_error(done.stderr, "step=10.ckpt", "file-size limit", "48.0 KiB", "start the run again")
     assert not (run_root / "runs" / "tiny_gpt_cpu").exists()
+
+
+def test_a_resume_onto_a_full_disk_names_the_file_and_the_space(finished_run, capsys, monkeypatch):
+    """It said only "no space left to write a file": the lock's pid line was the first write."""
+    real_fdopen = os.fdopen
+
+    class Full:
+        def __init__(self, file):
+            self._file = file
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self._file, name)
+
+    def fdopen(fd, *args, **kwargs):
+        file = real_fdopen(fd, *args, **kwargs)
+        return Full(file) if os.readlink(f"/proc/self/fd/{fd}").endswith("/.lock") else file
+
+    monkeypatch.setattr(os, "fdopen", fdopen)
+    capsys.readouterr()
+    assert train("--resume", str(finished_run), "trainer.max_steps=30") == 3
+    err = capsys.readouterr().err
+    assert_one_clean_error(err, str(finished_run / ".lock"), "no space left", "needs about 64 bytes", "free there")
+    assert f"then continue: fp8state train --resume {finished_run}" in err  # its checkpoints are there

@@ -190,3 +190,15 @@ def test_a_bin_file_of_an_odd_byte_count_is_one_line(run_root, capsys):
         assert main(command) == 2
         assert_one_clean_error(capsys.readouterr().err, str(data), "801 bytes", "odd")
     assert not (run_root / "runs").exists()
+
+
+def test_the_readme_lists_exactly_the_resumable_keys():
+    import re
+    from pathlib import Path
+
+    from lightning_fp8state.cli.rundir import RESUMABLE_KEYS
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    listed = re.search(r"The resumable keys, also listed by `fp8state train --help`:\s*(.+?)\. A", readme, re.S)
+    assert listed is not None
+    assert re.findall(r"`([\w.]+)`", listed.group(1)) == list(RESUMABLE_KEYS)

@@ -121,9 +121,10 @@ def _refuse_resolvers(node, origin: str) -> None:
 
 
 def _load_yaml(path: Path) -> DictConfig:
-    text = _read_yaml_text(path)
+    stream = io.StringIO(_read_yaml_text(path))
+    stream.name = str(path)  # YAML's error marks name the file
     try:
-        node = OmegaConf.load(io.StringIO(text))
+        node = OmegaConf.load(stream)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
     if not isinstance(node, DictConfig):

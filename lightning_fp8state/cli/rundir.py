@@ -31,9 +31,9 @@ from ..errors import ConfigError, DiskFullError, RunDirectoryError, UntrustedChe
 from ..fp8state import Fp8State
 from ..state.checkpoint_files import DEEPSPEED_LATEST, check_checkpoint, deepspeed_safe_globals, load_checkpoint_file
 from .config import quant_config
+from .schema import strategy_facts
 
 __all__ = [
-    "DIRECTORY_CHECKPOINT_STRATEGIES",
     "RESUMABLE_KEYS",
     "RUN_CONFIG_KEY",
     "RUN_DIR_ENV",
@@ -70,9 +70,6 @@ RESUMABLE_KEYS = (  # (not trainer.cpu_threads: another thread count changes CPU
     "trainer.cuda_graphs_warmup",
 )
 _STEP_CKPT = re.compile(r"^step=(\d+)\.ckpt$")
-# the strategies that write a checkpoint as a directory of shards (DeepSpeed's, FSDP2's DCP); every
-# other one writes one file through AtomicCheckpointIO
-DIRECTORY_CHECKPOINT_STRATEGIES = ("fp8state_deepspeed", "fp8state_fsdp")
 
 
 def launch_rank() -> int:
@@ -384,7 +381,7 @@ def _few(names: list[str], n: int = 3) -> str:
 def _require_checkpoint_kind(cfg: DictConfig, candidates: list[Path], resume: str) -> None:
     """A strategy that writes one file per checkpoint finds no directory under a checkpoint's
     name: it would fall back past it, train, and then fail to save over it."""
-    if cfg.strategy.name in DIRECTORY_CHECKPOINT_STRATEGIES:
+    if strategy_facts(cfg.strategy).writes_checkpoint_directory:  # DeepSpeed's shards, FSDP2's DCP
         return
     for path in candidates:
         if path.is_dir():

@@ -26,7 +26,6 @@ from ..telemetry.sinks import WANDB_MODES
 __all__ = [
     "ACCELERATORS",
     "PRECISIONS",
-    "STRATEGIES",
     "WANDB_MODES",
     "DataCfg",
     "GPTConfig",
@@ -36,13 +35,27 @@ __all__ = [
     "TelemetryCfg",
     "TrainerCfg",
     "schema_twin",
+    "strategy_choices",
+    "strategy_facts",
 ]
 
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 GC_MODES = ("managed", "automatic")
-STRATEGIES = ("auto", "fp8state_ddp", "fp8state_deepspeed", "fp8state_fsdp")
 ZERO_STAGES = (1, 3)  # lowest and highest DeepSpeed ZeRO stage
+
+
+def strategy_choices() -> dict[str, type]:
+    """Every ``strategy.name`` a run may give, each with the facts the CLI reads (the strategy
+    contract's class attributes, ``lightning/contract.py``). Imports Lightning."""
+    from ..lightning import STRATEGY_CHOICES  # noqa: PLC0415  (Lightning loads only when a config is checked)
+
+    return STRATEGY_CHOICES
+
+
+def strategy_facts(strategy_cfg) -> type:
+    """The contract class of the configured strategy (``strategy_cfg``: the ``strategy`` section)."""
+    return strategy_choices()[strategy_cfg.name]
 
 
 def _omegaconf_type(tp: object, default: object) -> tuple[object, object]:
@@ -153,7 +166,7 @@ class TrainerCfg:
     checkpoint_every_n_steps: int = 100
     deterministic: bool = False
     # torch.compile every block of the model (each FP8 linear is one op in the block's graph);
-    # with the auto and fp8state_ddp strategies
+    # with the strategies whose contract says compiles_blocks
     compile: bool = False
     # replay each step's forward and backward from a CUDA graph (the optimizer steps eagerly;
     # lightning_fp8state.lightning.GraphedTrainingStep): one GPU, strategy auto, no accumulation
@@ -191,7 +204,7 @@ class TrainerCfg:
 
 @dataclass
 class StrategyCfg:
-    name: str = "auto"  # auto | fp8state_ddp | fp8state_deepspeed | fp8state_fsdp
+    name: str = "auto"  # auto, or a strategy of lightning_fp8state.lightning.STRATEGY_CHOICES
     zero_stage: int = 2  # DeepSpeed ZeRO stage 1-3
     partition_activations: bool = False
     cpu_checkpointing: bool = False
@@ -208,7 +221,7 @@ class StrategyCfg:
     local_optimizer_step: bool = True
 
     def __post_init__(self) -> None:
-        require_choice("name", self.name, STRATEGIES)
+        require_choice("name", self.name, tuple(strategy_choices()))
         require_int("zero_stage", self.zero_stage, *ZERO_STAGES)
         keys = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
         for key in (*keys, "fp8_all_gather", "reshard_after_forward", "local_optimizer_step"):

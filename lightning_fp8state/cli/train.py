@@ -32,7 +32,6 @@ from ..quant_recipes import RECIPE_CLASSES, Recipe, recipe_for
 from .audit import model_config
 from .config import load_config, quant_config
 from .rundir import (
-    DIRECTORY_CHECKPOINT_STRATEGIES,
     RUN_CONFIG_KEY,
     RUN_DIR_ENV,
     claim_run_dir,
@@ -43,6 +42,7 @@ from .rundir import (
     wandb_run_id,
     write_text_atomic,
 )
+from .schema import strategy_facts
 
 __all__ = ["lr_factor", "provenance", "resume_command", "run_training", "set_cpu_threads"]
 
@@ -120,7 +120,7 @@ def _module_and_data(cfg: DictConfig):
                     block.compile()
             self.graphed = None
             self.last_loss = None  # the last step's loss, on the device: read once, when the run ends
-            if cfg.trainer.cuda_graphs and cfg.strategy.name in BLOCK_GRAPH_STRATEGIES:
+            if cfg.trainer.cuda_graphs and strategy_facts(cfg.strategy).cuda_graphs == "blocks":
                 # per-block graphs: the strategy's gradient hooks stay eager between the blocks
                 from ..block_graphs import GraphedBlocks  # noqa: PLC0415
 
@@ -152,7 +152,7 @@ def _module_and_data(cfg: DictConfig):
         def on_train_start(self):
             # Under FSDP2 the optimizer state comes back through DCP in the strategy's
             # load_checkpoint, past on_load_checkpoint below: put the configured setting back
-            if cfg.strategy.name == "fp8state_fsdp":
+            if strategy_facts(cfg.strategy).restores_optimizer_late:
                 _set_fused(self.trainer.optimizers, fused_optimizer(cfg))
 
         def on_load_checkpoint(self, checkpoint):
@@ -185,12 +185,8 @@ def _module_and_data(cfg: DictConfig):
 
 
 def _strategy(cfg: DictConfig):
-    """``strategy.name``: ``auto``, or the fp8state strategy of that name built from the section."""
-    if cfg.strategy.name == "auto":
-        return "auto"
-    from ..lightning import STRATEGIES
-
-    return STRATEGIES[cfg.strategy.name].from_cli(cfg.strategy)
+    """The ``strategy`` argument of ``Trainer`` for ``strategy.name``, built from the section."""
+    return strategy_facts(cfg.strategy).from_cli(cfg.strategy)
 
 
 def last_checkpoint(run_dir: Path) -> Path:
@@ -216,51 +212,50 @@ def require_finite(cfg: DictConfig) -> None:
     walk(OmegaConf.to_container(cfg, resolve=True), "")
 
 
-COMPILE_STRATEGIES = ("auto", "fp8state_ddp")
-# the optimizer owns the parameters (plain tensors, or FSDP2's DTensor shards)
-FUSED_OPTIMIZER_STRATEGIES = ("auto", "fp8state_ddp", "fp8state_fsdp")
+def _names(fact) -> list[str]:
+    """The strategy names for which ``fact(contract class)`` holds (for messages)."""
+    from .schema import strategy_choices  # noqa: PLC0415
+
+    return [name for name, cls in strategy_choices().items() if fact(cls)]
 
 
 def fused_optimizer(cfg: DictConfig) -> bool:
-    """Whether the run's AdamW is fused: the guard then skips on the device. Under ``auto``,
-    ``fp8state_ddp`` and ``fp8state_fsdp`` the telemetry clips (:func:`telemetry_clips`); under DeepSpeed ZeRO-1/2 the
-    optimizer steps DeepSpeed's flat fp32 partitions, and the strategy's device guard
+    """Whether the run's AdamW is fused: the guard then skips on the device (the strategy says,
+    ``Fp8StateStrategyContract.fused_optimizer``). Where the optimizer owns the parameters the
+    telemetry clips (:func:`telemetry_clips`); under DeepSpeed ZeRO-1/2 the optimizer steps
+    DeepSpeed's flat fp32 partitions, and the strategy's device guard
     (``lightning.deepspeed_guard``) checks and clips there."""
-    s = cfg.strategy
-    return s.name in FUSED_OPTIMIZER_STRATEGIES or (s.name == "fp8state_deepspeed" and s.zero_stage <= 2)
+    return strategy_facts(cfg.strategy).fused_optimizer(cfg.strategy)
 
 
 def telemetry_clips(cfg: DictConfig) -> bool:
     """Whether the telemetry callback clips (Lightning's mixed-precision plugin refuses to clip a
     fused optimizer; DeepSpeed clips in its own buffers)."""
-    return cfg.strategy.name in FUSED_OPTIMIZER_STRATEGIES and bool(cfg.trainer.gradient_clip_val)
+    return strategy_facts(cfg.strategy).optimizer_owns_parameters and bool(cfg.trainer.gradient_clip_val)
 
 
 def require_compile_strategy(cfg: DictConfig) -> None:
-    """trainer.compile with the strategies it has run with only (DeepSpeed's and FSDP2's hooks
-    around compiled blocks are not tested)."""
-    if cfg.trainer.compile and cfg.strategy.name not in COMPILE_STRATEGIES:
+    """trainer.compile with the strategies it has run with only (the contract's ``compiles_blocks``)."""
+    if cfg.trainer.compile and not strategy_facts(cfg.strategy).compiles_blocks:
         raise ConfigError(
             f"trainer.compile=true with strategy.name={cfg.strategy.name!r} is not allowed: expected a strategy "
-            f"in {list(COMPILE_STRATEGIES)}, or trainer.compile=false"
+            f"in {_names(lambda c: c.compiles_blocks)}, or trainer.compile=false"
         )
 
 
 CUDA_GRAPHS_ACCELERATORS = ("gpu", "cuda")
-# trainer.cuda_graphs under a data-parallel strategy: per-block graphs (GraphedBlocks), its hooks eager;
-# under auto: the whole step (GraphedTrainingStep)
-BLOCK_GRAPH_STRATEGIES = ("fp8state_ddp", "fp8state_deepspeed", "fp8state_fsdp")
-CUDA_GRAPH_STRATEGIES = ("auto", *BLOCK_GRAPH_STRATEGIES)
 
 
 def require_cuda_graphs_setup(cfg: DictConfig) -> None:
-    """trainer.cuda_graphs: on GPUs, under auto (the whole step: one GPU, no accumulation) or
-    fp8state_ddp / fp8state_deepspeed (per-block graphs), no recompute audit, none of DeepSpeed's
-    activation-checkpointing features; each refusal names the key to change and why."""
+    """trainer.cuda_graphs: on GPUs, under a strategy whose contract has graphs (``"step"``: the
+    whole step, one GPU, no accumulation; ``"blocks"``: per-block graphs), no recompute audit, none
+    of DeepSpeed's activation-checkpointing features; each refusal names the key to change and why."""
     t, s = cfg.trainer, cfg.strategy
     if not t.cuda_graphs:
         return
-    whole_step = s.name == "auto"
+    graphs = strategy_facts(s).cuda_graphs  # "step": the whole step (GraphedTrainingStep); "blocks": GraphedBlocks
+    whole_step = graphs == "step"
+    one_graph = f"1 under strategy.name={s.name!r}"
     why_step = "the whole step is one graph on one GPU that writes its gradients afresh each step"
     why_blocks = "per-block graphs recompute through torch's checkpoint inside the graph"
     needs = [
@@ -273,23 +268,23 @@ def require_cuda_graphs_setup(cfg: DictConfig) -> None:
         ),
         (
             "strategy.name",
-            s.name in CUDA_GRAPH_STRATEGIES,
+            graphs is not None,
             f"{s.name!r}",
-            f"one of {list(CUDA_GRAPH_STRATEGIES)}",
+            f"one of {_names(lambda c: c.cuda_graphs is not None)}",
             "graphs run under these strategies only",
         ),
         (
             "trainer.devices",
             not whole_step or (t.devices == 1 and t.num_nodes == 1),
             f"{t.devices} x {t.num_nodes} node(s)",
-            "1 under strategy.name='auto'",
+            one_graph,
             why_step,
         ),
         (
             "trainer.accumulate_grad_batches",
             not whole_step or t.accumulate_grad_batches == 1,
             str(t.accumulate_grad_batches),
-            "1 under strategy.name='auto'",
+            one_graph,
             why_step,
         ),
         (
@@ -367,15 +362,11 @@ def _start_wandb(logger) -> None:
 def require_accelerator(cfg: DictConfig, recipe: str | None) -> None:
     """Refuse a GPU configuration on a machine without (enough) GPUs, before anything is created."""
     t = cfg.trainer
-    wants_gpu = t.accelerator in ("gpu", "cuda") or cfg.strategy.name == "fp8state_deepspeed"
-    if not wants_gpu:
+    needs_cuda = strategy_facts(cfg.strategy).needs_cuda
+    if not (t.accelerator in ("gpu", "cuda") or needs_cuda):
         return
     what = f"recipe {recipe!r}" if recipe else f"recipe {cfg.name!r}"
-    need = (
-        "strategy.name=fp8state_deepspeed"
-        if cfg.strategy.name == "fp8state_deepspeed"
-        else f"trainer.accelerator={t.accelerator!r}"
-    )
+    need = f"strategy.name={cfg.strategy.name}" if needs_cuda else f"trainer.accelerator={t.accelerator!r}"
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have == 0:
         raise ConfigError(
@@ -683,7 +674,7 @@ def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = Fal
     )
     fp8 = Fp8StateCallback(config=quant_config(cfg), audit=cfg.telemetry.audit, verbose=verbose)
     # DeepSpeed and FSDP2 write their own (sharded) checkpoint directories
-    plugins = [] if cfg.strategy.name in DIRECTORY_CHECKPOINT_STRATEGIES else [AtomicCheckpointIO()]
+    plugins = [] if strategy_facts(cfg.strategy).writes_checkpoint_directory else [AtomicCheckpointIO()]
     try:
         trainer = pl.Trainer(
             default_root_dir=str(run_dir),

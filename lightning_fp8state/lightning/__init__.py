@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from .callback import Fp8StateCallback
 from .checkpoint_io import AtomicCheckpointIO
 from .collector import ManagedCollection
-from .contract import Fp8StateStrategyContract, contract_of
+from .contract import AutoStrategy, Fp8StateStrategyContract, contract_of
 from .fsdp import Fp8StateFSDPStrategy
 from .graphed import GraphedTrainingStep
 from .strategies import Fp8StateDDPStrategy, Fp8StateDeepSpeedStrategy, register_strategies
@@ -22,6 +22,8 @@ Fp8StateFSDPStrategy.register_strategies(StrategyRegistry)
 
 # the fp8state strategies by name, each built from the CLI's ``strategy`` section by ``from_cli``
 STRATEGIES = {cls.strategy_name: cls for cls in (Fp8StateDDPStrategy, Fp8StateDeepSpeedStrategy, Fp8StateFSDPStrategy)}
+# every strategy a run configuration may name (``strategy.name``), with the facts the CLI reads
+STRATEGY_CHOICES = {AutoStrategy.strategy_name: AutoStrategy, **STRATEGIES}
 
 __all__ = [
     "AtomicCheckpointIO",
@@ -31,6 +33,8 @@ __all__ = [
     "Fp8StateFSDPStrategy",
     "Fp8StateStrategyContract",
     "STRATEGIES",
+    "STRATEGY_CHOICES",
+    "AutoStrategy",
     "GraphedTrainingStep",
     "LightningLoggerSink",
     "ManagedCollection",

@@ -4,19 +4,54 @@ The fp8state strategies (``fp8state_ddp``, ``fp8state_deepspeed``, ``fp8state_fs
 :class:`Fp8StateStrategyContract` and override what differs; the callback reads any strategy through
 :func:`contract_of`, which answers for Lightning's own strategies (``auto``, single device,
 Lightning's DDP or DeepSpeed) from what they are. Nobody probes a strategy with ``getattr``.
+
+The same class declares what a launcher must know *before* a strategy exists (the CLI validates a
+run configuration and builds the trainer from them): its name, whether blocks may be compiled,
+which CUDA graphs it runs, whether the optimizer is fused, whether it writes a checkpoint as a
+directory, whether it needs CUDA. These are class attributes; :data:`AutoStrategy` answers for
+Lightning's default (``strategy.name=auto``). The CLI reads only these, and names no strategy.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 
-__all__ = ["Fp8StateStrategyContract", "contract_of"]
+__all__ = ["AutoStrategy", "Fp8StateStrategyContract", "contract_of"]
 
 
 class Fp8StateStrategyContract:
     """The strategy's side of the protocol (defaults: one process group, nothing sharded)."""
+
+    # -- what a launcher reads before the strategy exists (class attributes) -------------------
+    strategy_name: ClassVar[str]
+    #: ``trainer.compile`` (every block through torch.compile) has run under it and is allowed
+    compiles_blocks: ClassVar[bool] = False
+    #: ``trainer.cuda_graphs``: ``"blocks"`` per-block graphs (the strategy's hooks stay eager
+    #: between them), ``"step"`` the whole step as one graph (one GPU), ``None`` not supported
+    cuda_graphs: ClassVar[Literal["blocks", "step"] | None] = "blocks"
+    #: the optimizer steps plain parameters (or FSDP2's shards): a fused AdamW, and the telemetry
+    #: clips gradients itself (Lightning's plugin refuses to clip for a fused optimizer)
+    optimizer_owns_parameters: ClassVar[bool] = True
+    #: a checkpoint is a directory the strategy writes itself (not one file through a CheckpointIO)
+    writes_checkpoint_directory: ClassVar[bool] = False
+    #: the optimizer state comes back in the strategy's ``load_checkpoint``, after the module's
+    #: ``on_load_checkpoint``: optimizer settings must be put back at train start
+    restores_optimizer_late: ClassVar[bool] = False
+    #: runs on CUDA devices only, whatever ``trainer.accelerator`` says
+    needs_cuda: ClassVar[bool] = False
+
+    @classmethod
+    def fused_optimizer(cls, strategy_cfg: Any) -> bool:
+        """Whether the run's AdamW is fused (its non-finite guard then skips on the device) for
+        the CLI's ``strategy`` section ``strategy_cfg``."""
+        return cls.optimizer_owns_parameters
+
+    @classmethod
+    def from_cli(cls, strategy_cfg: Any) -> Any:
+        """The ``strategy`` argument of ``Trainer`` for the CLI's ``strategy`` section."""
+        raise NotImplementedError(f"{cls.__name__} does not say how the CLI builds it")
 
     @property
     def fp8state_process_group(self) -> Any:
@@ -56,6 +91,18 @@ class _LightningStrategy(Fp8StateStrategyContract):
     @property
     def fp8state_converts_before_wrap(self) -> bool:
         return isinstance(self._strategy, DeepSpeedStrategy) and self._strategy.zero_stage_3
+
+
+class AutoStrategy(Fp8StateStrategyContract):
+    """``strategy.name=auto``: Lightning's own choice (one device). Only its class facts are read."""
+
+    strategy_name = "auto"
+    compiles_blocks = True
+    cuda_graphs = "step"
+
+    @classmethod
+    def from_cli(cls, strategy_cfg: Any) -> str:
+        return "auto"
 
 
 def contract_of(strategy: Strategy | None) -> Fp8StateStrategyContract:

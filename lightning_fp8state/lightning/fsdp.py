@@ -103,6 +103,8 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
     """
 
     strategy_name = "fp8state_fsdp"
+    writes_checkpoint_directory = True  # torch distributed checkpoint: one shard file per rank
+    restores_optimizer_late = True  # through DCP in load_checkpoint, past on_load_checkpoint
 
     def __init__(
         self,

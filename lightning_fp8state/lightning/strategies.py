@@ -66,6 +66,7 @@ class Fp8StateDDPStrategy(Fp8StateStrategyContract, DDPStrategy):
     """
 
     strategy_name = "fp8state_ddp"
+    compiles_blocks = True
 
     @classmethod
     def from_cli(cls, strategy_cfg: Any) -> Fp8StateDDPStrategy:
@@ -140,6 +141,14 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
     """
 
     strategy_name = "fp8state_deepspeed"
+    optimizer_owns_parameters = False  # DeepSpeed's flat fp32 partitions; its device guard clips there
+    writes_checkpoint_directory = True
+    needs_cuda = True  # Lightning's DeepSpeedStrategy refuses any other accelerator
+
+    @classmethod
+    def fused_optimizer(cls, strategy_cfg: Any) -> bool:
+        """ZeRO-1/2 step a torch optimizer over DeepSpeed's flat partitions: fused there; ZeRO-3 not."""
+        return int(strategy_cfg.zero_stage) <= 2
 
     def __init__(
         self,

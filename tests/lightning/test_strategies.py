@@ -242,10 +242,10 @@ def test_fsdp_default_units_are_the_blocks_and_the_wrapped_network():
 def test_every_fp8state_strategy_declares_the_contract_and_the_cli_knows_each():
     from lightning.pytorch.strategies import DeepSpeedStrategy, SingleDeviceStrategy
 
-    from lightning_fp8state.cli.schema import STRATEGIES as CLI_STRATEGIES
+    from lightning_fp8state.cli.schema import strategy_choices
     from lightning_fp8state.lightning import STRATEGIES, Fp8StateStrategyContract, contract_of
 
-    assert set(CLI_STRATEGIES) == {"auto", *STRATEGIES}
+    assert set(strategy_choices()) == {"auto", *STRATEGIES}
     ddp = STRATEGIES["fp8state_ddp"]()
     ds3 = STRATEGIES["fp8state_deepspeed"](stage=3)
     for strategy in (ddp, ds3):
@@ -352,3 +352,51 @@ def test_deepspeed_zero3_marks_every_converted_layer_sharded(monkeypatch, stage)
     converted = sorted(m.layer_name for m in model.modules() if isinstance(m, f8s.nn.Fp8Linear))
     assert len(converted) == 2
     assert sorted(state.protocol.sharded_layers) == (converted if stage == 3 else [])
+
+
+def test_the_cli_reads_strategy_facts_from_the_contract_and_names_no_strategy():
+    """A new strategy is its class (and its YAML): cli/ lists or tests no strategy name; what it
+    needs to know it reads from the contract's class attributes."""
+    import ast
+    from pathlib import Path
+
+    import lightning_fp8state.cli as cli
+    from lightning_fp8state.cli.schema import strategy_choices
+
+    names = [n for n in strategy_choices() if n != "auto"]
+    found = []
+    for path in Path(cli.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                found += [f"{path.name}: {node.value!r}" for n in names if n in node.value]
+            if isinstance(node, ast.Compare) and "strategy.name" in ast.unparse(node.left):
+                found.append(f"{path.name}: {ast.unparse(node)}")
+    assert found == []
+
+
+@pytest.mark.parametrize(
+    ("name", "facts"),
+    [
+        ("auto", dict(compiles_blocks=True, cuda_graphs="step", writes_checkpoint_directory=False, needs_cuda=False)),
+        ("fp8state_ddp", dict(compiles_blocks=True, cuda_graphs="blocks", writes_checkpoint_directory=False)),
+        ("fp8state_deepspeed", dict(compiles_blocks=False, writes_checkpoint_directory=True, needs_cuda=True)),
+        ("fp8state_fsdp", dict(compiles_blocks=False, writes_checkpoint_directory=True, restores_optimizer_late=True)),
+    ],
+)
+def test_each_strategy_declares_the_facts_the_cli_reads(name, facts):
+    from lightning_fp8state.cli.schema import StrategyCfg, strategy_choices
+
+    cls = strategy_choices()[name]
+    assert {k: getattr(cls, k) for k in facts} == facts
+    fused = {s: cls.fused_optimizer(StrategyCfg(name=name, zero_stage=s)) for s in (1, 2, 3)}
+    expected = {1: True, 2: True, 3: False} if name == "fp8state_deepspeed" else {1: True, 2: True, 3: True}
+    assert fused == expected

@@ -19,6 +19,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,30 +111,41 @@ def claim_run_dir(out_dir: str | os.PathLike, name: str) -> Path:
 LOCK_FILE = ".lock"
 # Every entry of a run directory that fp8state writes or reads. None may be a symbolic link: a run
 # directory may come from someone else, and a link would lead a write (or a prune) anywhere.
-RUN_ENTRIES = (
-    "config.yaml",
-    "provenance.json",
-    "conversion.json",
-    "telemetry.jsonl",
-    WANDB_ID_FILE,
-    LOCK_FILE,
-    "checkpoints",
-    "wandb",
-    "report",
-)
+RUN_ENTRIES = {
+    "config.yaml": "file",
+    "provenance.json": "file",
+    "conversion.json": "file",
+    "telemetry.jsonl": "file",
+    WANDB_ID_FILE: "file",
+    LOCK_FILE: "file",
+    "checkpoints": "folder",
+    "wandb": "folder",
+    "report": "folder",
+}
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-def require_no_links(run_dir: Path, entries: tuple[str, ...] = RUN_ENTRIES) -> None:
-    """Refuse a run directory in which one of ``entries`` is a symbolic link (RunDirectoryError
-    naming it), before anything there is read or written."""
+def require_no_links(run_dir: Path, entries=RUN_ENTRIES) -> None:
+    """Refuse a run directory in which one of ``entries`` is a symbolic link, or not the kind of
+    entry fp8state keeps there (a folder where a file belongs, a FIFO, a device: opening one hung
+    or raised), before anything there is read or written (RunDirectoryError naming it)."""
     for name in entries:
         path = run_dir / name
-        if path.is_symlink():
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(mode):
             raise RunDirectoryError(
                 f"{path} is a symbolic link (to {os.readlink(path)!r}): fp8state never writes or reads a run's "
                 "files through a link (a received run directory could point them anywhere); remove the link, "
                 "or put a copy of what it points to in its place"
+            )
+        kind = RUN_ENTRIES.get(name, "file")
+        if not (stat.S_ISDIR(mode) if kind == "folder" else stat.S_ISREG(mode)):
+            raise RunDirectoryError(
+                f"{path} is not a {kind}, as fp8state keeps it there: the run directory was changed by hand; "
+                f"remove or move {path.name}, then resume"
             )
 
 

@@ -99,7 +99,7 @@ class JsonlSink:
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         fd = os.open(self.path, flags, 0o600)
         if hasattr(os, "fchmod"):
             os.fchmod(fd, 0o600)  # a file of an earlier version was 0644
@@ -119,14 +119,17 @@ class JsonlSink:
             return
         if self.path.parent.is_dir():  # the file alone was deleted or replaced: start a new one here
             warnings.warn(
-                f"{self.path} was deleted or replaced during the run; the rows written before are not in the new "
-                "file started there now",
+                f"{self.path} was deleted or replaced during the run; a new one is started there with the rows "
+                "written before (read back from the open file)",
                 RuntimeWarning,
                 stacklevel=3,
             )
-            self._file.close()
+            old = self._file
+            earlier = os.pread(old.fileno(), os.fstat(old.fileno()).st_size, 0)
+            old.close()
             self._file = None
             self._open()
+            self._write_bytes(earlier)
         elif not self._gone_said:  # the run directory moved or went: keep writing into the open file
             self._gone_said = True
             warnings.warn(
@@ -144,7 +147,9 @@ class JsonlSink:
         else:
             self._check_still_there()
         text = "".join(json.dumps({k: encode_value(v) for k, v in row.items()}, allow_nan=False) + "\n" for row in rows)
-        data = (b"\n" if self._torn else b"") + text.encode("utf-8")
+        self._write_bytes((b"\n" if self._torn else b"") + text.encode("utf-8"))
+
+    def _write_bytes(self, data: bytes) -> None:
         self._torn = True  # until the whole chunk is written
         view = memoryview(data)
         while view:

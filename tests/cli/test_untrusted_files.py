@@ -53,6 +53,25 @@ def test_a_resume_refuses_a_run_entry_that_is_a_link(finished_run, victim, capsy
     assert snapshot(finished_run) == before
 
 
+@pytest.mark.parametrize(
+    ("entry", "make"), [(".lock", os.mkfifo), ("telemetry.jsonl", os.mkdir), ("checkpoints", None)]
+)
+def test_a_resume_refuses_an_entry_of_the_wrong_kind(finished_run, capsys, entry, make):
+    """A FIFO as .lock hung or raised; telemetry.jsonl as a folder resumed and lost its rows."""
+    path = finished_run / entry
+    if path.is_dir():
+        shutil.rmtree(path)
+        path.write_text("a file where the checkpoints folder belongs\n")
+    else:
+        path.unlink(missing_ok=True)
+        make(path)
+    before = snapshot(finished_run)
+    capsys.readouterr()
+    assert train("--resume", str(finished_run), "trainer.max_steps=30") == 2
+    assert_one_clean_error(capsys.readouterr().err, str(path), "is not a")
+    assert snapshot(finished_run) == before
+
+
 def test_report_writes_no_plot_through_a_link(finished_run, victim, capsys):
     report = finished_run / "report"
     report.symlink_to(victim, target_is_directory=True)
@@ -118,7 +137,7 @@ def test_a_telemetry_file_deleted_or_a_run_directory_moved_mid_run_is_said(tmp_p
     (run / "telemetry.jsonl").unlink()
     with pytest.warns(RuntimeWarning, match="deleted or replaced during the run"):
         sink.write([{"step": 2}])
-    assert [r["step"] for r in read_jsonl(run / "telemetry.jsonl")] == [2]
+    assert [r["step"] for r in read_jsonl(run / "telemetry.jsonl")] == [1, 2]  # the earlier rows kept
     run.rename(tmp_path / "moved")
     with pytest.warns(RuntimeWarning, match="moved or deleted during the run"):
         sink.write([{"step": 3}])
@@ -127,7 +146,7 @@ def test_a_telemetry_file_deleted_or_a_run_directory_moved_mid_run_is_said(tmp_p
         sink.write([{"step": 4}])
     sink.close()
     assert not run.exists()  # nothing created at the old path
-    assert [r["step"] for r in read_jsonl(tmp_path / "moved" / "telemetry.jsonl")] == [2, 3, 4]
+    assert [r["step"] for r in read_jsonl(tmp_path / "moved" / "telemetry.jsonl")] == [1, 2, 3, 4]
 
 
 KILL_AFTER_SAVE = """

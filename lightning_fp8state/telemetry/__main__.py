@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..errors import ConfigError
 from .report import write_report
 
 
@@ -17,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         write_report(args.run_dir, args.out)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ConfigError) as exc:  # ConfigError: not telemetry, a link, an unwritable --out
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

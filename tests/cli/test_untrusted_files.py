@@ -222,3 +222,12 @@ def test_the_report_of_a_run_that_ended_non_finite_says_so(tmp_path):
     summary = write_report(tmp_path, show=False).summary
     assert summary["loss last"] != summary["loss last"]  # NaN
     assert summary["loss last finite"] == pytest.approx(2.6)
+
+
+def test_the_telemetry_modules_report_command_refuses_a_link_with_one_line(finished_run, victim, capsys):
+    from lightning_fp8state.telemetry.__main__ import main as telemetry_main
+
+    (finished_run / "report").symlink_to(victim, target_is_directory=True)
+    assert telemetry_main(["report", str(finished_run)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "symbolic link" in err

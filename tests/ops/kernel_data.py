@@ -50,3 +50,15 @@ def put_negative_nan(block: torch.Tensor, index: int) -> None:
     bit pattern exactly, since arithmetic may not keep a NaN's sign."""
     int_dtype, bits = _NEG_NAN[block.dtype]
     block.view(int_dtype)[index] = bits
+
+
+def assert_beside_the_imported_package(src) -> None:
+    """``src`` (the csrc/ the extension is built from) belongs to the imported package: inside it
+    (an installed package) or at the root of the source checkout it sits in."""
+    from pathlib import Path
+
+    import lightning_fp8state
+
+    package = Path(lightning_fp8state.__file__).resolve().parent
+    checkout = package.parent / "csrc" if (package.parent / "pyproject.toml").is_file() else None
+    assert src in (package / "csrc", checkout), (src, package)

@@ -17,9 +17,14 @@ import zlib
 import pytest
 import torch
 
-import lightning_fp8state as f8s
 from lightning_fp8state import ops
-from tests.ops.kernel_data import FULL_RANGE_SCALES, full_range, put_negative_nan, subnormal_tie_block
+from tests.ops.kernel_data import (
+    FULL_RANGE_SCALES,
+    assert_beside_the_imported_package,
+    full_range,
+    put_negative_nan,
+    subnormal_tie_block,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -700,7 +705,7 @@ def test_kernel_argument_errors_match_the_reference_and_name_the_argument():
 
 def test_extension_ships_and_builds_the_fp4_source(kernels):
     src = ops.cuda.source_dir()
-    assert src.parent == __import__("pathlib").Path(f8s.__file__).resolve().parent
+    assert_beside_the_imported_package(src)
     assert (src / "fp4_ops.cu").is_file() and "fp4_ops.cu" in ops.cuda.SOURCES
     assert kernels["loaded"] and kernels["sha256"]
     # the CUDA kernel, not the reference, serves CUDA tensors

@@ -52,13 +52,15 @@ from typing import Any
 
 import torch
 
-from ..errors import UntrustedCheckpointError
+from ..errors import StateLoadError, UntrustedCheckpointError
 
 __all__ = [
     "DCP_METADATA_TYPES",
     "DEEPSPEED_LATEST",
+    "DEEPSPEED_LATEST_FILES",
     "DEEPSPEED_TYPES",
-    "SafeLoadPlanner",  # noqa: F822  (module __getattr__: DCP is imported on first use)
+    "SafeFileSystemReader",  # noqa: F822  (module __getattr__: DCP is imported on first use)
+    "SafeLoadPlanner",  # noqa: F822
     "check_checkpoint",
     "checkpoint_files",
     "deepspeed_safe_globals",
@@ -98,6 +100,7 @@ DCP_METADATA_TYPES = (
 )
 DCP_METADATA_FILE = ".metadata"
 DEEPSPEED_LATEST = "latest"  # DeepSpeed's engine reads the tag (the shard folder's name) from this file
+DEEPSPEED_LATEST_FILES = (DEEPSPEED_LATEST, "latest_universal")  # the second one with load_universal on
 _LATEST_MAX_BYTES = 4096
 _REFUSED = (  # how torch's weights_only unpickler names what it refused
     re.compile(r"GLOBAL ([\w.]+)"),
@@ -175,41 +178,69 @@ def load_checkpoint_file(
 
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING"}
 _CALL_OPS = {"REDUCE", "NEWOBJ", "NEWOBJ_EX", "BUILD", "OBJ", "INST", "GLOBAL", "STACK_GLOBAL"}
+_LEGACY_PICKLES = 4  # torch's legacy format: the magic number, the protocol, sys_info, then the object
 
 
-def _pickled_callable(path: Path) -> str | None:
-    """What a file that is a plain pickle (not torch's zip format) would call when unpickled: the
-    first global it names, or a description when it calls something it does not name plainly.
-    None for a file that is not a parseable pickle or calls nothing. Parsed with ``pickletools``,
-    which runs nothing."""
+def _pickled_callable(source: Path | bytes) -> str | None:
+    """What a file (or a DCP bytes item) the safe loader could not parse would call when
+    unpickled: the first global it names, or a description when it calls something it does not
+    name plainly; None when it calls nothing or is no pickle. Covers every pickle protocol (0 and
+    1 are text-like, 4 and 5 start with a FRAME torch's safe loader does not parse), torch's zip
+    format (its ``data.pkl``) and its legacy format (a few pickles one after the other). Parsed
+    with ``pickletools``, which runs nothing; only the pickles are read, not the tensor data."""
     try:
-        if zipfile.is_zipfile(path):
-            return None  # torch's own format: its pickle is read by the safe loader above
-        data = path.read_bytes()
-    except OSError:
+        with open(source, "rb") if isinstance(source, Path) else io.BytesIO(source) as f:
+            if zipfile.is_zipfile(f):
+                with zipfile.ZipFile(f) as z:
+                    names = [n for n in z.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+                    return _scan_pickles(io.BytesIO(z.read(names[0])), 1) if names else None
+            f.seek(0)
+            return _scan_pickles(f, _LEGACY_PICKLES)
+    except (OSError, zipfile.BadZipFile, ValueError):
         return None
-    if not data.startswith(b"\x80"):  # PROTO: every binary pickle protocol starts so
-        return None
-    strings: list = []
-    memo: dict = {}
-    try:
-        for op, arg, _ in pickletools.genops(data):
-            if op.name in ("GLOBAL", "INST"):
-                return str(arg).replace(" ", ".")
-            if op.name == "STACK_GLOBAL":
-                return ".".join(str(x) for x in strings[-2:]) if len(strings) >= 2 else "a global it hides"
-            if op.name in _STRING_OPS:
-                strings.append(arg)
-            elif op.name == "MEMOIZE" and strings:
-                memo[len(memo)] = strings[-1]
-            elif op.name in ("PUT", "BINPUT", "LONG_BINPUT") and strings:
-                memo[arg] = strings[-1]
-            elif op.name in ("GET", "BINGET", "LONG_BINGET") and arg in memo:
-                strings.append(memo[arg])
-            elif op.name in _CALL_OPS:
-                return f"a pickled call ({op.name})"
-    except (ValueError, pickle.UnpicklingError, UnicodeDecodeError, IndexError):
-        return None
+
+
+def _scan_pickles(f: io.IOBase, count: int) -> str | None:
+    """:func:`_pickled_callable` over up to ``count`` pickles read one after the other from ``f``.
+    A binary pickle (protocol 2 and up) is named at its first call; a text one (no PROTO opcode)
+    only once it parses to its STOP, so that a corrupt file that happens to start with a text
+    opcode is not called planted."""
+    for _ in range(count):
+        head = f.read(1)
+        if not head:
+            return None
+        binary = head == b"\x80"
+        f.seek(-1, io.SEEK_CUR)
+        found, complete = None, False
+        strings: list = []
+        memo: dict = {}
+        try:
+            for op, arg, _ in pickletools.genops(f):
+                if found is not None:
+                    continue
+                if op.name in ("GLOBAL", "INST"):
+                    found = str(arg).replace(" ", ".")
+                elif op.name == "STACK_GLOBAL":
+                    found = ".".join(str(x) for x in strings[-2:]) if len(strings) >= 2 else "a global it hides"
+                elif op.name in _STRING_OPS:
+                    strings.append(arg)
+                elif op.name == "MEMOIZE" and strings:
+                    memo[len(memo)] = strings[-1]
+                elif op.name in ("PUT", "BINPUT", "LONG_BINPUT") and strings:
+                    memo[arg] = strings[-1]
+                elif op.name in ("GET", "BINGET", "LONG_BINGET") and arg in memo:
+                    strings.append(memo[arg])
+                elif op.name in _CALL_OPS:
+                    found = f"a pickled call ({op.name})"
+                if found is not None and binary:
+                    return found
+            complete = True
+        except (ValueError, pickle.UnpicklingError, UnicodeDecodeError, IndexError, EOFError):
+            pass
+        if found is not None and complete:
+            return found
+        if not complete:
+            return None
     return None
 
 
@@ -245,12 +276,15 @@ def load_dcp_metadata(path: str | Path) -> Any:
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
-    """The files a loader would unpickle in a checkpoint: the file itself, or every ``*.pt``
-    (and DCP ``.metadata``) file under a checkpoint directory (DeepSpeed, FSDP2)."""
+    """The files a loader would unpickle in a checkpoint: the file itself, or every ``*.pt`` file
+    under a checkpoint directory (DeepSpeed, FSDP2) and every DCP metadata file: ``.metadata``, and
+    the rank-local ``__N.metadata`` torch's reader falls back to when the global one fails."""
     path = Path(path)
     if not path.is_dir():
         return [path]
-    return sorted(p for p in path.rglob("*") if p.is_file() and (p.suffix == ".pt" or p.name == DCP_METADATA_FILE))
+    return sorted(
+        p for p in path.rglob("*") if p.is_file() and (p.suffix == ".pt" or p.name.endswith(DCP_METADATA_FILE))
+    )
 
 
 def _refuse_links(path: Path) -> None:
@@ -268,6 +302,8 @@ def _refuse_links(path: Path) -> None:
 def _inside(folder: Path, relative: str, what: str, owner: Path) -> Path:
     """``folder / relative`` where ``relative`` is a plain relative path to a regular file under
     ``folder`` (no ``..``, not absolute, no link on the way), else UntrustedCheckpointError."""
+    if "\0" in relative:
+        raise UntrustedCheckpointError(owner, f"{what} {relative!r}, which is not a plain path")
     parts = Path(relative).parts
     if not relative or Path(relative).is_absolute() or any(p in ("..", ".") for p in parts):
         raise UntrustedCheckpointError(owner, f"{what} {relative!r} outside the checkpoint folder")
@@ -281,16 +317,26 @@ def _inside(folder: Path, relative: str, what: str, owner: Path) -> Path:
     return target
 
 
-def _check_dcp_items(folder: Path, metadata: Any) -> None:
-    """Every storage path of a DCP checkpoint inside ``folder``, and every bytes item readable
-    with ``weights_only=True`` (DCP's default planner unpickles them with no restriction)."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata  # noqa: PLC0415
+def _require_dcp_metadata(metadata: Any, meta_file: Path) -> None:
+    """``metadata`` is torch distributed checkpoint's ``Metadata`` (torch's reader, given anything
+    else, fails and then unpickles a rank-local ``__N.metadata`` instead)."""
+    from torch.distributed.checkpoint.metadata import Metadata  # noqa: PLC0415
 
-    meta_file = folder / DCP_METADATA_FILE
-    storage = getattr(metadata, "storage_data", None) or {}
+    if not isinstance(metadata, Metadata):
+        raise StateLoadError(
+            f"{meta_file}: not a distributed checkpoint's metadata (expected torch.distributed.checkpoint's "
+            f"Metadata, found a {type(metadata).__name__}); the checkpoint is damaged or not a DCP one"
+        )
+
+
+def _storage_files(folder: Path, metadata: Any, meta_file: Path) -> list[tuple[Any, Any, Path]]:
+    """``(index, storage info, file)`` of every item ``metadata`` stores, each file a regular file
+    inside ``folder`` (no ``..``, not absolute, no link) read with no stream transform."""
+    _require_dcp_metadata(metadata, meta_file)
+    storage = metadata.storage_data or {}
     if not isinstance(storage, dict):
         raise UntrustedCheckpointError(meta_file, f"storage data of type {type(storage).__name__}")
-    items = getattr(metadata, "state_dict_metadata", None) or {}
+    found = []
     for index, info in storage.items():
         relative = getattr(info, "relative_path", None)
         if not isinstance(relative, str):
@@ -298,6 +344,17 @@ def _check_dcp_items(folder: Path, metadata: Any) -> None:
         file = _inside(folder, relative, "a storage path", meta_file)
         if getattr(info, "transform_descriptors", None):
             raise UntrustedCheckpointError(meta_file, f"storage transforms {list(info.transform_descriptors)}")
+        found.append((index, info, file))
+    return found
+
+
+def _check_dcp_items(folder: Path, metadata: Any, meta_file: Path) -> None:
+    """Every storage path of a DCP checkpoint inside ``folder``, and every bytes item readable
+    with ``weights_only=True`` (DCP's default planner unpickles them with no restriction)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata  # noqa: PLC0415
+
+    items = metadata.state_dict_metadata if isinstance(getattr(metadata, "state_dict_metadata", None), dict) else {}
+    for index, info, file in _storage_files(folder, metadata, meta_file):
         if not isinstance(items.get(getattr(index, "fqn", None)), BytesStorageMetadata):
             continue  # a tensor: DCP's reader loads those with weights_only=True
         with open(file, "rb") as f:
@@ -312,20 +369,21 @@ def _load_bytes_item(blob: bytes, file: Path) -> Any:
     try:
         return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        refused = _refused_type(exc)
+        refused = _refused_type(exc) or _pickled_callable(blob)
         if refused is not None:
             raise UntrustedCheckpointError(file, refused) from None
         raise pickle.UnpicklingError(f"{file}: not a readable checkpoint item ({_inner_reason(exc)})") from None
 
 
-def _check_deepspeed_latest(path: Path) -> None:
-    """DeepSpeed's ``latest`` names one folder inside the checkpoint (its engine opens
-    ``path / tag``; a tag of ``../../x`` pointed it at shards these checks never read)."""
-    latest = path / DEEPSPEED_LATEST
+def _check_deepspeed_latest(path: Path, name: str = DEEPSPEED_LATEST) -> None:
+    """DeepSpeed's ``latest`` (or ``latest_universal``, read instead with ``load_universal`` on)
+    names one folder inside the checkpoint (its engine opens ``path / tag``; a tag of ``../../x``
+    pointed it at shards these checks never read)."""
+    latest = path / name
     if not os.path.lexists(latest):
         return
     if not stat.S_ISREG(os.lstat(latest).st_mode) or latest.stat().st_size > _LATEST_MAX_BYTES:
-        raise UntrustedCheckpointError(latest, "a 'latest' that is not a small regular file")
+        raise UntrustedCheckpointError(latest, f"a '{name}' that is not a small regular file")
     try:
         tag = latest.read_text(encoding="utf-8").strip()
     except UnicodeDecodeError:
@@ -342,34 +400,54 @@ def check_checkpoint(path: str | Path, *, deepspeed: bool | None = None) -> None
     not read), so that a loader that unpickles it afterwards (DeepSpeed's engine, DCP) sees only
     files that hold nothing but data, and only files inside ``path``.
 
+    A directory's ``latest``/``latest_universal`` is checked whatever kind the directory looks
+    like (a ``.metadata`` planted in a DeepSpeed checkpoint made it pass for a DCP one), and every
+    file is read for foreign types before any is checked for its structure (a damaged file found
+    first would otherwise hide a planted one behind it from the resume, which falls back past a
+    damaged checkpoint).
+
     Args:
         path: a checkpoint file, or a checkpoint directory (DeepSpeed's, or FSDP2's DCP one).
         deepspeed: allow DeepSpeed's types; default: when ``path`` is a directory without a DCP
-            ``.metadata`` (a DeepSpeed checkpoint).
+            ``.metadata`` (a DeepSpeed checkpoint). ``False`` for a directory: a DCP checkpoint,
+            whose ``.metadata`` must be there.
 
     Raises:
         UntrustedCheckpointError: a file names a type outside the allowlist, a symbolic link, a
             DCP storage path outside the folder, or a DeepSpeed ``latest`` that leads outside.
+        StateLoadError: a DCP metadata file that holds no DCP metadata, or a DCP checkpoint
+            without its ``.metadata``.
     """
     path = Path(path)
     _refuse_links(path)
+    if path.is_dir():
+        for name in DEEPSPEED_LATEST_FILES:
+            _check_deepspeed_latest(path, name)
     files = checkpoint_files(path)
     if deepspeed is None:
         deepspeed = path.is_dir() and not (path / DCP_METADATA_FILE).is_file()
-    if deepspeed and path.is_dir():
-        _check_deepspeed_latest(path)
     allowed = deepspeed_safe_globals() if deepspeed else []
+    metadata = []
     for f in files:
-        if f.name == DCP_METADATA_FILE:
-            _check_dcp_items(f.parent, load_dcp_metadata(f))
+        if f.name.endswith(DCP_METADATA_FILE):
+            metadata.append((f, load_dcp_metadata(f)))
         else:
             load_checkpoint_file(f, mmap=True, safe_globals=allowed)
+    for f, meta in metadata:
+        _check_dcp_items(f.parent, meta, f)
+    if deepspeed is False and path.is_dir() and not (path / DCP_METADATA_FILE).is_file():
+        raise StateLoadError(
+            f"{path}: not a distributed checkpoint (no {DCP_METADATA_FILE}, which torch distributed checkpoint "
+            "writes beside the shards); the checkpoint is damaged or not one of fp8state_fsdp's"
+        )
 
 
 @functools.cache
-def _safe_load_planner_class() -> type:
+def _safe_dcp_classes() -> dict[str, type]:
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
     from torch.distributed.checkpoint._traverse import set_element  # noqa: PLC0415
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner  # noqa: PLC0415
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta  # noqa: PLC0415
 
     class SafeLoadPlanner(DefaultLoadPlanner):
         """DCP's default load planner, but a bytes item is read with ``weights_only=True`` (the
@@ -383,22 +461,44 @@ def _safe_load_planner_class() -> type:
             else:
                 self.state_dict[read_item.dest_index.fqn] = obj
 
-    SafeLoadPlanner.__module__ = __name__
-    return SafeLoadPlanner
+    class SafeFileSystemReader(dcp.FileSystemReader):
+        """DCP's local file-system reader, but the metadata is the one global ``.metadata``, read by
+        our restricted unpickler (torch's reader unpickles it with plain pickle and, when that
+        fails, falls back to a rank-local ``__N.metadata``, unpickled so too), and every storage
+        path leads to a regular file inside the checkpoint, read with no stream transform."""
+
+        def read_metadata(self) -> Metadata:  # no **kwargs: DCP then never asks for a rank's own file
+            meta_file = Path(self.path) / DCP_METADATA_FILE
+            metadata = load_dcp_metadata(meta_file)
+            _require_dcp_metadata(metadata, meta_file)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+        def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            _storage_files(Path(self.path), metadata, Path(self.path) / DCP_METADATA_FILE)
+            super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+    classes = {"SafeLoadPlanner": SafeLoadPlanner, "SafeFileSystemReader": SafeFileSystemReader}
+    for cls in classes.values():
+        cls.__module__ = __name__
+    return classes
 
 
 def __getattr__(name: str) -> Any:
-    # SafeLoadPlanner subclasses DCP's planner: DCP (most of a second to import) loads on first use
-    if name == "SafeLoadPlanner":
-        return _safe_load_planner_class()
+    # the classes subclass DCP's: DCP (most of a second to import) loads on first use
+    if name in ("SafeLoadPlanner", "SafeFileSystemReader"):
+        return _safe_dcp_classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def safe_dcp_load(state: dict[str, Any], path: str | Path) -> None:
     """``torch.distributed.checkpoint.load`` of ``path`` into ``state`` after
-    :func:`check_checkpoint`, with :class:`SafeLoadPlanner` and the local file-system reader
+    :func:`check_checkpoint`, with :class:`SafeLoadPlanner` and :class:`SafeFileSystemReader`
     (never a reader chosen from the path)."""
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
     check_checkpoint(path, deepspeed=False)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), planner=_safe_load_planner_class()())
+    classes = _safe_dcp_classes()
+    dcp.load(state, storage_reader=classes["SafeFileSystemReader"](str(path)), planner=classes["SafeLoadPlanner"]())

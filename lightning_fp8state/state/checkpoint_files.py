@@ -288,15 +288,20 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 
 def _refuse_links(path: Path) -> None:
-    """No symbolic link at ``path`` or anywhere under it (walked without following links): a
-    loader would follow one to files these checks never read."""
+    """No symbolic link at ``path`` or anywhere under it, and nothing but regular files and
+    folders (walked with ``lstat``, links not followed): a loader would follow a link to files
+    these checks never read, and these checks skip a FIFO or device that DeepSpeed's glob of
+    ``*_model_states.pt`` would open (and wait on for ever)."""
     if path.is_symlink():
         raise UntrustedCheckpointError(path, f"a symbolic link (to {os.readlink(path)!r})")
     for root, dirs, files in os.walk(path, followlinks=False):
         for name in dirs + files:
             entry = Path(root) / name
-            if entry.is_symlink():
+            mode = os.lstat(entry).st_mode
+            if stat.S_ISLNK(mode):
                 raise UntrustedCheckpointError(entry, f"a symbolic link (to {os.readlink(entry)!r})")
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise UntrustedCheckpointError(entry, "a special file (a FIFO, socket or device) where files belong")
 
 
 def _inside(folder: Path, relative: str, what: str, owner: Path) -> Path:

@@ -12,6 +12,7 @@ shard, FSDP2's ``meta.pt`` and ``.metadata``) are in ``test_faults.py``.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import shutil
 import warnings
@@ -301,7 +302,7 @@ def test_a_rank_local_dcp_metadata_is_refused_and_never_unpickled(planted_run, g
     assert marker.exists(), "torch's own reader falls back to the rank's file and unpickles it"
 
 
-@pytest.mark.parametrize("kind", [*MISSED[1:], "deepspeed_dcp_disguise", "latest_universal", "nul_path"])
+@pytest.mark.parametrize("kind", [*MISSED[1:], "deepspeed_dcp_disguise", "latest_universal", "nul_path", "fifo"])
 def test_the_library_checks_refuse_what_the_first_ones_missed(planted_run, kind):
     """check_checkpoint, and the strategy's load_checkpoint that calls it before its loader (for a
     Lightning file: our CheckpointIO's, which every other strategy loads through)."""
@@ -317,6 +318,13 @@ def test_the_library_checks_refuse_what_the_first_ones_missed(planted_run, kind)
         (last / "latest").write_text("checkpoint")
         (last / "latest_universal").write_text("../../../outside")
         named, refused, strategy = last / "latest_universal", "not one folder name", Fp8StateDeepSpeedStrategy
+    elif kind == "fifo":  # a shard DeepSpeed's glob opens, and the check skipped (not a regular file)
+        _plant_new(planted_run, "deepspeed_latest", marker)
+        (last / "latest").write_text("checkpoint")
+        named = last / "checkpoint" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        named.unlink()
+        os.mkfifo(named)
+        refused, strategy = "a special file", Fp8StateDeepSpeedStrategy
     elif kind == "nul_path":
         import torch.distributed.checkpoint.metadata as md
 

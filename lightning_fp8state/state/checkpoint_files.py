@@ -29,9 +29,11 @@ before those loaders see it, and nothing in it has run. What it checks beyond th
   goes through :class:`SafeLoadPlanner`, which reads them so too;
 - a DeepSpeed checkpoint: ``latest`` (which names the tag folder DeepSpeed's engine opens) is one
   plain path component whose folder is inside the checkpoint;
-- a file that is a plain pickle rather than a torch checkpoint, and names any callable (protocol
-  4 and 5 pickles are not even parsed by torch's safe loader), is refused as untrusted, not
-  skipped as unreadable (a resume would otherwise fall back past a planted file).
+- a file (or DCP bytes item) that torch's safe loader cannot even parse (a plain pickle of
+  protocol 0, 1, 4 or 5; a torch checkpoint whose pickle is protocol 4 or 5, zip or legacy format)
+  and that names a global the safe loader would refuse is refused as untrusted, not skipped as
+  unreadable (a resume would otherwise fall back past a planted file); the names are found by an
+  unpickler that resolves none of them (:class:`_NamesOnlyUnpickler`), so nothing in it runs.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ import importlib
 import io
 import os
 import pickle
-import pickletools
 import re
 import stat
 import sys
@@ -176,69 +177,109 @@ def load_checkpoint_file(
             raise pickle.UnpicklingError(f"not a readable checkpoint ({_inner_reason(exc)})") from None
 
 
-_STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING"}
-_CALL_OPS = {"REDUCE", "NEWOBJ", "NEWOBJ_EX", "BUILD", "OBJ", "INST", "GLOBAL", "STACK_GLOBAL"}
 _LEGACY_PICKLES = 4  # torch's legacy format: the magic number, the protocol, sys_info, then the object
+_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}  # as protocols 0-2 name them
+
+
+class _Inert:
+    """What every global stands for while :class:`_NamesOnlyUnpickler` parses: calling,
+    building or filling it does nothing."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Inert:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Inert:
+        return self
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, item: Any) -> None:
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+
+class _NamesOnlyUnpickler(pickle.Unpickler):
+    """Python's own unpickler (every protocol, the stack as it really is: a global built from
+    strings shuffled on the stack is named as it would resolve), but no global is resolved: each
+    is recorded and stands in as :class:`_Inert`, so nothing from the file runs and no module is
+    imported."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self.names: list[str] = []
+
+    def find_class(self, module: str, name: str) -> type:
+        self.names.append(f"{_PY2_MODULES.get(module, module)}.{name}")
+        return _Inert
+
+    def persistent_load(self, pid: Any) -> None:  # torch's storages: not read
+        return None
+
+
+def _safe_names() -> set[str]:
+    """The globals torch's ``weights_only`` loader accepts now (its own and those allowed by
+    ``torch.serialization.safe_globals``); empty where torch's private helpers are missing (then
+    every global a pickle names counts as refused)."""
+    try:
+        from torch import _weights_only_unpickler as wo  # noqa: PLC0415
+
+        return set(wo._get_allowed_globals()) | set(wo._get_user_allowed_globals())
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return set()
 
 
 def _pickled_callable(source: Path | bytes) -> str | None:
-    """What a file (or a DCP bytes item) the safe loader could not parse would call when
-    unpickled: the first global it names, or a description when it calls something it does not
-    name plainly; None when it calls nothing or is no pickle. Covers every pickle protocol (0 and
-    1 are text-like, 4 and 5 start with a FRAME torch's safe loader does not parse), torch's zip
-    format (its ``data.pkl``) and its legacy format (a few pickles one after the other). Parsed
-    with ``pickletools``, which runs nothing; only the pickles are read, not the tensor data."""
+    """What a file (or a DCP bytes item) the safe loader could not parse names that the safe
+    loader would refuse: the first such global, or None. Covers every pickle protocol (0 and 1
+    are text, 4 and 5 start with a FRAME torch's safe loader does not parse), torch's zip format
+    (its ``data.pkl``) and its legacy format (a few pickles one after the other); a checkpoint
+    that names only what torch allows (one saved with ``pickle_protocol=4``) is not called
+    planted. Nothing in it runs (:class:`_NamesOnlyUnpickler`); tensor data is not read."""
     try:
         with open(source, "rb") if isinstance(source, Path) else io.BytesIO(source) as f:
             if zipfile.is_zipfile(f):
                 with zipfile.ZipFile(f) as z:
                     names = [n for n in z.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
-                    return _scan_pickles(io.BytesIO(z.read(names[0])), 1) if names else None
+                    if not names:
+                        return None
+                    with z.open(names[0]) as member:  # streamed: the pickle, not the whole member in memory
+                        return _first_refused_global(member, 1)
             f.seek(0)
-            return _scan_pickles(f, _LEGACY_PICKLES)
+            return _first_refused_global(f, _LEGACY_PICKLES)
     except (OSError, zipfile.BadZipFile, ValueError):
         return None
 
 
-def _scan_pickles(f: io.IOBase, count: int) -> str | None:
+def _first_refused_global(f: Any, count: int) -> str | None:
     """:func:`_pickled_callable` over up to ``count`` pickles read one after the other from ``f``.
-    A binary pickle (protocol 2 and up) is named at its first call; a text one (no PROTO opcode)
-    only once it parses to its STOP, so that a corrupt file that happens to start with a text
-    opcode is not called planted."""
+    A binary pickle (protocol 2 and up) counts as far as it parses; a text one (protocol 0/1: no
+    PROTO opcode) only when it parses to its end, so that a damaged file whose first byte happens
+    to be a text opcode is not called planted."""
+    safe = _safe_names()
     for _ in range(count):
         head = f.read(1)
         if not head:
             return None
         binary = head == b"\x80"
         f.seek(-1, io.SEEK_CUR)
-        found, complete = None, False
-        strings: list = []
-        memo: dict = {}
+        unpickler = _NamesOnlyUnpickler(f)
         try:
-            for op, arg, _ in pickletools.genops(f):
-                if found is not None:
-                    continue
-                if op.name in ("GLOBAL", "INST"):
-                    found = str(arg).replace(" ", ".")
-                elif op.name == "STACK_GLOBAL":
-                    found = ".".join(str(x) for x in strings[-2:]) if len(strings) >= 2 else "a global it hides"
-                elif op.name in _STRING_OPS:
-                    strings.append(arg)
-                elif op.name == "MEMOIZE" and strings:
-                    memo[len(memo)] = strings[-1]
-                elif op.name in ("PUT", "BINPUT", "LONG_BINPUT") and strings:
-                    memo[arg] = strings[-1]
-                elif op.name in ("GET", "BINGET", "LONG_BINGET") and arg in memo:
-                    strings.append(memo[arg])
-                elif op.name in _CALL_OPS:
-                    found = f"a pickled call ({op.name})"
-                if found is not None and binary:
-                    return found
+            unpickler.load()
             complete = True
-        except (ValueError, pickle.UnpicklingError, UnicodeDecodeError, IndexError, EOFError):
-            pass
-        if found is not None and complete:
-            return found
+        except Exception:  # noqa: BLE001  (a damaged pickle: what it named before that still counts)
+            complete = False
+        refused = next((n for n in unpickler.names if n not in safe), None)
+        if refused is not None and (binary or complete):
+            return refused
         if not complete:
             return None
     return None

@@ -346,3 +346,19 @@ def test_the_library_checks_refuse_what_the_first_ones_missed(planted_run, kind)
             check()
         assert str(named) in str(info.value) and refused in str(info.value), str(info.value)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_clean_checkpoint_the_safe_loader_cannot_parse_is_unreadable_not_planted(planted_run, capsys, legacy):
+    """A guard on the check above: a checkpoint saved with ``pickle_protocol=4`` names only what
+    torch allows (``torch._utils._rebuild_tensor_v2``...): damaged for us, not planted, so the
+    resume falls back to the previous good one as for any damaged file."""
+    last = planted_run / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, weights_only=True)
+    torch.save(saved, last, pickle_protocol=4, _use_new_zipfile_serialization=not legacy)
+    with pytest.raises(pickle.UnpicklingError, match="not a readable checkpoint"):
+        checkpoint_files.check_checkpoint(last)
+    capsys.readouterr()
+    assert train("--resume", str(planted_run), "trainer.max_steps=22") == 0
+    err = capsys.readouterr().err
+    assert "last.ckpt is not a readable checkpoint" in err and "previous good checkpoint" in err

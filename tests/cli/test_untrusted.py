@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 import shutil
 import warnings
 import zipfile
@@ -114,12 +115,18 @@ def test_a_received_checkpoint_is_refused_by_the_resume_before_anything_reads_it
 
 @pytest.mark.parametrize("kind", KINDS[1:])
 def test_the_library_checks_refuse_them_too(planted_run, kind):
-    """check_checkpoint: what Fp8StateDeepSpeedStrategy and Fp8StateFSDPStrategy call before their loaders."""
+    """check_checkpoint, and the strategy's load_checkpoint, which calls it before its loader."""
+    from lightning_fp8state.lightning.fsdp import Fp8StateFSDPStrategy
+    from lightning_fp8state.lightning.strategies import Fp8StateDeepSpeedStrategy
+
     marker = planted_run.parent / "MARKER"
     named, refused = _plant_new(planted_run, kind, marker)
-    with pytest.raises(f8s.UntrustedCheckpointError, match=refused.replace("(", r"\(").replace(")", r"\)")) as info:
-        checkpoint_files.check_checkpoint(planted_run / "checkpoints" / "last.ckpt")
-    assert str(named) in str(info.value)
+    last = planted_run / "checkpoints" / "last.ckpt"
+    strategy = Fp8StateDeepSpeedStrategy if kind.startswith("deepspeed") else Fp8StateFSDPStrategy
+    for check in (lambda: checkpoint_files.check_checkpoint(last), lambda: strategy().load_checkpoint(last)):
+        with pytest.raises(f8s.UntrustedCheckpointError, match=re.escape(refused)) as info:
+            check()
+        assert str(named) in str(info.value)
     assert not marker.exists()
 
 

@@ -491,9 +491,9 @@ def check_checkpoint(path: str | Path, *, deepspeed: bool | None = None) -> None
 @functools.cache
 def _safe_dcp_classes() -> dict[str, type]:
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    from torch.distributed.checkpoint import metadata as dcp_metadata  # noqa: PLC0415
     from torch.distributed.checkpoint._traverse import set_element  # noqa: PLC0415
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner  # noqa: PLC0415
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta  # noqa: PLC0415
 
     class SafeLoadPlanner(DefaultLoadPlanner):
         """DCP's default load planner, but a bytes item is read with ``weights_only=True`` (the
@@ -513,16 +513,18 @@ def _safe_dcp_classes() -> dict[str, type]:
         fails, falls back to a rank-local ``__N.metadata``, unpickled so too), and every storage
         path leads to a regular file inside the checkpoint, read with no stream transform."""
 
-        def read_metadata(self) -> Metadata:  # no **kwargs: DCP then never asks for a rank's own file
+        def read_metadata(self) -> Any:  # no **kwargs: DCP then never asks for a rank's own file
             meta_file = Path(self.path) / DCP_METADATA_FILE
             metadata = load_dcp_metadata(meta_file)
             _require_dcp_metadata(metadata, meta_file)
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
+            storage_meta = getattr(dcp_metadata, "StorageMeta", None)  # as torch's reader does (torch >= 2.5)
+            if storage_meta is not None and hasattr(self, "load_id"):
+                if getattr(metadata, "storage_meta", None) is None:
+                    metadata.storage_meta = storage_meta()
+                metadata.storage_meta.load_id = self.load_id
             return metadata
 
-        def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
             _storage_files(Path(self.path), metadata, Path(self.path) / DCP_METADATA_FILE)
             super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 

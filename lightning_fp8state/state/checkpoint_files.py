@@ -20,15 +20,21 @@ reads every file of a checkpoint this way first, so a file that names anything e
 (:class:`~lightning_fp8state.errors.UntrustedCheckpointError`, naming the file and the type)
 before those loaders see it, and nothing in it has run. What it checks beyond the files' types:
 
-- no symbolic link anywhere in a checkpoint directory (a linked folder was never walked, and
-  a loader follows it);
-- a DCP checkpoint: every storage path ``.metadata`` names is a plain relative path to a regular
-  file inside the checkpoint (a ``..`` pointed an item at any file beside it), and every bytes
-  item (the optimizer's ``param_groups`` values, which DCP's default planner reads with
-  ``torch.load(weights_only=False)``) is read with ``weights_only=True``; every DCP load of ours
-  goes through :class:`SafeLoadPlanner`, which reads them so too;
-- a DeepSpeed checkpoint: ``latest`` (which names the tag folder DeepSpeed's engine opens) is one
-  plain path component whose folder is inside the checkpoint;
+- nothing but regular files and folders in a checkpoint directory: no symbolic link (a linked
+  folder was never walked, and a loader follows it), no FIFO or device (skipped by the walk,
+  opened by DeepSpeed's glob);
+- a DCP checkpoint: every DCP metadata file (``.metadata`` and the rank-local ``__N.metadata``
+  torch's reader falls back to, with plain pickle, when the global one fails) names only DCP's
+  metadata types, and ``.metadata`` holds DCP ``Metadata``; every storage path it names is a plain
+  relative path to a regular file inside the checkpoint (a ``..`` pointed an item at any file
+  beside it), read with no stream transform; every bytes item (the optimizer's ``param_groups``
+  values, which DCP's default planner reads with ``torch.load(weights_only=False)``) is read with
+  ``weights_only=True``. Every DCP load of ours (:func:`safe_dcp_load`) goes through
+  :class:`SafeFileSystemReader` (the global ``.metadata`` only, read our way; the storage paths
+  checked again) and :class:`SafeLoadPlanner` (bytes items read with ``weights_only=True``);
+- a DeepSpeed checkpoint: ``latest`` and ``latest_universal`` (which name the tag folder DeepSpeed's
+  engine opens) are one plain path component whose folder is inside the checkpoint, checked in
+  any checkpoint directory (a ``.metadata`` planted in a DeepSpeed one made it pass for DCP);
 - a file (or DCP bytes item) that torch's safe loader cannot even parse (a plain pickle of
   protocol 0, 1, 4 or 5; a torch checkpoint whose pickle is protocol 4 or 5, zip or legacy format)
   and that names a global the safe loader would refuse is refused as untrusted, not skipped as

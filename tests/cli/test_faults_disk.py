@@ -6,6 +6,10 @@ The failure is injected where the disk would report it: the checkpoint's tempora
 ``ENOSPC`` from inside ``torch.save`` (torch's zip writer then raises ``RuntimeError: [enforce
 fail at inline_container.cc]``, the case that printed a traceback), and a real ``RLIMIT_FSIZE`` in a
 child process (the kernel's ``SIGXFSZ`` killed the run without a word).
+
+Beside them, the other faults of a run's inputs and outputs: a token file that holds nothing, and
+W&B online, whose key is looked up where W&B itself looks (no network call in any test: W&B's
+``init`` is replaced by one that raises W&B's own error).
 """
 
 from __future__ import annotations
@@ -19,8 +23,11 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 
+from lightning_fp8state.cli.main import main
+from lightning_fp8state.lightning.checkpoint_io import write_atomic
 from tests.cli.test_faults import COMMON, assert_one_clean_error, train
 from tests.lightning.launch import ROOT, launch_env
 
@@ -142,3 +149,129 @@ def test_a_resume_onto_a_full_disk_names_the_file_and_the_space(finished_run, ca
     err = capsys.readouterr().err
     assert_one_clean_error(err, str(finished_run / ".lock"), "no space left", "needs about 64 bytes", "free there")
     assert f"then continue: fp8state train --resume {finished_run}" in err  # its checkpoints are there
+
+
+# -- what a full disk leaves: the previous file, or none ----------------------------------
+def _no_room(f) -> None:
+    f.write(b"x" * 100)
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_says_the_previous_file_is_kept_only_where_there_was_one(tmp_path):
+    """ "The previous file is kept as it was" was said of files that had never existed (a run's
+    first step=N.ckpt, its first last.ckpt)."""
+    from lightning_fp8state.errors import DiskFullError
+
+    new = tmp_path / "new.ckpt"
+    with pytest.raises(DiskFullError) as caught:
+        write_atomic(new, _no_room, nbytes=3000)
+    assert "No partial file is left" in str(caught.value) and "previous file" not in str(caught.value)
+    assert not new.exists() and list(tmp_path.iterdir()) == []
+    old = tmp_path / "old.ckpt"
+    old.write_bytes(b"the good one")
+    with pytest.raises(DiskFullError, match="needs about 2.9 KiB.*The previous file is kept as it was"):
+        write_atomic(old, _no_room, nbytes=3000)
+    assert old.read_bytes() == b"the good one" and [p.name for p in tmp_path.iterdir()] == ["old.ckpt"]
+
+
+def test_a_full_disk_at_the_first_last_ckpt_names_it_and_the_resume_continues_from_step_n(
+    run_root, capsys, monkeypatch
+):
+    """What a disk that fills between a run's first step=N.ckpt and its first last.ckpt leaves
+    (seen on a 600 KiB tmpfs): the resume it prints must work from step=N.ckpt alone."""
+    _fill_disk_at(monkeypatch, "last.ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = train(*COMMON, "trainer.max_steps=20", "out_dir=runs")
+    err = capsys.readouterr().err
+    run = Path("runs") / "tiny_gpt_cpu"
+    assert code == 3, err[-3000:]
+    assert_one_clean_error(err, str(run / "checkpoints" / "last.ckpt"), "No partial file is left")
+    assert "previous file" not in err and f"then continue: fp8state train --resume {run}" in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step=10.ckpt"]
+    monkeypatch.undo()  # room again
+    monkeypatch.chdir(run_root)
+    assert train("--resume", str(run)) == 0, capsys.readouterr().err[-3000:]
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 20
+
+
+# -- a token file that holds nothing ------------------------------------------------------
+def test_an_empty_token_bin_is_one_line_for_train_and_audit(run_root, capsys):
+    """``data.source=bin`` on an empty file: ``ValueError: cannot mmap an empty file`` (exit 1)."""
+    data = run_root / "empty.bin"
+    data.touch()
+    source = ["data.source=bin", f"data.path={data}", "model.vocab_size=512"]
+    for command in (["train", *COMMON, *source, "out_dir=runs"], ["audit", *COMMON[:5], *source, "--steps", "1"]):
+        assert main(command) == 2
+        assert_one_clean_error(capsys.readouterr().err, str(data), "holds 0 tokens", "need at least 17")
+    assert not (run_root / "runs" / "tiny_gpt_cpu").exists()
+
+
+# -- W&B online: the key where W&B itself finds it ----------------------------------------
+@pytest.fixture
+def wandb_home(run_root, monkeypatch):
+    """No W&B key anywhere but what a test puts there; W&B's process-wide settings read afresh."""
+    import wandb
+
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "NETRC", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(run_root))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(run_root / "wandb_config"))
+    wandb.teardown()
+    yield run_root
+    wandb.teardown()
+
+
+def _unreachable_wandb(monkeypatch) -> list:
+    import wandb
+
+    called = []
+
+    def init(*args, **kwargs):
+        called.append(kwargs)
+        raise wandb.errors.CommError("Network error (ConnectionError), entering retry loop")
+
+    monkeypatch.setattr(wandb, "init", init)
+    return called
+
+
+@pytest.mark.parametrize(
+    "server",
+    ["default", "http://localhost:8080", "settings:https://wandb.example.com"],
+    ids=["wandb-login-default-server", "a-server-with-a-port", "a-server-from-wandb-login-host"],
+)
+def test_wandb_online_takes_the_key_that_wandb_login_saved_for_its_server(wandb_home, capsys, monkeypatch, server):
+    """The check looked for a netrc entry for ``api.wandb.ai`` only, by host name: it refused a
+    key that `wandb login` had saved for W&B's default server of this release, for a server with a
+    port (netrc names ``host:port``), or for a server set by `wandb login --host` (W&B's settings
+    file). Each key is written by W&B's own netrc writer, as `wandb login` does."""
+    import wandb
+
+    wbauth = pytest.importorskip("wandb.sdk.lib.wbauth")
+    if server == "default":
+        url = wandb.Settings().base_url
+    elif server.startswith("settings:"):
+        url = server.removeprefix("settings:")
+        (wandb_home / "wandb_config").mkdir()
+        (wandb_home / "wandb_config" / "settings").write_text(f"[default]\nbase_url = {url}\n")
+    else:
+        url = server
+        monkeypatch.setenv("WANDB_BASE_URL", url)
+    wbauth.write_netrc_auth(host=url, api_key="k" * 40)
+    called = _unreachable_wandb(monkeypatch)
+    assert train(*COMMON, "telemetry.wandb=online", "out_dir=runs") == 2
+    err = capsys.readouterr().err
+    assert_one_clean_error(err, "W&B could not start the run")  # it went on to W&B: the key was taken
+    assert len(called) == 1 and "needs a W&B API key" not in err
+
+
+def test_wandb_online_with_a_key_wandb_rejects_is_refused_at_once(wandb_home, capsys, monkeypatch):
+    """A malformed WANDB_API_KEY passed the check (any value did) and failed in wandb.init."""
+    import wandb
+
+    pytest.importorskip("wandb.sdk.lib.wbauth")
+    monkeypatch.setenv("WANDB_API_KEY", "abc")
+    monkeypatch.setattr(wandb, "init", lambda *a, **k: pytest.fail("W&B must not be started"))
+    assert train(*COMMON, "telemetry.wandb=online", "out_dir=runs") == 2
+    assert_one_clean_error(capsys.readouterr().err, "telemetry.wandb='online'", "WANDB_API_KEY", "offline")
+    assert not (wandb_home / "runs").exists()

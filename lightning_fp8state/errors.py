@@ -78,7 +78,7 @@ class DiskFullError(OSError):
         need = f"it needs about {format_bytes(needed)}" if needed is not None else "it needs more space"
         kept = "The previous file is kept as it was" if os.path.lexists(path) else "No partial file is left"
         if code == errno.EFBIG:
-            limit = _file_size_limit()
+            limit = file_size_limit()
             text = (
                 f"cannot write {path}: it would pass this process's file-size limit "
                 f"({format_bytes(limit) if limit is not None else 'ulimit -f'}); {need}. "
@@ -107,7 +107,8 @@ def format_bytes(n: int) -> str:
     return f"{n} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
 
 
-def _file_size_limit() -> int | None:
+def file_size_limit() -> int | None:
+    """This process's file-size limit in bytes (``ulimit -f``), None when unlimited or unknown."""
     try:
         import resource  # noqa: PLC0415  (POSIX only)
     except ImportError:

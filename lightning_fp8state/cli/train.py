@@ -496,11 +496,12 @@ def _run_files_callback(run_dir: Path, cfg: DictConfig, plan, fp8_callback):
 
 
 def _stale_temporaries(run_dir: Path) -> None:
-    """Remove what saves killed mid-write left behind (``.last.ckpt.XXXX.tmp``)."""
-    from ..lightning.checkpoint_io import TMP_SUFFIX
+    """Remove what saves killed mid-write left behind (``.last.ckpt.XXXX.tmp``, a file or, for a
+    sharded checkpoint, a folder)."""
+    from ..lightning.checkpoint_io import TMP_SUFFIX, remove_temporary
 
     for tmp in (run_dir / "checkpoints").glob(f".*{TMP_SUFFIX}"):
-        tmp.unlink(missing_ok=True)
+        remove_temporary(tmp)
 
 
 def _print_resumed_lr(cfg: DictConfig, plan) -> None:

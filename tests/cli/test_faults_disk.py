@@ -18,6 +18,7 @@ import errno
 import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import warnings
@@ -275,3 +276,89 @@ def test_wandb_online_with_a_key_wandb_rejects_is_refused_at_once(wandb_home, ca
     assert train(*COMMON, "telemetry.wandb=online", "out_dir=runs") == 2
     assert_one_clean_error(capsys.readouterr().err, "telemetry.wandb='online'", "WANDB_API_KEY", "offline")
     assert not (wandb_home / "runs").exists()
+
+
+# -- FSDP2: a sharded checkpoint (a folder torch distributed checkpoint writes) -----------
+FSDP = [*COMMON, "strategy.name=fp8state_fsdp", "trainer.max_steps=20", "out_dir=runs"]
+
+
+def test_a_file_size_limit_at_an_fsdp_checkpoint_is_one_line_and_exit_3(run_root):
+    """torch's shard writer keeps no OSError: ``RuntimeError: [enforce fail at
+    inline_container.cc:672] . unexpected pos 704 vs 598`` inside a CheckpointException, a
+    traceback, and a half-written ``step=10.ckpt/`` left in the run."""
+    env = launch_env()
+    env.update(WANDB_SILENT="true", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    limit = 128 * 1024  # above every run file and DCP's .metadata (~40 KiB), below the shard file (~550 KiB)
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    cmd = [sys.executable, "-m", "lightning_fp8state", "train", *FSDP]
+    done = subprocess.run(cmd, cwd=run_root, env=env, capture_output=True, text=True, timeout=300, preexec_fn=limited)
+    assert done.returncode == 3, (done.returncode, done.stderr[-3000:])
+    assert_one_clean_error(done.stderr, "step=10.ckpt", "file-size limit", "128.0 KiB", "start the run again")
+    assert not (run_root / "runs" / "tiny_gpt_cpu").exists()
+
+
+@pytest.mark.parametrize(
+    ("failing", "kept"), [(3, ["last.ckpt", "step=10.ckpt"]), (4, ["last.ckpt", "step=10.ckpt", "step=20.ckpt"])]
+)
+def test_a_full_disk_at_an_fsdp_checkpoint_keeps_the_last_good_one_whole(run_root, capsys, monkeypatch, failing, kept):
+    """The disk fills in the shard file of the run's third checkpoint folder (step=20.ckpt) or its
+    fourth (last.ckpt at step 20). Lightning wrote into the folder itself: a half-written
+    step=20.ckpt/ stayed, and last.ckpt's shard file was truncated in place; the error was a
+    traceback. The disk is full where the OS says so: a shard file's write raises ENOSPC, and
+    the file system reports no space free from then on."""
+    real_open, real_usage = Path.open, shutil.disk_usage
+    folders: list[str] = []
+    full = []
+
+    def open_(self, mode="r", *args, **kwargs):
+        file = real_open(self, mode, *args, **kwargs)
+        if self.name.endswith(".distcp") and "w" in mode:
+            if not folders or folders[-1] != self.parent.name:
+                folders.append(self.parent.name)
+            if len(folders) == failing:
+                full.append(self)
+                return _FullDiskFile(file, room=4096)
+        return file
+
+    def disk_usage(path):
+        usage = real_usage(path)
+        return usage._replace(free=0) if full else usage
+
+    monkeypatch.setattr(Path, "open", open_)
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = train(*FSDP)
+    err = capsys.readouterr().err
+    assert full, "no checkpoint write met the full disk"
+    name = "step=20.ckpt" if failing == 3 else "last.ckpt"
+    ckpts = Path("runs") / "tiny_gpt_cpu" / "checkpoints"
+    assert code == 3, err[-3000:]
+    assert_one_clean_error(err, str(ckpts / name), "no space left", "then continue: fp8state train --resume")
+    assert ("The previous file is kept as it was" in err) == (name == "last.ckpt")
+    assert sorted(p.name for p in ckpts.iterdir()) == kept  # no half-written folder, no temporary
+    shard = "__0_0.distcp"
+    assert (ckpts / "last.ckpt" / shard).read_bytes() == (ckpts / "step=10.ckpt" / shard).read_bytes()
+    assert torch.load(ckpts / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 10
+
+
+def test_the_temporary_folders_a_killed_fsdp_save_leaves_are_removed_at_the_resume(run_root, capsys):
+    """A sharded save killed before its folder was moved into place leaves ``.step=N.ckpt.XXXX.tmp/``
+    (or, between the two renames, the previous ``.last.ckpt.XXXX.old.tmp/``); the resume's
+    clean-up unlinked temporaries as files."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert train(*FSDP) == 0
+    ckpts = run_root / "runs" / "tiny_gpt_cpu" / "checkpoints"
+    left = [ckpts / ".step=30.ckpt.k1ll3d.tmp", ckpts / ".last.ckpt.k1ll3d.old.tmp"]
+    for folder in left:
+        shutil.copytree(ckpts / "last.ckpt", folder)
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert train("--resume", str(ckpts.parent), "trainer.max_steps=30") == 0, capsys.readouterr().err[-3000:]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "step=20.ckpt", "step=30.ckpt"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 
 __all__ = [
     "AlreadyConvertedError",
@@ -69,24 +70,25 @@ class StateLoadError(ValueError):
 class DiskFullError(OSError):
     """A file could not be written for lack of space (``ENOSPC``/``EDQUOT``) or because it would
     pass this process's file-size limit (``EFBIG``: ``ulimit -f``). The file it would have
-    replaced is intact (every save writes a temporary and renames it)."""
+    replaced is intact (every save writes a temporary and renames it); the message says so only
+    where there was one, else that no partial file is left."""
 
     def __init__(self, path, needed: int | None, free: int | None, cause: OSError | None = None) -> None:
         code = cause.errno if cause is not None and cause.errno is not None else errno.ENOSPC
         need = f"it needs about {format_bytes(needed)}" if needed is not None else "it needs more space"
+        kept = "The previous file is kept as it was" if os.path.lexists(path) else "No partial file is left"
         if code == errno.EFBIG:
-            limit = _file_size_limit()
+            limit = file_size_limit()
             text = (
                 f"cannot write {path}: it would pass this process's file-size limit "
                 f"({format_bytes(limit) if limit is not None else 'ulimit -f'}); {need}. "
-                "The previous file is kept as it was; raise the limit (ulimit -f unlimited)"
+                f"{kept}; raise the limit (ulimit -f unlimited)"
             )
         else:
             why = f" ({cause.strerror})" if cause is not None and cause.strerror else ""
             have = f", {format_bytes(free)} free there" if free is not None else ""
             text = (
-                f"no space left to write {path}{why}: {need}{have}. The previous file is kept as it was; "
-                "free some space (or pass another out_dir)"
+                f"no space left to write {path}{why}: {need}{have}. {kept}; free some space (or pass another out_dir)"
             )
         super().__init__(code, text)
         self.path, self.needed, self.free = path, needed, free
@@ -105,7 +107,8 @@ def format_bytes(n: int) -> str:
     return f"{n} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
 
 
-def _file_size_limit() -> int | None:
+def file_size_limit() -> int | None:
+    """This process's file-size limit in bytes (``ulimit -f``), None when unlimited or unknown."""
     try:
         import resource  # noqa: PLC0415  (POSIX only)
     except ImportError:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import netrc
 import os
 import platform
 import shlex
@@ -313,29 +312,49 @@ def require_cuda_graphs_setup(cfg: DictConfig) -> None:
 WANDB_INIT_TIMEOUT_S = 30  # W&B's own default waits 90 s for a network that is not there, then raises
 
 
-def _wandb_host() -> str:
-    return urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
-
-
 def require_wandb_credentials(cfg: DictConfig) -> None:
-    """``telemetry.wandb=online`` needs an API key where W&B looks for one (``WANDB_API_KEY``, an
-    identity token file, or a netrc entry for its host): without one, W&B asks on a terminal
-    (or fails) after the run has started. Checked without any network call."""
+    """``telemetry.wandb=online`` needs an API key for the server W&B will use; without one W&B
+    asks on a terminal (or fails) after the run has started. W&B decides both itself, here
+    without any network call: the server from ``WANDB_BASE_URL`` or its settings file (``wandb
+    login --host``), the key from ``WANDB_API_KEY`` or ``WANDB_IDENTITY_TOKEN_FILE``, a netrc
+    entry for that server (``host:port``; ``api.wandb.ai`` for W&B's cloud under any of its
+    addresses) or its settings. A key W&B would reject (too short, two sources at once) is
+    refused here too. A wandb without this lookup (``wandb.sdk.lib.wbauth``, older releases)
+    leaves the answer to ``wandb.init``, whose failure is one line as well (:func:`_start_wandb`).
+    """
     if cfg.telemetry.wandb != "online":
         return
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
-        return
-    path = Path(os.environ.get("NETRC") or "~/.netrc").expanduser()
+    import wandb  # noqa: PLC0415
+
     try:
-        if netrc.netrc(path).authenticators(_wandb_host()):
-            return
-    except (OSError, netrc.NetrcParseError):
-        pass
-    raise ConfigError(
-        f"telemetry.wandb='online' needs a W&B API key, and none is set (no WANDB_API_KEY, no entry for "
-        f"{_wandb_host()} in {path}): run `wandb login` or set WANDB_API_KEY, or pass telemetry.wandb=offline "
-        "(the run is kept under RUN_DIR/wandb; `wandb sync` uploads it later)"
-    )
+        from wandb.sdk import wandb_setup  # noqa: PLC0415
+        from wandb.sdk.lib import wbauth  # noqa: PLC0415
+    except ImportError:
+        return
+    setup = wandb_setup.singleton()
+    # W&B reads its settings from the environment once per process: settings loaded only for this
+    # check are dropped after it, so that wandb.init reads them afresh (WANDB_SILENT is set later)
+    loaded_here = getattr(setup, "settings_if_loaded", False) is None
+    try:
+        host = setup.settings.base_url
+        found = wbauth.authenticate_session(host=host, source="fp8state", prompt=False, update_session=False)
+    except TypeError:  # an authenticate_session of another signature: wandb.init answers
+        return
+    except (wandb.errors.Error, ValueError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"telemetry.wandb='online': W&B cannot use its credentials or server setting ({reason}); fix them or "
+            "run `wandb login`, or pass telemetry.wandb=offline (`wandb sync` uploads the run later)"
+        ) from None
+    finally:
+        if loaded_here:
+            wandb.teardown()
+    if found is None:
+        raise ConfigError(
+            f"telemetry.wandb='online' needs a W&B API key for {host}, and W&B finds none (no WANDB_API_KEY, no "
+            f"netrc entry for {urlparse(host).netloc}): run `wandb login` or set WANDB_API_KEY, or pass "
+            "telemetry.wandb=offline (the run is kept under RUN_DIR/wandb; `wandb sync` uploads it later)"
+        )
 
 
 def _wandb_settings():
@@ -477,11 +496,12 @@ def _run_files_callback(run_dir: Path, cfg: DictConfig, plan, fp8_callback):
 
 
 def _stale_temporaries(run_dir: Path) -> None:
-    """Remove what saves killed mid-write left behind (``.last.ckpt.XXXX.tmp``)."""
-    from ..lightning.checkpoint_io import TMP_SUFFIX
+    """Remove what saves killed mid-write left behind (``.last.ckpt.XXXX.tmp``, a file or, for a
+    sharded checkpoint, a folder)."""
+    from ..lightning.checkpoint_io import TMP_SUFFIX, remove_temporary
 
     for tmp in (run_dir / "checkpoints").glob(f".*{TMP_SUFFIX}"):
-        tmp.unlink(missing_ok=True)
+        remove_temporary(tmp)
 
 
 def _print_resumed_lr(cfg: DictConfig, plan) -> None:

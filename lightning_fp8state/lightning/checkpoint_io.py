@@ -29,10 +29,20 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from ..errors import DiskFullError, RunDirectoryError
+from ..errors import DiskFullError, RunDirectoryError, file_size_limit
 from ..state.checkpoint_files import load_checkpoint_file
 
-__all__ = ["TMP_SUFFIX", "AtomicCheckpointIO", "RunCheckpoint", "checkpoint_nbytes", "write_atomic"]
+__all__ = [
+    "TMP_SUFFIX",
+    "AtomicCheckpointIO",
+    "RunCheckpoint",
+    "checkpoint_nbytes",
+    "no_room_cause",
+    "no_room_error",
+    "remove_temporary",
+    "replace_directory",
+    "write_atomic",
+]
 
 TMP_SUFFIX = ".tmp"  # what a save interrupted by SIGKILL may leave behind: `.NAME.XXXX.tmp`
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -40,16 +50,23 @@ NO_ROOM = (*DISK_FULL, errno.EFBIG)  # EFBIG: past the process's file-size limit
 
 
 def checkpoint_nbytes(obj: Any) -> int:
-    """About how many bytes ``torch.save(obj)`` writes: the tensors' storages (each once)."""
+    """About how many bytes ``torch.save(obj)`` writes: the tensors' storages (each once); of a
+    ``DTensor``, this rank's shard (what a distributed checkpoint writes here)."""
     seen: set[int] = set()
     total = 0
     stack = [obj]
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()
-            if storage.data_ptr() not in seen or storage.data_ptr() == 0:
-                seen.add(storage.data_ptr())
+            local = item.to_local() if hasattr(item, "to_local") else item
+            try:
+                storage = local.untyped_storage()
+                ptr = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):  # a tensor subclass without a plain storage
+                total += local.numel() * local.element_size()
+                continue
+            if ptr not in seen or ptr == 0:
+                seen.add(ptr)
                 total += storage.nbytes()
         elif isinstance(item, dict):
             stack.extend(item.values())
@@ -92,26 +109,111 @@ def write_atomic(path: str | os.PathLike, write, *, binary: bool = True, nbytes:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        cause = _no_room(exc)
-        if cause is not None and not isinstance(exc, DiskFullError):
-            free = None
-            with contextlib.suppress(OSError):
-                free = shutil.disk_usage(path.parent).free
-            raise DiskFullError(path, nbytes, free, cause) from None
+        full = no_room_error(exc, path, nbytes)
+        if full is not None and full is not exc:
+            raise full from None
         raise
     _fsync_dir(path.parent)
 
 
+def no_room_error(exc: BaseException, path: str | os.PathLike, nbytes: int | None) -> DiskFullError | None:
+    """The :class:`DiskFullError` that ``exc``, raised by a write of ``path`` that needs about
+    ``nbytes``, stands for (see :func:`no_room_cause`); None when it is neither a full disk nor a
+    file-size limit. It names the space free now."""
+    if isinstance(exc, DiskFullError):
+        return exc
+    cause = no_room_cause(exc, path, nbytes)
+    return None if cause is None else DiskFullError(path, nbytes, _free_near(path), cause)
+
+
+def no_room_cause(exc: BaseException, path: str | os.PathLike, nbytes: int | None) -> OSError | None:
+    """The ``OSError`` (``ENOSPC``/``EDQUOT``/``EFBIG``) behind ``exc``, a failed write of ``path``
+    that needs about ``nbytes``; None when there is none.
+
+    It is ``exc`` itself, or one that ``exc`` was raised while handling (torch's zip writer turns
+    a failed write into ``RuntimeError: [enforce fail at inline_container.cc]``), also inside a
+    distributed checkpoint's ``CheckpointException``. That writer's own C++ file streams (torch
+    distributed checkpoint's shard files) keep no ``OSError``: there a failed write with fewer
+    than ``nbytes`` free, or a file-size limit below ``nbytes``, says it. Ask before removing what
+    the write left (that frees space).
+    """
+    cause = _no_room(exc)
+    if cause is None and nbytes is not None and _lost_write(exc):
+        free, limit = _free_near(path), file_size_limit()
+        if free is not None and free < nbytes:
+            cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        elif limit is not None and limit < nbytes:
+            cause = OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+    return cause
+
+
+def _free_near(path: str | os.PathLike) -> int | None:
+    """The bytes free on the file system that ``path`` is (or would be) on."""
+    folder = Path(path).parent
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
 def _no_room(exc: BaseException | None) -> OSError | None:
     """The full-disk or file-size ``OSError`` that ``exc`` is, or that it was raised while
-    handling (torch's zip writer turns a failed write into a ``RuntimeError``)."""
+    handling (torch's zip writer turns a failed write into a ``RuntimeError``), or that a rank
+    of a distributed checkpoint failed with (``CheckpointException.failures``)."""
     for _ in range(8):  # a short chain: the writer's error, the OSError, maybe a close's
         if exc is None:
             return None
         if isinstance(exc, OSError) and exc.errno in NO_ROOM:
             return exc
+        for failure in _rank_failures(exc):
+            found = _no_room(failure)
+            if found is not None:
+                return found
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def _lost_write(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's C++ writer's failed write (on one rank at least)."""
+    return (isinstance(exc, RuntimeError) and "inline_container.cc" in str(exc)) or any(
+        _lost_write(failure) for failure in _rank_failures(exc)
+    )
+
+
+def _rank_failures(exc: BaseException) -> list[BaseException]:
+    """The exceptions of torch distributed checkpoint's ``CheckpointException`` (rank: (exception,
+    traceback)); none for any other."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return []
+    return [f[0] if isinstance(f, tuple) else f for f in failures.values() if isinstance(f, (tuple, BaseException))]
+
+
+def replace_directory(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Move the folder ``tmp`` (written in full) onto ``path``, replacing what is there.
+
+    Two renames: ``path`` is never a half-written folder. A kill between them leaves the previous
+    one as ``.NAME.XXXX.old.tmp`` beside it, a temporary like any other (a resume removes them).
+    """
+    tmp, path = Path(tmp), Path(path)
+    old = None
+    if os.path.lexists(path):
+        old = tmp.with_name(f"{tmp.name.removesuffix(TMP_SUFFIX)}.old{TMP_SUFFIX}")
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        remove_temporary(old)
+
+
+def remove_temporary(path: Path) -> None:
+    """Remove a temporary file or folder (``.NAME.XXXX.tmp``) that a save left; a link is removed, not followed."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -16,6 +16,8 @@ could be resharded, the per-rank quantizer state cannot).
 
 from __future__ import annotations
 
+import errno
+import tempfile
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
 from ..config import require_bool, require_choice, require_strings
@@ -46,6 +49,14 @@ from ..nn.fsdp import (
 )
 from ..state.checkpoint_files import check_checkpoint, load_checkpoint_file, safe_dcp_load
 from .callback import CHECKPOINT_KEY, Fp8StateCallback, check_resume_world_size
+from .checkpoint_io import (
+    TMP_SUFFIX,
+    checkpoint_nbytes,
+    no_room_cause,
+    no_room_error,
+    remove_temporary,
+    replace_directory,
+)
 from .contract import Fp8StateStrategyContract
 from .strategies import _require_callback
 
@@ -247,6 +258,49 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
             )
 
     # -- checkpoints ---------------------------------------------------------------
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Lightning's sharded save, into a temporary folder beside ``filepath`` that replaces it
+        once every rank has written its part. Lightning writes into ``filepath`` itself: a save that
+        failed (a full disk) left a half-written folder, or a half-overwritten ``last.ckpt``.
+
+        Raises:
+            DiskFullError: on every rank, when a rank's write failed for lack of space or past the
+                file-size limit (torch's shard writer keeps no ``OSError``: see ``no_room_cause``).
+        """
+        path = Path(self.broadcast(str(filepath)))
+        nbytes = checkpoint_nbytes(checkpoint)  # (before the save: it takes the state dict out)
+        error: BaseException | None = None
+        tmp = None
+        if self.global_rank == 0:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = tempfile.mkdtemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
+            except OSError as exc:
+                error = exc
+        tmp = self.broadcast(tmp)
+        if tmp is not None:
+            try:
+                super().save_checkpoint(checkpoint, Path(tmp), storage_options)
+            except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+                error = exc
+        if self.reduce_boolean_decision(error is None, all=True):
+            if self.global_rank == 0:
+                replace_directory(tmp, path)
+            self.barrier("fp8state checkpoint in place")
+            return
+        # a full disk is judged before the temporary folder is removed (that frees what it held)
+        cause = no_room_cause(error, path, nbytes) if error is not None else None
+        any_full = not self.reduce_boolean_decision(cause is None, all=True)
+        if self.global_rank == 0 and tmp is not None:
+            remove_temporary(Path(tmp))
+        self.barrier("fp8state failed checkpoint removed")
+        if any_full:  # on every rank, also those whose part was written: the same error everywhere
+            raise no_room_error(cause or OSError(errno.ENOSPC, "on another rank"), path, nbytes) from None
+        if error is None:
+            raise RuntimeError(f"another rank could not write its part of {path}; nothing of this checkpoint is kept")
+        raise error
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The sharded state dict, each FP8-gathered weight as its plain high-precision shard."""

@@ -48,20 +48,30 @@ class MarkovTokens(Dataset):
 
 class TokenFile(Dataset):
     """Windows of ``seq_len + 1`` tokens from a UTF-8 text file (bytes as tokens, vocab 256)
-    or a memory-mapped ``.bin`` of uint16 token ids."""
+    or a memory-mapped file of uint16 token ids.
 
-    def __init__(self, path: str, seq_len: int, vocab_size: int) -> None:
+    ``source`` says which (``"text"`` or ``"bin"``, as ``data.source``); left out, a ``.bin``
+    suffix means token ids and any other a text file.
+    """
+
+    def __init__(self, path: str, seq_len: int, vocab_size: int, *, source: str | None = None) -> None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"data.path={path!r} is a directory: expected a file of tokens")
         if not p.is_file():
             raise ConfigError(f"data.path={path!r}: no such file")
-        if p.suffix == ".bin":
+        if source is None:
+            source = "bin" if p.suffix == ".bin" else "text"
+        require_choice("data.source", source, ("text", "bin"))
+        if source == "bin":
             size = p.stat().st_size
             if size % 2:
                 raise ConfigError(
-                    f"data.path={path!r} holds {size} bytes, an odd number: a .bin file is uint16 token ids "
-                    "(2 bytes each); write it with numpy's uint16 tofile(), or pass a text file"
+                    f"data.path={path!r} holds {size} bytes, an odd number: data.source='bin' is uint16 token ids "
+                    "(2 bytes each); write it with numpy's uint16 tofile(), or pass data.source=text"
                 )
-            self.tokens = np.memmap(p, dtype=np.uint16, mode="r")
+            # an empty file cannot be mapped: it holds no token, said below like any short file
+            self.tokens = np.memmap(p, dtype=np.uint16, mode="r") if size else np.empty(0, dtype=np.uint16)
         else:
             self.tokens = np.frombuffer(p.read_bytes(), dtype=np.uint8)
         top = int(self.tokens.max()) if len(self.tokens) else 0
@@ -86,7 +96,7 @@ def make_dataset(source: str, *, vocab_size: int, seq_len: int, length: int, see
         return MarkovTokens(vocab_size, seq_len, length, seed)
     if not path:
         raise ConfigError(f"data.source={source!r} needs data.path")
-    return TokenFile(path, seq_len, vocab_size)
+    return TokenFile(path, seq_len, vocab_size, source=source)
 
 
 class ResumableLoader(DataLoader):

@@ -304,7 +304,7 @@ def convert_model(model: nn.Module, protocol: QuantProtocol) -> ConversionReport
             if why_not is None and (chosen or out_chosen):
                 attentions.append((name, module, chosen, entries))
             continue
-        if isinstance(module, (Fp8Linear, Fp8Conv1D)):
+        if isinstance(module, (Fp8Linear, Fp8Conv1D, Fp8MultiheadAttention)):  # an MHA: its in-projection
             if module.protocol is not protocol:
                 raise AlreadyConvertedError(
                     f"{name or type(model).__name__} was converted by another Fp8State (layer "

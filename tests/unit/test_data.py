@@ -1,10 +1,14 @@
-"""The generated token data: a pure function of (seed, index), unchanged by the fast walk."""
+"""The token data: the generated one a pure function of (seed, index), unchanged by the fast walk;
+a user's file read as ``data.source`` says."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
-from lightning_fp8state.models import MarkovTokens
+from lightning_fp8state.errors import ConfigError
+from lightning_fp8state.models import MarkovTokens, make_dataset
 
 
 def walk_with_tensor_indexing(data: MarkovTokens, i: int) -> torch.Tensor:
@@ -29,3 +33,23 @@ def test_items_equal_the_tensor_walk_and_follow_the_chain():
         assert all(int(b) in data.successors[int(a)].tolist() for a, b in zip(x, y, strict=True))
     assert not torch.equal(data[0][0], data[1][0])  # items differ
     assert torch.equal(MarkovTokens(97, 50, 10, seed=3)[7][0], data[7][0])  # and are reproducible
+
+
+def test_a_token_file_is_read_as_its_data_source_says_whatever_its_suffix(tmp_path):
+    """data.source decided nothing: a ``.bin`` suffix meant uint16 ids and any other bytes, so
+    data.source=bin on ``tokens.dat`` trained on its bytes, and data.source=text on ``notes.bin``
+    on pairs of characters."""
+    ids = (np.arange(40, dtype=np.uint16) * 7 + 300) % 500  # ids above 255: not bytes
+    ids.tofile(tmp_path / "tokens.dat")
+    x, y = make_dataset("bin", vocab_size=512, seq_len=8, length=1, seed=0, path=str(tmp_path / "tokens.dat"))[1]
+    assert x.tolist() == ids[8:16].tolist() and y.tolist() == ids[9:17].tolist()
+    (tmp_path / "notes.bin").write_text("the quick brown fox jumps over the lazy dog")
+    x, _ = make_dataset("text", vocab_size=256, seq_len=8, length=1, seed=0, path=str(tmp_path / "notes.bin"))[0]
+    assert bytes(x.tolist()) == b"the quic"
+
+
+def test_an_empty_token_bin_says_it_holds_no_tokens(tmp_path):
+    """``np.memmap`` of an empty file raised ``ValueError: cannot mmap an empty file``."""
+    (tmp_path / "empty.bin").touch()
+    with pytest.raises(ConfigError, match=r"empty\.bin' holds 0 tokens; need at least 9"):
+        make_dataset("bin", vocab_size=512, seq_len=8, length=1, seed=0, path=str(tmp_path / "empty.bin"))

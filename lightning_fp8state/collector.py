@@ -5,8 +5,8 @@ the last one, wherever the program is. A training step allocates tens of thousan
 nodes, checkpoint's holders, the protocol's call records and snapshots), so collections land
 inside steps. Most are short. The oldest generation's are not: they walk every tracked object
 in the process, the model, the optimizer and torch's own (millions after ``torch.compile``),
-and took 440-610 ms on an H200 host at the 350M shape (``benchmarks/train_step.py
---host-waits``): one such pause in eight steps costs 55-75 ms a step. The host issues the GPU's
+and take longer than a whole training step at the 350M shape (measured by
+``benchmarks/train_step.py --host-waits``; figures in docs/PERFORMANCE.md). The host issues the GPU's
 work, so a pause is a stall of the whole run, and under data parallelism every other rank
 waits for the slowest at the next collective.
 

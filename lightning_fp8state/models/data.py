@@ -27,8 +27,8 @@ class MarkovTokens(Dataset):
         g = torch.Generator().manual_seed(seed)
         self.successors = torch.randint(0, vocab_size, (vocab_size, branching), generator=g)
         self.branching = branching
-        # the chain walk runs on Python ints: a tensor index per token cost ~5 us, which put
-        # ~90 ms of data generation per batch of 16 x 1024 tokens on the training loop's path
+        # the chain walk runs on Python ints: a tensor index per token put the data generation
+        # of a large batch on the training loop's path (figures: docs/PERFORMANCE.md)
         self._next = self.successors.tolist()
 
     def __len__(self) -> int:

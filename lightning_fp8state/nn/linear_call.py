@@ -27,12 +27,12 @@ import weakref
 from typing import NamedTuple
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ..encoders import Prologue, role_format
 from ..formats import fp8_format
 from ..ops import transpose_fp8
-from ..ops.library import LIB
+from ..ops.library import LIB, define_from, register_fake_from
 from ..protocol import QuantProtocol, release_weight_codes, take_kept
 from ..recompute import Phase
 from ..sac import outside_selective_checkpoint
@@ -164,18 +164,6 @@ def _linear_backward(grad_out, saved, call: _Call, needs) -> tuple:
 # graphs (mode="reduce-overhead") would skip: the tag keeps them out of those graphs. (Our
 # GraphedStep captures them on purpose: it replays the protocol's bookkeeping on the host.)
 _HOST_CALL = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
-LIB.define(
-    "fp8_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, Tensor? norm_bias, Tensor module, "
-    "str prologue, float eps, ScalarType out_dtype, ScalarType input_dtype, ScalarType weight_dtype, bool training, "
-    "Tensor instance, bool saves_inputs=False, bool weight_t=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    tags=_HOST_CALL,
-)
-LIB.define(
-    "fp8_linear_backward(Tensor grad, Tensor xq, Tensor wq, Tensor? x, Tensor? mean, Tensor? rstd, bool[] needs, "
-    "ScalarType x_dtype, ScalarType w_dtype, ScalarType? bias_dtype, ScalarType? norm_dtype, bool weight_t=False) "
-    "-> (Tensor?, Tensor?, Tensor?, Tensor?, Tensor?)",
-    tags=_HOST_CALL,
-)
 
 
 def op_key(module) -> torch.Tensor:
@@ -228,24 +216,24 @@ def _stats_empty(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((0,), dtype=torch.float32)
 
 
-@torch.library.impl(LIB, "fp8_linear", "CompositeExplicitAutograd")
 def _fp8_linear(
-    x,
-    weight,
-    bias,
-    norm_weight,
-    norm_bias,
-    module,
-    prologue,
-    eps,
-    out_dtype,
-    input_dtype,
-    weight_dtype,
-    training,
-    instance,
-    saves_inputs=False,
-    weight_t=False,
-):
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    norm_weight: Tensor | None,
+    norm_bias: Tensor | None,
+    module: Tensor,
+    prologue: str,
+    eps: float,
+    out_dtype: torch.dtype,
+    input_dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    training: bool,
+    instance: Tensor,
+    saves_inputs: bool = False,
+    weight_t: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The forward op's kernel (every device); its signature is the op's schema (define_from)."""
     mod = module_of(module.item())  # a CPU tensor: no device sync
     protocol = mod.protocol
     stage = None
@@ -272,33 +260,22 @@ def _fp8_linear(
     return y, xq, wq, mean, rstd
 
 
-@torch.library.register_fake("fp8state::fp8_linear")
-def _fp8_linear_fake(
-    x,
-    weight,
-    bias,
-    norm_weight,
-    norm_bias,
-    module,
-    prologue,
-    eps,
-    out_dtype,
-    input_dtype,
-    weight_dtype,
-    training,
-    instance,
-    saves_inputs=False,
-    weight_t=False,
-):
+define_from("fp8_linear", _fp8_linear, tags=_HOST_CALL)
+torch.library.impl(LIB, "fp8_linear", "CompositeExplicitAutograd")(_fp8_linear)
+
+
+@register_fake_from("fp8_linear", _fp8_linear)
+def _fp8_linear_fake(a):
+    x, weight, eps, prologue = a.x, a.weight, a.eps, a.prologue
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
-    if saves_inputs:
+    if a.saves_inputs:
         xq, wq = _input_key(x), weight.new_empty((0, k))
     else:
-        xq = x2.new_empty(x2.shape, dtype=input_dtype)
-        wq = weight.new_empty((k, n) if weight_t else (n, k), dtype=weight_dtype)
+        xq = x2.new_empty(x2.shape, dtype=a.input_dtype)
+        wq = weight.new_empty((k, n) if a.weight_t else (n, k), dtype=a.weight_dtype)
     if prologue == "layer_norm":
-        norm = Prologue(prologue, norm_weight, norm_bias, eps)
+        norm = Prologue(prologue, a.norm_weight, a.norm_bias, eps)
         if norm.fusable(x2):  # the fused kernel's statistics
             mean = x2.new_empty((x2.shape[0], 1), dtype=torch.float32)
             rstd = torch.empty_like(mean)
@@ -307,12 +284,25 @@ def _fp8_linear_fake(
             _, mean, rstd = torch.ops.aten.native_layer_norm(xc, [k], w, b, eps)
     else:
         mean, rstd = _stats_empty(x), _stats_empty(x)
-    y = x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
+    y = x.new_empty((*x.shape[:-1], n), dtype=a.out_dtype)
     return y, xq, wq, mean, rstd
 
 
-@torch.library.impl(LIB, "fp8_linear_backward", "CompositeExplicitAutograd")
-def _fp8_linear_backward(grad, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, bias_dtype, norm_dtype, weight_t=False):
+def _fp8_linear_backward(
+    grad: Tensor,
+    xq: Tensor,
+    wq: Tensor,
+    x: Tensor | None,
+    mean: Tensor | None,
+    rstd: Tensor | None,
+    needs: list[bool],
+    x_dtype: torch.dtype,
+    w_dtype: torch.dtype,
+    bias_dtype: torch.dtype | None,
+    norm_dtype: torch.dtype | None,
+    weight_t: bool = False,
+):
+    """The backward op's kernel: gradients of ``(x, weight, bias, norm weight, norm bias)``."""
     call = take_kept(_codes_key(xq))
     if weight_t:  # the transposed codes: the [out, in] view the eager call saves
         wq = wq.t()
@@ -327,16 +317,20 @@ def _fp8_linear_backward(grad, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, b
     return _linear_backward(grad, saved, call, needs)
 
 
-@torch.library.register_fake("fp8state::fp8_linear_backward")
-def _fp8_linear_backward_fake(
-    grad, xq, wq, x, mean, rstd, needs, x_dtype, w_dtype, bias_dtype, norm_dtype, weight_t=False
-):
-    k, n = xq.shape[-1], grad.shape[-1]
+_GRADIENTS = "(" + ", ".join(["Tensor?"] * 5) + ")"  # optional: only those asked for
+define_from("fp8_linear_backward", _fp8_linear_backward, returns=_GRADIENTS, tags=_HOST_CALL)
+torch.library.impl(LIB, "fp8_linear_backward", "CompositeExplicitAutograd")(_fp8_linear_backward)
+
+
+@register_fake_from("fp8_linear_backward", _fp8_linear_backward)
+def _fp8_linear_backward_fake(a):
+    grad, needs, norm_dtype = a.grad, a.needs, a.norm_dtype
+    k, n = a.xq.shape[-1], grad.shape[-1]
     column = (k,)
     return (
-        grad.new_empty((*grad.shape[:-1], k), dtype=x_dtype) if needs[0] else None,
-        grad.new_empty((n, k), dtype=w_dtype) if needs[1] else None,
-        grad.new_empty((n,), dtype=bias_dtype) if needs[2] and bias_dtype is not None else None,
+        grad.new_empty((*grad.shape[:-1], k), dtype=a.x_dtype) if needs[0] else None,
+        grad.new_empty((n, k), dtype=a.w_dtype) if needs[1] else None,
+        grad.new_empty((n,), dtype=a.bias_dtype) if needs[2] and a.bias_dtype is not None else None,
         grad.new_empty(column, dtype=norm_dtype) if needs[3] else None,
         grad.new_empty(column, dtype=norm_dtype) if needs[4] else None,
     )

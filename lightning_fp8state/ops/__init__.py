@@ -6,6 +6,8 @@ reference; with the CUDA extension loaded the same calls run the fused kernels.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import cuda
@@ -161,22 +163,22 @@ def transpose_fp8(q: torch.Tensor) -> torch.Tensor:
     return _ops.transpose_fp8(q)
 
 
-def update_scales(
-    amax_history: torch.Tensor,
-    scale: torch.Tensor,
-    descale: torch.Tensor,
-    amax_pending: torch.Tensor,
-    nonfinite_count: torch.Tensor,
-    commit_mask: torch.Tensor,
-    fmax: torch.Tensor,
-    amax_algo: str,
-    margin: int,
-) -> None:
-    """Advance all owners selected by ``commit_mask`` in one batched update (in place)."""
-    _on_cuda(amax_history)
-    _ops.update_scales(
-        amax_history, scale, descale, amax_pending, nonfinite_count, commit_mask, fmax, amax_algo, margin
-    )
+def _dispatching(name: str, reference):
+    """The public entry of op ``name``: its signature and documentation are its CPU
+    reference's (written once there); the call goes to the op, on the CUDA kernel once built."""
+    op = getattr(_ops, name)
+
+    @functools.wraps(reference)
+    def call(first, *args, **kwargs):
+        _on_cuda(first)
+        return op(first, *args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+# Advance all owners selected by ``commit_mask`` in one batched update (in place).
+update_scales = _dispatching("update_scales", update_scales_reference)
 
 
 # -- packed FP4 (layouts and rounding: lightning_fp8state.formats) -------------------------

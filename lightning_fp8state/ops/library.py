@@ -8,26 +8,67 @@ one from ``csrc/``, registered with ``TORCH_LIBRARY_IMPL(fp8state, CUDA, m)``) o
 
 from __future__ import annotations
 
+import inspect
+from types import SimpleNamespace
+
 import torch
 
 from ..config import AMAX_ALGOS, MARGIN_MAX
 from ..formats import FP8_FORMATS
 from . import reference as ref
 
-__all__ = ["LIB", "check_quantize_args", "check_update_args"]
+__all__ = ["LIB", "check_quantize_args", "check_update_args", "define_from", "register_fake_from"]
 
 LIB = torch.library.Library("fp8state", "DEF")
+
+
+def define_from(name: str, signature, *, mutates_args=(), returns: str | None = None, tags=()) -> None:
+    """Define the op ``fp8state::<name>`` with the schema read from the Python function
+    ``signature``'s annotated arguments: the one place they are written (the CUDA kernel that
+    ``csrc/`` registers for the op takes the same arguments in order). ``returns`` names the
+    results where annotations cannot (optional tensors)."""
+    prototype = inspect.signature(signature, eval_str=True)
+    if returns is not None:  # infer the arguments only, then name the results
+        prototype = prototype.replace(return_annotation=None)
+
+    def carrier(*args, **kwargs):  # holds the resolved signature for torch's inference
+        raise NotImplementedError
+
+    carrier.__signature__ = prototype
+    schema = torch.library.infer_schema(carrier, mutates_args=mutates_args)
+    if returns is not None:
+        schema = schema.rsplit(" -> ", 1)[0] + f" -> {returns}"
+    # a Python int is inferred as SymInt; the kernels take plain integers (no symbolic shapes)
+    schema = schema.replace("SymInt", "int")
+    LIB.define(name + schema, tags=tags)
+
+
+def register_fake_from(name: str, signature):
+    """Register the decorated function as the fake (meta) kernel of ``fp8state::<name>``,
+    defined from ``signature`` (:func:`define_from`): it receives the call's arguments bound by
+    name, defaults applied, as one namespace, so the op's argument list is not written again."""
+    bind = inspect.signature(signature).bind
+
+    def register(fake):
+        def run(*args, **kwargs):
+            bound = bind(*args, **kwargs)
+            bound.apply_defaults()
+            return fake(SimpleNamespace(**bound.arguments))
+
+        torch.library.register_fake(f"fp8state::{name}")(run)
+        return fake
+
+    return register
+
 
 LIB.define("quantize_fp8(Tensor x, Tensor scale, ScalarType dtype) -> Tensor")
 LIB.define(
     "quantize_fp8_record_amax(Tensor x, Tensor scale, Tensor(a!) amax_pending, int slot, ScalarType dtype) -> Tensor"
 )
 LIB.define("dequantize_fp8(Tensor q, Tensor descale, ScalarType dtype) -> Tensor")
-LIB.define(
-    "update_scales(Tensor(a!) amax_history, Tensor(b!) scale, Tensor(c!) descale, "
-    "Tensor(d!) amax_pending, Tensor(e!) nonfinite_count, Tensor commit_mask, Tensor fmax, "
-    "str amax_algo, int margin) -> ()"
-)
+# the batched scale update: its arguments are the CPU reference's (one signature, read from it)
+UPDATE_SCALES_STATE = ("amax_history", "scale", "descale", "amax_pending", "nonfinite_count")
+define_from("update_scales", ref.update_scales_reference, mutates_args=UPDATE_SCALES_STATE)
 
 LIB.define("transpose_fp8(Tensor q) -> Tensor")
 LIB.define(

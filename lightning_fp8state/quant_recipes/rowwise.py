@@ -47,8 +47,7 @@ def rowwise_matmul(a, b, descale_a, descale_b, out_dtype, backend: str = "auto",
     of float32 master weights, or of a float32 input such as a LayerNorm's under autocast) is
     its bfloat16 result widened, the bias added in float32: what autocast's own linear and
     torchao's rowwise recipe compute. The float32 emulation instead is a float32 GEMM (without
-    TF32 some milliseconds each at the 350M shape; the likely cause of fp8_rowwise's 0.28x on
-    the H200 before this path, docs/PERFORMANCE.md: not re-measured yet).
+    TF32 slower than the whole step's other GEMMs at the 350M shape, docs/PERFORMANCE.md).
     """
     use_mm = backend == "scaled_mm" or (
         backend == "auto"
@@ -134,7 +133,7 @@ class Fp8Rowwise(PerCallScales, Recipe):
             warnings.warn(
                 f"recipe={self.name!r} with {', '.join(f'{k}={formats[k]!r}' for k in e5m2)}: cuBLASLt's rowwise "
                 "FP8 GEMM takes E4M3 operands only, so every GEMM with one of these operands runs as a float32 "
-                "emulation (the 350M GPT trained at 0.52x bf16's speed so on an H200). Set them to 'e4m3', as "
+                "emulation, much slower than bf16 (docs/PERFORMANCE.md). Set them to 'e4m3', as "
                 f"configs/quant/{self.name}.yaml does",
                 UserWarning,
                 stacklevel=3,

@@ -183,7 +183,7 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 
 def _descale_key(descale: torch.Tensor):
-    """A per-tensor descale as its float; a per-row one (``fp8_rowwise``) as the sha256 of its bytes."""
+    """A one-element descale (per tensor) as its float; one of any other layout as the sha256 of its bytes."""
     if descale.numel() == 1:
         return float(descale)
     return hashlib.sha256(_bytes(descale.detach().to("cpu", copy=True).contiguous())).hexdigest()
@@ -239,7 +239,10 @@ class _Operand:
     values: torch.Tensor | None  # FP8 codes decoded with the paired descale (float32, host); None for FP4
 
 
-def _operand_digest(data, snap) -> _Operand:
+def _operand_digest(data, snap, layout) -> _Operand:
+    """The operand's bytes, stamps and descale as one sha256, and its FP8 codes decoded with
+    the descale laid out as ``layout`` (the recipe's :class:`~lightning_fp8state.formats.ScaleLayout`
+    of the role) for the report's differences."""
     hosts = [t.detach().to("cpu", copy=True).contiguous() for t in _operand_tensors(data)]
     sha = hashlib.sha256()
     for host in hosts:
@@ -250,8 +253,8 @@ def _operand_digest(data, snap) -> _Operand:
     first = hosts[0] if hosts else None
     # FP8 codes decoded (a stateless role hands in its input after them, which the sha covers)
     if first is not None and first.dtype.is_floating_point and (len(hosts) == 1 or first.element_size() == 1):
-        d = snap.descale
-        values = first.to(torch.float32) * (float(d) if d.numel() == 1 else d.detach().to("cpu", torch.float32))
+        descale = layout.expand(snap.descale.detach().to("cpu", torch.float32), first.shape)
+        values = first.to(torch.float32) * descale
     return _Operand(sha.hexdigest(), values)
 
 
@@ -398,7 +401,7 @@ class RecomputeAuditor:
         if phase is Phase.INFERENCE or role_phase(role) != "forward":
             return
         key = (record.event, record.layer, record.site)
-        digest = _operand_digest(data, snap)
+        digest = _operand_digest(data, snap, self.protocol.recipe.scale_layout(role))
         with self._lock:
             if phase is Phase.FORWARD:
                 self._new_event(record.event)

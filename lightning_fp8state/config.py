@@ -32,9 +32,6 @@ __all__ = [
     "GROUP_OF",
     "ConfigSection",
     "QuantConfig",
-    "recipe_modes",
-    "recipe_names",
-    "register_recipe_name",
     "require_bool",
     "require_callable",
     "require_choice",
@@ -47,31 +44,6 @@ __all__ = [
 
 # safe: the protocol. naive and naive_snapshot reproduce the seed's defects on purpose.
 MODES = ("safe", "naive", "naive_snapshot")
-# Recipe name -> the modes it allows, in registration order. Each recipe of
-# ``lightning_fp8state.quant_recipes`` registers its own name when that package is imported (the
-# package's ``__init__`` imports it first thing), so adding a recipe touches no list here.
-_RECIPE_MODES: dict[str, tuple[str, ...]] = {}
-
-
-def register_recipe_name(name: str, modes: tuple[str, ...]) -> None:
-    """Make ``quant.recipe=name`` valid, allowing ``modes`` (a subset of ``MODES``)."""
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        raise ConfigError(f"recipe {name!r}: modes {unknown} are not allowed: expected a subset of {list(MODES)}")
-    _RECIPE_MODES[name] = tuple(modes)
-
-
-def recipe_names() -> tuple[str, ...]:
-    """The registered recipe names (``fp8_delayed`` first)."""
-    return tuple(_RECIPE_MODES)
-
-
-def recipe_modes(name: str) -> tuple[str, ...]:
-    """The modes recipe ``name`` allows (``ConfigError`` naming the key for an unknown name)."""
-    require_choice("recipe", name, recipe_names())
-    return _RECIPE_MODES[name]
-
-
 AMAX_ALGOS = ("max", "most_recent")
 # Which OwnerKey fields tell owners apart. per_model exists only to reproduce the defect.
 OWNERSHIP_SCOPES = ("per_model", "per_layer", "per_layer_rank", "per_layer_rank_stream")
@@ -323,7 +295,7 @@ class QuantConfig:
     # fp8_current: per-tensor scales from each call's own amax (stateless). fp8_rowwise: one
     # scale per row of the input and grad_output, per output channel of the weight (stateless);
     # fp8_rowwise_gw_hp: the same, its weight-gradient GEMM in high precision. The recipes are
-    # lightning_fp8state.quant_recipes; recipe_names() lists them.
+    # lightning_fp8state.quant_recipes; its recipe_names() lists them, its check_recipe checks the name.
     recipe: str = "fp8_delayed"
     # FP8 formats of the forward roles (input, weight) and the backward role (grad_output).
     forward_format: str = "e4m3"
@@ -395,7 +367,8 @@ class QuantConfig:
 
     def __post_init__(self) -> None:
         # scaling
-        require_choice("recipe", self.recipe, recipe_names())
+        # a name: which exist, and the modes each allows, the recipe registry checks (check_recipe)
+        require_name("recipe", self.recipe)
         require_choice("forward_format", self.forward_format, FP8_NAMES)
         require_choice("backward_format", self.backward_format, FP8_NAMES)
         require_int("history_len", self.history_len, 1)
@@ -422,12 +395,6 @@ class QuantConfig:
         object.__setattr__(self, "amax_reduction", _reduction_pairs(self.amax_reduction))
         # diagnostics
         require_choice("mode", self.mode, MODES)
-        if self.mode not in _RECIPE_MODES[self.recipe]:
-            raise ConfigError(
-                f"mode={self.mode!r} is not allowed with recipe={self.recipe!r}: expected one of "
-                f"{list(_RECIPE_MODES[self.recipe])} (the naive modes reproduce the defects of delayed "
-                "scaling, whose state this recipe does not hold)"
-            )
         require_bool("strict", self.strict)
         require_int("ledger_window", self.ledger_window, 1)
         if self.extra:

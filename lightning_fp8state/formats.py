@@ -100,11 +100,18 @@ __all__ = [
     "E5M2",
     "FP4_LAYOUTS",
     "FP8_FORMATS",
+    "BLOCK_128X128",
     "MXFP4",
     "NVFP4",
+    "PER_COLUMN",
+    "PER_ROW",
+    "PER_TENSOR",
+    "SCALE_LAYOUTS",
     "STATE_FORMATS",
     "Fp4Layout",
     "Fp8Format",
+    "ScaleLayout",
+    "TILE_1X128",
     "fp4_layout",
     "fp8_format",
     "state_format_fmax",
@@ -225,3 +232,57 @@ def state_format_fmax(spec: str | torch.dtype | Fp8Format | Fp4Layout) -> float:
     if name in FP4_LAYOUTS:
         return FP4_LAYOUTS[name].tensor_fmax
     return FP8_FORMATS[name].max
+
+
+# -- scale layouts: which elements of an FP8 operand share one scale --------------------------
+
+
+@dataclass(frozen=True)
+class ScaleLayout:
+    """How one FP8 operand's scales cover its 2-D data ``[R, C]`` (as the role stores it: an
+    input ``[tokens, in]``, a weight ``[out, in]``, a grad_output ``[tokens, out]``): every tile
+    of ``rows x cols`` elements shares one scale, ``0`` meaning the whole dimension. Per tensor
+    is ``0 x 0``, per row ``1 x 0`` (a weight's rows are its output channels), per column
+    ``0 x 1``, a 1x128 tile ``1 x 128``, a 128x128 block ``128 x 128``. Its scales are a
+    float32 ``scale_shape(shape)`` tensor (a tile cut by the edge still has one), a 0-d or
+    one-element tensor per tensor. Recipes declare one per role and GEMM operand
+    (:mod:`lightning_fp8state.quant_recipes`); consumers read the layout, never assume one."""
+
+    name: str
+    rows: int = 0
+    cols: int = 0
+
+    @property
+    def per_tensor(self) -> bool:
+        return self.rows == 0 and self.cols == 0
+
+    def scale_shape(self, shape) -> tuple[int, int]:
+        """The shape of the scales of data shaped ``shape`` (its last two dims; a 1-D tensor is one row)."""
+        r, c = (1, shape[-1]) if len(shape) < 2 else (shape[-2], shape[-1])
+        return (1 if self.rows == 0 else -(-r // self.rows), 1 if self.cols == 0 else -(-c // self.cols))
+
+    def expand(self, scales: torch.Tensor, shape) -> torch.Tensor:
+        """``scales`` as one value per element of data shaped ``shape`` (broadcastable to it):
+        how a decode pairs each code with its descale."""
+        if self.per_tensor:
+            return scales.reshape(())
+        grid = scales.reshape(self.scale_shape(shape))
+        r, c = (1, shape[-1]) if len(shape) < 2 else (shape[-2], shape[-1])
+        if self.rows > 1:
+            grid = grid.repeat_interleave(self.rows, dim=0)[:r]
+        if self.cols > 1:
+            grid = grid.repeat_interleave(self.cols, dim=1)[:, :c]
+        return grid if len(shape) >= 2 else grid.reshape(-1)
+
+    def holds(self, scales: torch.Tensor, shape) -> bool:
+        """Whether ``scales`` has this layout's size for data shaped ``shape``."""
+        r, c = self.scale_shape(shape)
+        return scales.numel() == r * c
+
+
+PER_TENSOR = ScaleLayout("tensor")
+PER_ROW = ScaleLayout("row", 1, 0)
+PER_COLUMN = ScaleLayout("column", 0, 1)
+TILE_1X128 = ScaleLayout("1x128", 1, 128)
+BLOCK_128X128 = ScaleLayout("128x128", 128, 128)
+SCALE_LAYOUTS = {layout.name: layout for layout in (PER_TENSOR, PER_ROW, PER_COLUMN, TILE_1X128, BLOCK_128X128)}

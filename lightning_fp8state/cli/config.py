@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ..config import QuantConfig
+from ..quant_recipes import check_recipe
 from ..errors import ConfigError
 from ..shipped import shipped_dir
 from .schema import RunCfg
@@ -280,5 +281,7 @@ def require_run_name(name: object) -> None:
 
 
 def quant_config(cfg: DictConfig) -> QuantConfig:
-    """The library QuantConfig described by ``cfg.quant``."""
-    return QuantConfig.from_dict(OmegaConf.to_container(cfg.quant, resolve=True))
+    """The library QuantConfig described by ``cfg.quant``, its recipe and mode checked."""
+    config = QuantConfig.from_dict(OmegaConf.to_container(cfg.quant, resolve=True))
+    check_recipe(config)
+    return config

@@ -7,10 +7,23 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .base import RECIPE_CLASSES, Recipe, recipe_for, register
+from .base import GemmLayouts, Operand, Recipe
 from .delayed import Bf16, Fp8Delayed  # first: fp8_delayed leads recipe_names()
+from .registry import RECIPE_CLASSES, check_recipe, recipe_class, recipe_for, recipe_names, register
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["RECIPE_CLASSES", "Bf16", "Fp8Delayed", "Recipe", "recipe_for", "register"]
+__all__ = [
+    "RECIPE_CLASSES",
+    "Bf16",
+    "Fp8Delayed",
+    "GemmLayouts",
+    "Operand",
+    "Recipe",
+    "check_recipe",
+    "recipe_class",
+    "recipe_for",
+    "recipe_names",
+    "register",
+]

@@ -10,38 +10,66 @@ weight scale comes from the full weight's amax, :meth:`Recipe.gather_scales`) an
 telemetry fields a stateless owner reports (:meth:`Recipe.telemetry`). ``nn/``, the protocol
 and the telemetry ask it; none of them tests for a recipe name.
 
-A recipe registers itself with :func:`register` (its name then becomes a valid
-``quant.recipe``); :func:`recipe_for` builds the one a config names.
+A recipe registers itself with :func:`.registry.register` (its name then becomes a valid
+``quant.recipe``); :func:`.registry.recipe_for` builds the one a config names.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from ..config import QuantConfig, register_recipe_name, require_choice
+from ..config import QuantConfig
 from ..encoders import encoder_for
-from ..formats import fp8_format
+from ..formats import PER_TENSOR, ScaleLayout, fp8_format
 from ..state import ATTENTION_ROLES
 from .gemm import _mm_device
 
-__all__ = ["RECIPE_CLASSES", "PerCallFp8Encoder", "PerCallScales", "Recipe", "recipe_for", "register"]
+__all__ = [
+    "LINEAR_GEMM_ROLES",
+    "GemmLayouts",
+    "Operand",
+    "PerCallFp8Encoder",
+    "PerCallScales",
+    "Recipe",
+]
 
-RECIPE_CLASSES: dict[str, type[Recipe]] = {}
+LINEAR_GEMM_ROLES = ("input", "weight", "grad_output")
 
 
-def register(cls: type[Recipe]) -> type[Recipe]:
-    """Class decorator: make ``cls`` the recipe of ``quant.recipe=cls.name``."""
-    register_recipe_name(cls.name, cls.modes)
-    RECIPE_CLASSES[cls.name] = cls
-    return cls
+@dataclass(frozen=True)
+class Operand:
+    """One operand of a linear call's GEMM: whose data it is (``role``) and how its scales
+    cover that role's tensor as the role stores it (``scales``; ``None``: the GEMM reads the
+    role in high precision)."""
+
+    role: str
+    scales: ScaleLayout | None
 
 
-def recipe_for(config: QuantConfig) -> Recipe:
-    """The recipe ``config.recipe`` names, bound to ``config``."""
-    require_choice("recipe", config.recipe, tuple(RECIPE_CLASSES))
-    return RECIPE_CLASSES[config.recipe](config)
+@dataclass(frozen=True)
+class GemmLayouts:
+    """The operands of a linear call's three GEMMs, as data: ``forward`` ``y = x @ W^T``,
+    ``grad_input`` ``dX = g @ W``, ``grad_weight`` ``dW = g^T @ x``; each a pair
+    ``(left, right)`` of :class:`Operand`. A per-row recipe scales ``W`` per row in the forward
+    and per column in the input gradient: the same role, two layouts, two encodes."""
+
+    forward: tuple[Operand, Operand]
+    grad_input: tuple[Operand, Operand]
+    grad_weight: tuple[Operand, Operand]
+
+    @classmethod
+    def uniform(cls, layout: ScaleLayout) -> GemmLayouts:
+        """Every operand of every GEMM at ``layout`` (per-tensor recipes)."""
+        x, w, g = (Operand(role, layout) for role in LINEAR_GEMM_ROLES)
+        return cls((x, w), (g, w), (g, x))
+
+    def operands(self, role: str) -> tuple[Operand, ...]:
+        """Every GEMM operand that reads ``role``."""
+        return tuple(op for pair in (self.forward, self.grad_input, self.grad_weight) for op in pair if op.role == role)
 
 
 class Recipe:
@@ -70,6 +98,12 @@ class Recipe:
     weight_codes_once: ClassVar[bool] = False
     # What one line of the README's feature table says the recipe guarantees.
     summary: ClassVar[str] = ""
+    # The scale layout of each linear role's snapshot (what its encode in the forward, or of
+    # grad_output in the backward, pairs with the codes): the audit decodes with it, the FSDP2
+    # gather and the telemetry read it. No code outside quant_recipes/ assumes a layout.
+    scale_layouts: ClassVar[Mapping[str, ScaleLayout]] = dict.fromkeys(LINEAR_GEMM_ROLES, PER_TENSOR)
+    # The operands of the linear call's three GEMMs (the forward's are the snapshots' layouts).
+    gemm_layouts: ClassVar[GemmLayouts] = GemmLayouts.uniform(PER_TENSOR)
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -77,6 +111,12 @@ class Recipe:
             # the compiled op's backward takes the saved input in the slot a fused prologue's
             # input uses (nn/linear_call.py): a recipe cannot have both
             raise TypeError(f"{cls.__name__}: saves_inputs=True needs fuses_prologues=False")
+        for op in cls.gemm_layouts.forward:
+            if op.scales != cls.scale_layouts[op.role]:  # the forward consumes the snapshot
+                raise TypeError(
+                    f"{cls.__name__}: the forward GEMM reads {op.role!r} at {op.scales and op.scales.name!r}, "
+                    f"not its snapshot's layout {cls.scale_layouts[op.role].name!r}"
+                )
 
     def __init__(self, config: QuantConfig) -> None:
         self.config = config
@@ -142,12 +182,33 @@ class Recipe:
     def all_gather_problem(self) -> str | None:
         """Why FSDP2 cannot all-gather this recipe's weights as FP8 (``None``: it can: at the
         event's frozen weight scale where the weight is ``stateful``, else at the full weight's
-        per-call scale, :meth:`gather_scales`; nn/fsdp.py)."""
+        per-call scale, :meth:`gather_scales`; nn/fsdp.py). Read from the layouts: an FP8
+        all-gather brings the weight's codes at its snapshot's layout only, so every GEMM must
+        read the weight at that layout, and the gathered scale is one per weight."""
+        if not self.quantized:
+            return None
+        stored = self.scale_layout("weight")
+        others = sorted(
+            {op.scales.name if op.scales else "high precision" for op in self.gemm_layouts.operands("weight")}
+            - {stored.name}
+        )
+        if others:
+            return (
+                f"recipe={self.name!r}: the GEMMs read the weight at {others} besides its {stored.name!r} scales, "
+                "which an FP8 all-gather does not bring (they need the high-precision weight); the weights gather "
+                "in high precision (fp8_all_gather=False)"
+            )
+        if not stored.per_tensor:
+            return (
+                f"recipe={self.name!r}: the weight's {stored.name!r} scales are not gathered with its codes yet; "
+                "the weights gather in high precision (fp8_all_gather=False)"
+            )
         return None
 
     def gather_scales(self, shards: list[torch.Tensor], group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For a weight scale that is not delayed state (``stateful("weight")`` False) under an
-        FP8 all-gather: ``(scale, descale, amax)``, float32 ``[len(shards)]``, entry ``i`` the one
+        """For a per-tensor weight scale (:meth:`all_gather_problem` allows no other) that is
+        not delayed state (``stateful("weight")`` False) under an FP8 all-gather:
+        ``(scale, descale, amax)``, float32 ``[len(shards)]``, entry ``i`` the one
         the unsharded call would derive from the full weight whose shard on this rank is
         ``shards[i]``. Each rank passes its shards of the same weights in the same order; the
         full amaxes take one collective over ``group`` (the shard group; ``None``: the shards
@@ -160,6 +221,11 @@ class Recipe:
         """A stateless owner's fields on a log step, from its latest true-forward snapshot
         (each a float32 scalar on the device); stateful owners report the bank's scale and amax."""
         return {}
+
+    def scale_layout(self, role: str) -> ScaleLayout:
+        """How ``role``'s snapshot scales cover its data (the FP4 attention operands: per
+        tensor, their block scales travel with their packed codes)."""
+        return self.scale_layouts.get(role, PER_TENSOR)
 
     @staticmethod
     def attention_role(role: str) -> bool:

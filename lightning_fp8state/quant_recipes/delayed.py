@@ -9,7 +9,8 @@ code below is what nn/linear_call.py did before recipes existed, moved, not chan
 from __future__ import annotations
 
 from ..encoders import CastTranspose
-from .base import Recipe, register
+from .base import Recipe
+from .registry import register
 from .gemm import scaled_matmul
 
 __all__ = ["Bf16", "Fp8Delayed", "PerTensorFp8"]

@@ -25,8 +25,10 @@ import warnings
 
 import torch
 
+from ..formats import PER_COLUMN, PER_ROW
 from ..ops.library_dynamic import quantize_fp8_colwise, quantize_fp8_rowwise
-from .base import PerCallFp8Encoder, PerCallScales, Recipe, register
+from .base import LINEAR_GEMM_ROLES, GemmLayouts, Operand, PerCallFp8Encoder, PerCallScales, Recipe
+from .registry import register
 from .gemm import _mm_device
 
 __all__ = ["Fp8Rowwise", "Fp8RowwiseGwHp", "RowwiseFp8Encoder", "rowwise_matmul"]
@@ -119,6 +121,13 @@ class Fp8Rowwise(PerCallScales, Recipe):
     saves_inputs = True  # the backward scales input and weight along their other dimension
     # the weight-gradient GEMM in high precision (fp8_rowwise_gw_hp)
     high_precision_weight_grad = False
+    # each operand scaled along the dimension it keeps (the module doc)
+    scale_layouts = dict.fromkeys(LINEAR_GEMM_ROLES, PER_ROW)
+    gemm_layouts = GemmLayouts(
+        forward=(Operand("input", PER_ROW), Operand("weight", PER_ROW)),
+        grad_input=(Operand("grad_output", PER_ROW), Operand("weight", PER_COLUMN)),
+        grad_weight=(Operand("grad_output", PER_COLUMN), Operand("input", PER_COLUMN)),
+    )
     summary = (
         "FP8 with a scale per row of input and grad_output and per output channel of the weight, from "
         "this call's own amaxes (stateless); owners, stamps, ledger counts; recompute exact when its "
@@ -169,17 +178,6 @@ class Fp8Rowwise(PerCallScales, Recipe):
         wq, w_descale = self._columns(w_saved, "weight")
         return rowwise_matmul(g_x, wq, sg.descale, w_descale, out_dtype, backend)
 
-    def all_gather_problem(self) -> str | None:
-        # The forward's per-row scales would need no collective (FSDP2 shards dim 0, so each
-        # output row is whole on one rank: codes + [rows, 1] scales could travel); the refusal
-        # is the backward's: dX = g @ W scales W per column, over rows every rank holds a part of.
-        return (
-            f"recipe={self.name!r}: the forward's per-row weight scales are local to each shard, but the input "
-            "gradient scales the weight per column, from its high-precision values, which an FP8 all-gather "
-            "does not bring (a call saves the high-precision weight); the weights gather in high precision "
-            "(fp8_all_gather=False)"
-        )
-
     def telemetry(self, snap) -> dict[str, torch.Tensor]:
         if snap.scale.numel() == 0:
             return {}
@@ -193,4 +191,9 @@ class Fp8RowwiseGwHp(Fp8Rowwise):
 
     name = "fp8_rowwise_gw_hp"
     high_precision_weight_grad = True
+    gemm_layouts = GemmLayouts(
+        forward=Fp8Rowwise.gemm_layouts.forward,
+        grad_input=Fp8Rowwise.gemm_layouts.grad_input,
+        grad_weight=(Operand("grad_output", None), Operand("input", None)),
+    )
     summary = Fp8Rowwise.summary + "; the weight gradient in high precision"

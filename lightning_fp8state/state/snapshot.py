@@ -21,8 +21,10 @@ class QuantSnapshot:
     ``scale`` and ``descale`` (and ``center``, for the centered FP4 variant) are views of a
     copy taken before any state advanced in the event; nothing writes to that copy, so a
     snapshot never changes after it is taken. Under a stateless recipe (``fp8_current``,
-    ``fp8_rowwise``) they are the call's own, derived from its tensor (with ``amax``): a
-    scalar per tensor, or ``[rows, 1]`` per row. Consumers call :meth:`expect` before reading it.
+    ``fp8_rowwise``) they are the call's own, derived from its tensor (with ``amax``). Their
+    shape is the recipe's :class:`~lightning_fp8state.formats.ScaleLayout` for the role
+    (``Recipe.scale_layout``): the snapshot carries the tensors, the recipe says how they
+    cover the data. Consumers call :meth:`expect` before reading it.
     """
 
     owner: OwnerKey

@@ -31,8 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ..config import QuantConfig
-from ..quant_recipes import check_recipe
 from ..errors import ConfigError
+from ..quant_recipes import check_recipe
 from ..shipped import shipped_dir
 from .schema import RunCfg
 

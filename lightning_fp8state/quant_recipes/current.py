@@ -19,8 +19,8 @@ from ..ops import quantize_fp8, quantize_fp8_t_record_amax
 from ..ops.library_dynamic import current_scale, quantize_fp8_current
 from ..ops.reference_dynamic import dynamic_scale_reference
 from .base import PerCallFp8Encoder, PerCallScales
-from .registry import register
 from .delayed import PerTensorFp8
+from .registry import register
 
 __all__ = ["CurrentFp8Encoder", "Fp8Current"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from ..encoders import CastTranspose
 from .base import Recipe
-from .registry import register
 from .gemm import scaled_matmul
+from .registry import register
 
 __all__ = ["Bf16", "Fp8Delayed", "PerTensorFp8"]
 

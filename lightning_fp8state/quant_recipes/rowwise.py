@@ -28,8 +28,8 @@ import torch
 from ..formats import PER_COLUMN, PER_ROW
 from ..ops.library_dynamic import quantize_fp8_colwise, quantize_fp8_rowwise
 from .base import LINEAR_GEMM_ROLES, GemmLayouts, Operand, PerCallFp8Encoder, PerCallScales, Recipe
-from .registry import register
 from .gemm import _mm_device
+from .registry import register
 
 __all__ = ["Fp8Rowwise", "Fp8RowwiseGwHp", "RowwiseFp8Encoder", "rowwise_matmul"]
 

@@ -70,7 +70,8 @@ def train(graphed: bool, mode="safe", recipe="fp8_delayed", accumulate=1, xs=Non
     return state, model, outs, grads, backend
 
 
-@pytest.mark.parametrize("recipe", ["fp8_delayed", "bf16", "fp8_current", "fp8_rowwise", "fp8_rowwise_gw_hp"])
+# every other recipe: test_recipe_conformance.py (accumulating)
+@pytest.mark.parametrize("recipe", ["fp8_delayed"])
 @pytest.mark.parametrize("accumulate", [1, 2], ids=["no-accumulation", "accumulate-2"])
 def test_replayed_blocks_train_bitwise_the_eager_checkpointed_run(recipe, accumulate):
     ref_state, ref_model, ref_outs, ref_grads, _ = train(False, recipe=recipe, accumulate=accumulate)

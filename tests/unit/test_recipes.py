@@ -1,9 +1,10 @@
 """The stateless recipes (issue 28): fp8_current, fp8_rowwise, fp8_rowwise_gw_hp.
 
 Their reference quantize against a hand computation (numpy float32, torch's FP8 cast as the
-format's rounding), the rowwise GEMM against the dequantized product, recompute bitwise the true
-forward under every checkpoint engine, checkpointed gradients bitwise the uncheckpointed ones,
-ownership / stamps / ledger, the auditor's input check, configs and the recipe-mismatch refusal.
+format's rounding), the rowwise GEMM against the dequantized product, each call's own scale in
+its snapshot, the auditor's input check and configs. What every recipe keeps (ownership,
+stamps, the ledger, recompute, checkpoint refusal, the FSDP2 gather, graphs) is checked once
+for all of them in test_recipe_conformance.py.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import torch
 from torch import nn
 
 import lightning_fp8state as f8s
-from lightning_fp8state.errors import ConfigError, StaleSnapshotError, StateLoadError, StateTransitionError
+from lightning_fp8state.errors import ConfigError, StaleSnapshotError
 from lightning_fp8state.ops.library_dynamic import current_scale, quantize_fp8_current, quantize_fp8_rowwise
 from lightning_fp8state.quant_recipes.rowwise import rowwise_matmul
 from lightning_fp8state.telemetry.quantizer import quantizer_health
-from tests.conftest import ENGINE_IDS, ENGINES, bitwise_equal, event_inputs, make_stack, run_events
+from tests.conftest import bitwise_equal, event_inputs, make_stack, run_events
 
 STATELESS = ["fp8_current", "fp8_rowwise", "fp8_rowwise_gw_hp"]
 N_EVENTS = 3
@@ -113,27 +114,6 @@ def audited_run(recipe, ckpt, n_events=N_EVENTS, **cfg):
     return state, auditor.report(), outs, grads
 
 
-@pytest.mark.parametrize("recipe", STATELESS)
-@pytest.mark.parametrize("ckpt", ENGINES, ids=ENGINE_IDS)
-def test_recompute_is_bitwise_the_true_forward_and_gradients_the_uncheckpointed_ones(recipe, ckpt):
-    _, _, outs_ref, grads_ref = audited_run(recipe, None)
-    state, report, outs, grads = audited_run(recipe, ckpt)
-    assert {r.event for r in report.rows if r.recomputed} == {(i, 0) for i in range(N_EVENTS)}
-    assert report.recomputed >= 4 * N_EVENTS
-    assert all(r.operands_equal for r in report.rows) and report.ok, report.format_table()
-    for event, (g_ref, g_ck) in enumerate(zip(grads_ref, grads, strict=True)):
-        assert bitwise_equal(outs_ref[event], outs[event])
-        for name in g_ref:
-            assert bitwise_equal(g_ref[name], g_ck[name]), f"{recipe} event {event}: grad of {name} differs"
-    # stateless: no bank state, one ledger commit per owner per event, owners per layer x role
-    assert len(state.bank) == 0
-    owners = state.protocol.owners()
-    assert len(owners) == 4 * 2 * 3 and {o.role for o in owners} == {"input", "weight", "grad_output"}
-    for owner in owners:
-        assert state.ledger.commits(owner) == N_EVENTS
-    assert state.ledger.ok
-
-
 def test_the_recipes_differ_from_each_other_and_from_delayed():
     outs = {r: audited_run(r, None, n_events=2)[2:] for r in ("fp8_delayed", *STATELESS)}
     y = {r: o[0][1] for r, o in outs.items()}
@@ -164,15 +144,6 @@ def test_snapshots_carry_the_calls_own_scale_and_stamps(recipe):
     health, _ = quantizer_health(state)
     key = "scale" if recipe == "fp8_current" else "scale_max"
     assert health[f"fp8state/{key}/0.input"] > 0 and health["fp8state/amax/0.input"] == x.abs().max().item()
-
-
-@pytest.mark.parametrize("recipe", STATELESS)
-def test_a_shared_owner_is_refused_under_strict_ownership(recipe):
-    state = f8s.Fp8State(f8s.QuantConfig(recipe=recipe, ownership="per_model"))
-    model = state.convert(make_stack(n=2))
-    with pytest.raises(StateTransitionError, match="shared|entered|call site"):
-        with state.step(0):
-            model(torch.randn(4, 16)).sum().backward()
 
 
 class _Drifting(nn.Module):
@@ -217,33 +188,6 @@ def test_config_names_the_allowed_recipes_and_refuses_naive_without_state():
     with pytest.raises(ConfigError, match=r"recipe="):
         f8s.QuantConfig(recipe="")
     assert f8s.QuantConfig.from_dict({"recipe": "fp8_rowwise_gw_hp"}).recipe == "fp8_rowwise_gw_hp"
-
-
-def test_fsdp_fp8_all_gather_is_refused_with_the_recipes_reason():
-    from lightning_fp8state.nn.fsdp import enable_fp8_all_gather, fp8_all_gather_problem
-
-    assert fp8_all_gather_problem(f8s.QuantConfig()) is None
-    # fp8_current gathers in FP8 at the full weight's scale (tests/distributed/test_fsdp_current.py);
-    # its per-call weight scale needs no amax reduction at the commit
-    assert fp8_all_gather_problem(f8s.QuantConfig(recipe="fp8_current")) is None
-    assert fp8_all_gather_problem(f8s.QuantConfig(recipe="fp8_current", amax_reduction="none")) is None
-    for recipe in ("fp8_rowwise", "fp8_rowwise_gw_hp"):
-        state = f8s.Fp8State(f8s.QuantConfig(recipe=recipe))
-        model = state.convert(nn.Sequential(nn.Linear(16, 16)))
-        with pytest.raises(ConfigError, match=f"recipe='{recipe}'.*high precision"):
-            enable_fp8_all_gather(model)
-
-
-@pytest.mark.parametrize(("saved", "live"), [("fp8_delayed", "fp8_current"), ("fp8_rowwise", "fp8_rowwise_gw_hp")])
-def test_a_checkpoint_refuses_another_recipe_in_one_line(saved, live):
-    src = f8s.Fp8State(f8s.QuantConfig(recipe=saved))
-    model = src.convert(make_stack(n=1))
-    run_events(src, model, event_inputs(1))
-    dst = f8s.Fp8State(f8s.QuantConfig(recipe=live))
-    dst.convert(make_stack(n=1))
-    with pytest.raises(StateLoadError, match=f"recipe '{saved}'.*recipe '{live}'") as info:
-        dst.load_state_dict(src.state_dict())
-    assert "\n" not in str(info.value)
 
 
 # sha256 of fp8_delayed's outputs, gradients, scales and histories on this run, computed with

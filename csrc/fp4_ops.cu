@@ -970,8 +970,10 @@ std::string float_str(double v) {
   return s;
 }
 
+// The package's one argument-check message (config.require_that): "<key>=<found> is not
+// allowed: expected <what is>", bit for bit the CPU reference's.
 #define FP4S_CHECK(cond, what, expected, found) \
-  TORCH_CHECK_VALUE(cond, "fp8state: ", what, ": expected ", expected, ", got ", found)
+  TORCH_CHECK_VALUE(cond, what, "=", found, " is not allowed: expected ", expected)
 
 const std::string kInDtypes = "one of [torch.float32, torch.bfloat16, torch.float16]";
 

@@ -39,6 +39,8 @@ __all__ = [
     "require_name",
     "require_number",
     "require_strings",
+    "require_that",
+    "require_that",
     "require_type",
 ]
 
@@ -72,7 +74,20 @@ INITIAL_SCALES = ("calibrate", "one")
 
 def _refuse(key: str, value: object, expected: str, why: str) -> ConfigError:
     """The one message of every check: the key, what was found, what is allowed (and why)."""
-    return ConfigError(f"{key}={_shown(value)} is not allowed: expected {expected}" + (f" ({why})" if why else ""))
+    return _refusal(key, _shown(value), expected, why)
+
+
+def _refusal(key: str, shown: str, expected: str, why: str) -> ConfigError:
+    return ConfigError(f"{key}={shown} is not allowed: expected {expected}" + (f" ({why})" if why else ""))
+
+
+def require_that(ok: bool, key: str, found: object, expected: str, *, why: str = "") -> None:
+    """The general check, for a condition the helpers below do not name: ``ConfigError``
+    naming ``key`` unless ``ok``, in their one message. ``found`` is shown as ``str`` shows it:
+    the ops pass tensor attributes (a dtype, a device, a shape tuple) and quoted names, as their
+    CUDA kernels print them (``csrc/``: the same message, bit for bit)."""
+    if not ok:
+        raise _refusal(key, str(found), expected, why)
 
 
 def _shown(value: object) -> str:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
-from .config import QuantConfig
+from .config import QuantConfig, require_that
 from .formats import FP4_LAYOUTS, fp8_format
 from .ops.library_fused import layer_norm_width_ok
 from .state import ATTENTION_ROLES, QuantSnapshot, StateBank, role_phase
@@ -198,11 +198,13 @@ class CastTranspose:
         return x
 
     def encode(self, x: torch.Tensor, scale, dtype, amax_pending=None, slot: int = 0):
-        if amax_pending is None:
-            raise ValueError(
-                "CastTranspose: the grad_output stage encodes only with a record (a backward role "
-                "is quantized once per event, in its backward)"
-            )
+        require_that(
+            amax_pending is not None,
+            "CastTranspose.encode(amax_pending)",
+            None,
+            "a tensor: the grad_output stage encodes only with a record (a backward role is quantized once "
+            "per event, in its backward)",
+        )
         if torch.is_grad_enabled():  # (a backward runs with gradients off: no context to enter)
             with torch.no_grad():
                 q, q_t, sums = ops.quantize_fp8_t_record_amax(x, scale, amax_pending, slot, dtype, self.column_sum)

@@ -350,13 +350,14 @@ class Fp8State:
             raise StateLoadError(f"saved quantizer state belongs to rank {sd['rank']}, this is rank {self.rank}")
         try:
             last = sd["clock"]["last"]
-            if last is not None and (len(last) != 2 or any(int(v) < 0 for v in last)):
-                raise ValueError(last)
+            clock_ok = last is None or (len(last) == 2 and all(int(v) >= 0 for v in last))
             ledger_sd = sd["ledger"]
-            if not (len(ledger_sd["owners"]) == len(ledger_sd["commits"]) == len(ledger_sd["observations"])):
-                raise ValueError("ledger lengths differ")
+            ledger_ok = len(ledger_sd["owners"]) == len(ledger_sd["commits"]) == len(ledger_sd["observations"])
         except (KeyError, TypeError, ValueError) as exc:
             raise StateLoadError(f"saved quantizer state is corrupt: clock or ledger ({exc!r})") from exc
+        if not (clock_ok and ledger_ok):
+            what = f"the clock's last event {last!r}" if not clock_ok else "the ledger's lists differ in length"
+            raise StateLoadError(f"saved quantizer state is corrupt: clock or ledger ({what})")
         owners, _, _ = StateBank.validate_state_dict(sd["bank"], self.bank.history_len)
         saved_layers = {o.layer for o in owners} - {"*"}
         fresh = len(self.bank) == 0

@@ -29,6 +29,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from ..config import require_that
 from ..errors import DiskFullError, RunDirectoryError, file_size_limit
 from ..state.checkpoint_files import load_checkpoint_file
 
@@ -226,11 +227,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                "AtomicCheckpointIO.save_checkpoint takes no storage_options, got "
-                f"{storage_options!r}: pass a custom CheckpointIO for those"
-            )
+        require_that(
+            storage_options is None,
+            "AtomicCheckpointIO.save_checkpoint(storage_options)",
+            repr(storage_options),
+            "None (pass a custom CheckpointIO for those)",
+        )
         write_atomic(path, lambda f: torch.save(checkpoint, f), nbytes=checkpoint_nbytes(checkpoint))
 
     @override

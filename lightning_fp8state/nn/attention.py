@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..config import require_name
+from ..config import require_name, require_that
 from ..formats import FP4_LAYOUTS
 from ..protocol import QuantProtocol
 from ..recompute import Phase
@@ -173,11 +173,12 @@ class Fp4AttentionQuantizer(nn.Module):
             block = FP4_LAYOUTS[config.attn_format].block_size
             for role in roles:
                 width = tensors[role].shape[-1] if tensors[role].dim() else 0
-                if width == 0 or width % block:
-                    raise ValueError(
-                        f"layer {self.layer_name!r}: {role} has {width} channels (last dimension): "
-                        f"expected a multiple of {block}, the {config.attn_format} block size"
-                    )
+                require_that(
+                    width > 0 and width % block == 0,
+                    f"layer {self.layer_name!r}: {role}.shape[-1]",
+                    width,
+                    f"a positive multiple of {block}, the {config.attn_format} block size (channels)",
+                )
         channels = {role: tensors[role].shape[-1] for role in roles}
         phase, record = protocol.enter_call(self.layer_name, roles, q.device, channels=channels)
         return protocol, phase, record, roles

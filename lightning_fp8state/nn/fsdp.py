@@ -34,7 +34,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ..config import QuantConfig
+from ..config import QuantConfig, require_that
 from ..errors import ConfigError
 from ..protocol import ShardSource
 from ..quant_recipes import recipe_for
@@ -119,11 +119,12 @@ class Fp8ShardedWeight(torch.Tensor):
     # -- FSDP2's all-gather extension --------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """This rank's shard as FP8 codes (bytes) at the event's weight scale."""
-        if not isinstance(module, Fp8Linear):
-            raise TypeError(
-                f"Fp8ShardedWeight belongs to an Fp8Linear weight, but FSDP2 gathers it for a "
-                f"{type(module).__name__}: call enable_fp8_all_gather on the converted model"
-            )
+        require_that(
+            isinstance(module, Fp8Linear),
+            "the module FSDP2 gathers an Fp8ShardedWeight for",
+            type(module).__name__,
+            "an Fp8Linear (call enable_fp8_all_gather on the converted model)",
+        )
         if self.size(0) * mesh.size() != outer_size[0]:
             raise ConfigError(
                 f"layer {module.layer_name!r}: its weight {tuple(outer_size)} is sharded unevenly over "

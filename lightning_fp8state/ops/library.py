@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..config import AMAX_ALGOS, MARGIN_MAX
+from ..config import AMAX_ALGOS, MARGIN_MAX, require_that
 from ..formats import FP8_FORMATS
 from . import reference as ref
 
@@ -80,29 +80,24 @@ _FP8_DTYPES = tuple(f.dtype for f in FP8_FORMATS.values())
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _expect(cond: bool, what: str, expected: str, found: object) -> None:
-    if not cond:
-        raise ValueError(f"fp8state: {what}: expected {expected}, got {found}")
-
-
 def _check_scalar(name: str, t: torch.Tensor, device: torch.device) -> None:
-    _expect(t.dtype == torch.float32, f"{name}.dtype", "torch.float32", t.dtype)
-    _expect(t.numel() == 1, f"{name}.numel()", "1", t.numel())
-    _expect(t.device == device, f"{name}.device", str(device), t.device)
+    require_that(t.dtype == torch.float32, f"{name}.dtype", t.dtype, "torch.float32")
+    require_that(t.numel() == 1, f"{name}.numel()", t.numel(), "1")
+    require_that(t.device == device, f"{name}.device", t.device, str(device))
 
 
 def check_quantize_args(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
     """Validate the arguments shared by the quantize ops."""
-    _expect(x.dtype in _IN_DTYPES, "x.dtype", f"one of {list(_IN_DTYPES)}", x.dtype)
-    _expect(dtype in _FP8_DTYPES, "dtype", f"one of {list(_FP8_DTYPES)}", dtype)
+    require_that(x.dtype in _IN_DTYPES, "x.dtype", x.dtype, f"one of {list(_IN_DTYPES)}")
+    require_that(dtype in _FP8_DTYPES, "dtype", dtype, f"one of {list(_FP8_DTYPES)}")
     _check_scalar("scale", scale, x.device)
 
 
 def _check_pending(amax_pending: torch.Tensor, slot: int, device: torch.device) -> None:
-    _expect(amax_pending.dtype == torch.float32, "amax_pending.dtype", "torch.float32", amax_pending.dtype)
-    _expect(amax_pending.dim() == 1, "amax_pending.dim()", "1", amax_pending.dim())
-    _expect(amax_pending.device == device, "amax_pending.device", str(device), amax_pending.device)
-    _expect(0 <= slot < amax_pending.numel(), "slot", f"0 <= slot < {amax_pending.numel()}", slot)
+    require_that(amax_pending.dtype == torch.float32, "amax_pending.dtype", amax_pending.dtype, "torch.float32")
+    require_that(amax_pending.dim() == 1, "amax_pending.dim()", amax_pending.dim(), "1")
+    require_that(amax_pending.device == device, "amax_pending.device", amax_pending.device, str(device))
+    require_that(0 <= slot < amax_pending.numel(), "slot", slot, f"0 <= slot < {amax_pending.numel()}")
 
 
 def check_update_args(
@@ -117,7 +112,7 @@ def check_update_args(
     margin: int,
 ) -> None:
     """Validate the batched scale update's arguments (shapes, dtypes, devices, values)."""
-    _expect(amax_history.dim() == 2, "amax_history.dim()", "2 ([history_len, owners])", amax_history.dim())
+    require_that(amax_history.dim() == 2, "amax_history.dim()", amax_history.dim(), "2 ([history_len, owners])")
     n = amax_history.shape[1]
     device = amax_history.device
     for name, t, dtype in (
@@ -129,12 +124,12 @@ def check_update_args(
         ("commit_mask", commit_mask, torch.bool),
         ("fmax", fmax, torch.float32),
     ):
-        _expect(t.dtype == dtype, f"{name}.dtype", str(dtype), t.dtype)
-        _expect(t.device == device, f"{name}.device", str(device), t.device)
+        require_that(t.dtype == dtype, f"{name}.dtype", t.dtype, str(dtype))
+        require_that(t.device == device, f"{name}.device", t.device, str(device))
         if name != "amax_history":
-            _expect(tuple(t.shape) == (n,), f"{name}.shape", f"({n},)", tuple(t.shape))
-    _expect(amax_algo in AMAX_ALGOS, "amax_algo", f"one of {list(AMAX_ALGOS)}", repr(amax_algo))
-    _expect(0 <= margin <= MARGIN_MAX, "margin", f"an integer >= 0 and <= {MARGIN_MAX}", margin)
+            require_that(tuple(t.shape) == (n,), f"{name}.shape", tuple(t.shape), f"({n},)")
+    require_that(amax_algo in AMAX_ALGOS, "amax_algo", repr(amax_algo), f"one of {list(AMAX_ALGOS)}")
+    require_that(0 <= margin <= MARGIN_MAX, "margin", margin, f"an integer >= 0 and <= {MARGIN_MAX}")
 
 
 @torch.library.impl(LIB, "quantize_fp8", "CompositeExplicitAutograd")
@@ -156,8 +151,8 @@ def _quantize_fp8_record_amax(
 
 @torch.library.impl(LIB, "dequantize_fp8", "CompositeExplicitAutograd")
 def _dequantize_fp8(q: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    _expect(q.dtype in _FP8_DTYPES, "q.dtype", f"one of {list(_FP8_DTYPES)}", q.dtype)
-    _expect(dtype in _IN_DTYPES, "dtype", f"one of {list(_IN_DTYPES)}", dtype)
+    require_that(q.dtype in _FP8_DTYPES, "q.dtype", q.dtype, f"one of {list(_FP8_DTYPES)}")
+    require_that(dtype in _IN_DTYPES, "dtype", dtype, f"one of {list(_IN_DTYPES)}")
     _check_scalar("descale", descale, q.device)
     return ref.dequantize_fp8_reference(q, descale, dtype).contiguous()
 
@@ -170,8 +165,8 @@ def _update_scales(*args) -> None:
 
 def check_transpose_args(q: torch.Tensor) -> None:
     """Validate ``transpose_fp8``'s argument: a 2-D FP8 tensor."""
-    _expect(q.dtype in _FP8_DTYPES, "q.dtype", f"one of {list(_FP8_DTYPES)}", q.dtype)
-    _expect(q.dim() == 2, "q.dim()", "2", q.dim())
+    require_that(q.dtype in _FP8_DTYPES, "q.dtype", q.dtype, f"one of {list(_FP8_DTYPES)}")
+    require_that(q.dim() == 2, "q.dim()", q.dim(), "2")
 
 
 @torch.library.impl(LIB, "transpose_fp8", "CompositeExplicitAutograd")
@@ -184,7 +179,7 @@ def _transpose_fp8(q: torch.Tensor) -> torch.Tensor:
 def _quantize_fp8_t_record_amax(
     x: torch.Tensor, scale: torch.Tensor, amax_pending: torch.Tensor, slot: int, dtype: torch.dtype, column_sum: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _expect(x.dim() == 2, "x.dim()", "2", x.dim())
+    require_that(x.dim() == 2, "x.dim()", x.dim(), "2")
     q = _quantize_fp8_record_amax(x, scale, amax_pending, slot, dtype)
     sums = ref.column_sum_reference(x) if column_sum else x.new_empty((0,), dtype=torch.float32)
     return q, ref.transpose_fp8_reference(q), sums
@@ -192,7 +187,7 @@ def _quantize_fp8_t_record_amax(
 
 @torch.library.register_fake("fp8state::quantize_fp8_t_record_amax")
 def _quantize_fp8_t_record_amax_fake(x, scale, amax_pending, slot, dtype, column_sum):
-    _expect(x.dim() == 2, "x.dim()", "2", x.dim())
+    require_that(x.dim() == 2, "x.dim()", x.dim(), "2")
     rows, cols = x.shape
     sums = x.new_empty((cols if column_sum else 0,), dtype=torch.float32)
     return x.new_empty((rows, cols), dtype=dtype), x.new_empty((cols, rows), dtype=dtype), sums

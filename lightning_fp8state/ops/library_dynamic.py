@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import MARGIN_MAX
+from ..config import MARGIN_MAX, require_that
 from . import cuda
 from . import reference_dynamic as ref
-from .library import _FP8_DTYPES, _IN_DTYPES, LIB, _expect
+from .library import _FP8_DTYPES, _IN_DTYPES, LIB
 
 __all__ = ["current_scale", "quantize_fp8_colwise", "quantize_fp8_current", "quantize_fp8_rowwise"]
 
@@ -27,11 +27,11 @@ LIB.define("quantize_fp8_colwise(Tensor x, ScalarType dtype, int margin) -> (Ten
 
 
 def _check(x: torch.Tensor, dtype: torch.dtype, margin: int, *, rows: bool) -> None:
-    _expect(x.dtype in _IN_DTYPES, "x.dtype", f"one of {list(_IN_DTYPES)}", x.dtype)
-    _expect(dtype in _FP8_DTYPES, "dtype", f"one of {list(_FP8_DTYPES)}", dtype)
-    _expect(0 <= margin <= MARGIN_MAX, "margin", f"an integer >= 0 and <= {MARGIN_MAX}", margin)
+    require_that(x.dtype in _IN_DTYPES, "x.dtype", x.dtype, f"one of {list(_IN_DTYPES)}")
+    require_that(dtype in _FP8_DTYPES, "dtype", dtype, f"one of {list(_FP8_DTYPES)}")
+    require_that(0 <= margin <= MARGIN_MAX, "margin", margin, f"an integer >= 0 and <= {MARGIN_MAX}")
     if rows:
-        _expect(x.dim() == 2, "x.dim()", "2", x.dim())
+        require_that(x.dim() == 2, "x.dim()", x.dim(), "2")
 
 
 # CUDA: csrc/dynamic_ops.cu (the amax, the scale on the device, then the quantize)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import CENTER_MOMENTUM_MAX
+from ..config import CENTER_MOMENTUM_MAX, require_that
 from ..formats import FP4_LAYOUTS
 from . import reference_fp4 as ref
-from .library import LIB, _check_pending, _check_scalar, _expect
+from .library import LIB, _check_pending, _check_scalar
 from .reference import canonical_nan
 
 __all__ = ["check_fp4_quantize_args", "check_update_centers_args"]
@@ -40,51 +40,57 @@ _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_layout(layout: str) -> int:
-    _expect(layout in FP4_LAYOUTS, "layout", f"one of {sorted(FP4_LAYOUTS)}", repr(layout))
+    require_that(layout in FP4_LAYOUTS, "layout", repr(layout), f"one of {sorted(FP4_LAYOUTS)}")
     return FP4_LAYOUTS[layout].block_size
 
 
 def _check_center(center: torch.Tensor | None, k: int, device: torch.device) -> None:
     if center is None:
         return
-    _expect(center.dtype == torch.float32, "center.dtype", "torch.float32", center.dtype)
-    _expect(tuple(center.shape) == (k,), "center.shape", f"({k},) (one value per channel of x)", tuple(center.shape))
-    _expect(center.device == device, "center.device", str(device), center.device)
+    require_that(center.dtype == torch.float32, "center.dtype", center.dtype, "torch.float32")
+    require_that(
+        tuple(center.shape) == (k,), "center.shape", tuple(center.shape), f"({k},) (one value per channel of x)"
+    )
+    require_that(center.device == device, "center.device", center.device, str(device))
 
 
 def check_fp4_quantize_args(x: torch.Tensor, scale: torch.Tensor, center: torch.Tensor | None, layout: str) -> None:
     """Validate the arguments shared by the FP4 quantize ops."""
     block = _check_layout(layout)
-    _expect(x.dtype in _IN_DTYPES, "x.dtype", f"one of {list(_IN_DTYPES)}", x.dtype)
-    _expect(x.dim() >= 1, "x.dim()", ">= 1", x.dim())
+    require_that(x.dtype in _IN_DTYPES, "x.dtype", x.dtype, f"one of {list(_IN_DTYPES)}")
+    require_that(x.dim() >= 1, "x.dim()", x.dim(), ">= 1")
     k = x.shape[-1]
-    _expect(k % block == 0, "x.shape[-1]", f"a multiple of {block} (the {layout} block size)", k)
+    require_that(k % block == 0, "x.shape[-1]", k, f"a multiple of {block} (the {layout} block size)")
     _check_scalar("scale", scale, x.device)
     _check_center(center, k, x.device)
 
 
 def _check_center_stats(center_max, center_min, slot: int, k: int, device: torch.device) -> None:
     for name, t in (("center_max", center_max), ("center_min", center_min)):
-        _expect(t.dtype == torch.float32, f"{name}.dtype", "torch.float32", t.dtype)
-        _expect(t.dim() == 2, f"{name}.dim()", "2 ([owners, channels])", t.dim())
-        _expect(t.device == device, f"{name}.device", str(device), t.device)
-    _expect(center_min.shape == center_max.shape, "center_min.shape", tuple(center_max.shape), tuple(center_min.shape))
-    _expect(0 <= slot < center_max.shape[0], "slot", f"0 <= slot < {center_max.shape[0]}", slot)
-    _expect(center_max.shape[1] >= k, "center_max.shape[1]", f">= {k} (x's channels)", center_max.shape[1])
+        require_that(t.dtype == torch.float32, f"{name}.dtype", t.dtype, "torch.float32")
+        require_that(t.dim() == 2, f"{name}.dim()", t.dim(), "2 ([owners, channels])")
+        require_that(t.device == device, f"{name}.device", t.device, str(device))
+    require_that(
+        center_min.shape == center_max.shape, "center_min.shape", tuple(center_min.shape), tuple(center_max.shape)
+    )
+    require_that(0 <= slot < center_max.shape[0], "slot", slot, f"0 <= slot < {center_max.shape[0]}")
+    require_that(center_max.shape[1] >= k, "center_max.shape[1]", center_max.shape[1], f">= {k} (x's channels)")
 
 
 def check_update_centers_args(center, center_max, center_min, commit_mask, momentum) -> None:
     """Validate the batched center update's arguments."""
-    _expect(center.dim() == 2, "center.dim()", "2 ([owners, channels])", center.dim())
+    require_that(center.dim() == 2, "center.dim()", center.dim(), "2 ([owners, channels])")
     n, device = center.shape[0], center.device
     for name, t in (("center", center), ("center_max", center_max), ("center_min", center_min)):
-        _expect(t.dtype == torch.float32, f"{name}.dtype", "torch.float32", t.dtype)
-        _expect(t.device == device, f"{name}.device", str(device), t.device)
-        _expect(t.shape == center.shape, f"{name}.shape", tuple(center.shape), tuple(t.shape))
-    _expect(commit_mask.dtype == torch.bool, "commit_mask.dtype", "torch.bool", commit_mask.dtype)
-    _expect(tuple(commit_mask.shape) == (n,), "commit_mask.shape", f"({n},)", tuple(commit_mask.shape))
-    _expect(commit_mask.device == device, "commit_mask.device", str(device), commit_mask.device)
-    _expect(0.0 < momentum <= CENTER_MOMENTUM_MAX, "momentum", f"0 < momentum <= {CENTER_MOMENTUM_MAX:g}", momentum)
+        require_that(t.dtype == torch.float32, f"{name}.dtype", t.dtype, "torch.float32")
+        require_that(t.device == device, f"{name}.device", t.device, str(device))
+        require_that(t.shape == center.shape, f"{name}.shape", tuple(t.shape), tuple(center.shape))
+    require_that(commit_mask.dtype == torch.bool, "commit_mask.dtype", commit_mask.dtype, "torch.bool")
+    require_that(tuple(commit_mask.shape) == (n,), "commit_mask.shape", tuple(commit_mask.shape), f"({n},)")
+    require_that(commit_mask.device == device, "commit_mask.device", commit_mask.device, str(device))
+    require_that(
+        0.0 < momentum <= CENTER_MOMENTUM_MAX, "momentum", momentum, f"0 < momentum <= {CENTER_MOMENTUM_MAX:g}"
+    )
 
 
 def _record_stats(x, center, amax_pending, slot, center_max=None, center_min=None) -> None:
@@ -126,16 +132,16 @@ def _quantize_fp4_centered_record(x, scale, center, amax_pending, center_max, ce
 @torch.library.impl(LIB, "dequantize_fp4", "CompositeExplicitAutograd")
 def _dequantize_fp4(packed, block_scales, descale, center, layout, dtype):
     block = _check_layout(layout)
-    _expect(packed.dtype == torch.uint8, "packed.dtype", "torch.uint8", packed.dtype)
-    _expect(packed.dim() >= 1, "packed.dim()", ">= 1", packed.dim())
+    require_that(packed.dtype == torch.uint8, "packed.dtype", packed.dtype, "torch.uint8")
+    require_that(packed.dim() >= 1, "packed.dim()", packed.dim(), ">= 1")
     k = 2 * packed.shape[-1]
-    _expect(k % block == 0, "2 * packed.shape[-1]", f"a multiple of {block} (the {layout} block size)", k)
+    require_that(k % block == 0, "2 * packed.shape[-1]", k, f"a multiple of {block} (the {layout} block size)")
     want_dtype = FP4_LAYOUTS[layout].block_scale_dtype
-    _expect(block_scales.dtype == want_dtype, "block_scales.dtype", str(want_dtype), block_scales.dtype)
+    require_that(block_scales.dtype == want_dtype, "block_scales.dtype", block_scales.dtype, str(want_dtype))
     want_shape = (*packed.shape[:-1], k // block)
-    _expect(tuple(block_scales.shape) == want_shape, "block_scales.shape", want_shape, tuple(block_scales.shape))
-    _expect(block_scales.device == packed.device, "block_scales.device", str(packed.device), block_scales.device)
-    _expect(dtype in _IN_DTYPES, "dtype", f"one of {list(_IN_DTYPES)}", dtype)
+    require_that(tuple(block_scales.shape) == want_shape, "block_scales.shape", tuple(block_scales.shape), want_shape)
+    require_that(block_scales.device == packed.device, "block_scales.device", block_scales.device, str(packed.device))
+    require_that(dtype in _IN_DTYPES, "dtype", dtype, f"one of {list(_IN_DTYPES)}")
     _check_scalar("descale", descale, packed.device)
     _check_center(center, k, packed.device)
     return ref.dequantize_fp4_reference(packed, block_scales, descale, center, layout, dtype).contiguous()

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from ..config import require_that
 from . import reference_fused as ref
-from .library import _IN_DTYPES, LIB, _check_pending, _expect, check_quantize_args
+from .library import _IN_DTYPES, LIB, _check_pending, check_quantize_args
 from .reference import canonical_nan
 from .reference_ln import layer_norm_backward_reference
 
@@ -52,13 +53,13 @@ def layer_norm_width_ok(dtype: torch.dtype, d: int) -> bool:
 
 def _check_row_width(x: torch.Tensor) -> int:
     """The width of ``x``'s rows (its last dim), checked against the LayerNorm kernels'."""
-    _expect(x.dim() >= 1, "x.dim()", ">= 1", x.dim())
+    require_that(x.dim() >= 1, "x.dim()", x.dim(), ">= 1")
     d = x.shape[-1]
-    _expect(
+    require_that(
         layer_norm_width_ok(x.dtype, d),
         "x.shape[-1]",
-        f"a positive multiple of {ref._chunk_width(x.dtype)} up to {layer_norm_max_width(x.dtype)} for {x.dtype}",
         d,
+        f"a positive multiple of {ref._chunk_width(x.dtype)} up to {layer_norm_max_width(x.dtype)} for {x.dtype}",
     )
     return d
 
@@ -69,7 +70,7 @@ def check_layer_norm_args(
     """Validate the fused LayerNorm's arguments (the quantize ones, the row width, the affine)."""
     check_quantize_args(x, scale, dtype)
     _check_row_width(x)
-    _expect(eps >= 0, "eps", ">= 0", eps)
+    require_that(eps >= 0, "eps", eps, ">= 0")
     _check_affine("weight", weight, x)
     _check_affine("bias", bias, x)
 
@@ -78,26 +79,26 @@ def _check_affine(name: str, t: torch.Tensor | None, x: torch.Tensor) -> None:
     if t is None:
         return
     d = x.shape[-1]
-    _expect(t.dtype == torch.float32, f"{name}.dtype", "torch.float32", t.dtype)
-    _expect(tuple(t.shape) == (d,), f"{name}.shape", f"({d},) (one value per channel of x)", tuple(t.shape))
-    _expect(t.device == x.device, f"{name}.device", str(x.device), t.device)
+    require_that(t.dtype == torch.float32, f"{name}.dtype", t.dtype, "torch.float32")
+    require_that(tuple(t.shape) == (d,), f"{name}.shape", tuple(t.shape), f"({d},) (one value per channel of x)")
+    require_that(t.device == x.device, f"{name}.device", t.device, str(x.device))
 
 
 def check_layer_norm_backward_args(grad_y, x, mean, rstd, weight, output_mask) -> None:
     """Validate ``layer_norm_backward``'s arguments (``x``'s width as the forward's, ``grad_y``
     like ``x``, one float32 statistic per row, the optional float32 weight)."""
-    _expect(x.dtype in _IN_DTYPES, "x.dtype", f"one of {list(_IN_DTYPES)}", x.dtype)
+    require_that(x.dtype in _IN_DTYPES, "x.dtype", x.dtype, f"one of {list(_IN_DTYPES)}")
     d = _check_row_width(x)
-    _expect(grad_y.dtype == x.dtype, "grad_y.dtype", str(x.dtype), grad_y.dtype)
-    _expect(grad_y.shape == x.shape, "grad_y.shape", tuple(x.shape), tuple(grad_y.shape))
-    _expect(grad_y.device == x.device, "grad_y.device", str(x.device), grad_y.device)
+    require_that(grad_y.dtype == x.dtype, "grad_y.dtype", grad_y.dtype, str(x.dtype))
+    require_that(grad_y.shape == x.shape, "grad_y.shape", tuple(grad_y.shape), tuple(x.shape))
+    require_that(grad_y.device == x.device, "grad_y.device", grad_y.device, str(x.device))
     rows = x.numel() // d
     for name, t in (("mean", mean), ("rstd", rstd)):
-        _expect(t.dtype == torch.float32, f"{name}.dtype", "torch.float32", t.dtype)
-        _expect(t.numel() == rows, f"{name}.numel()", f"{rows} (one per row of x)", t.numel())
-        _expect(t.device == x.device, f"{name}.device", str(x.device), t.device)
+        require_that(t.dtype == torch.float32, f"{name}.dtype", t.dtype, "torch.float32")
+        require_that(t.numel() == rows, f"{name}.numel()", t.numel(), f"{rows} (one per row of x)")
+        require_that(t.device == x.device, f"{name}.device", t.device, str(x.device))
     _check_affine("weight", weight, x)
-    _expect(len(output_mask) == 3, "len(output_mask)", "3", len(output_mask))
+    require_that(len(output_mask) == 3, "len(output_mask)", len(output_mask), "3")
 
 
 def _fold(amax_pending: torch.Tensor, slot: int, amax: torch.Tensor) -> None:

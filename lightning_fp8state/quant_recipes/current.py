@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..config import require_that
 from ..formats import fp8_format
 from ..ops import quantize_fp8, quantize_fp8_t_record_amax
 from ..ops.library_dynamic import current_scale, quantize_fp8_current
@@ -57,8 +58,9 @@ class CurrentFp8Encoder(PerCallFp8Encoder):
         """Codes of ``x`` at a scale derived elsewhere (``snap.scale``): a weight shard at its
         full weight's scale, before an FP8 all-gather. The encode of :meth:`encode_dynamic`
         (elementwise), so the gathered codes are bitwise the full weight's."""
-        if prologue is not None:
-            raise ValueError(f"{type(self).__name__}.encode takes no prologue (a weight shard has none)")
+        require_that(
+            prologue is None, f"{type(self).__name__}.encode(prologue)", prologue, "None (a weight shard has none)"
+        )
         with torch.no_grad():
             return quantize_fp8(x, snap.scale, self.dtype)
 

@@ -7,6 +7,7 @@ import threading
 import torch
 
 from .. import ops
+from ..config import require_that
 from ..errors import StateLoadError
 from ..formats import state_format_fmax, state_format_name
 from .owner import OwnerKey
@@ -156,17 +157,19 @@ class StateBank:
                 self.to(device)
             idx = self.index.get(owner)
             if idx is not None:
-                if self.center_width[idx] != center_width:
-                    raise ValueError(
-                        f"{owner} keeps a running center of {self.center_width[idx]} channels but was "
-                        f"entered with {center_width}: one owner quantizes one operand shape"
-                    )
-                return idx
-            if self.device != device:
-                raise ValueError(
-                    f"{owner} is used on {device} but this state bank lives on {self.device}: "
-                    "one Fp8State serves one device"
+                require_that(
+                    self.center_width[idx] == center_width,
+                    f"{owner}: the channels of its running center",
+                    center_width,
+                    f"{self.center_width[idx]}, as before (one owner quantizes one operand shape)",
                 )
+                return idx
+            require_that(
+                self.device == device,
+                f"{owner}: the device",
+                device,
+                f"{self.device}, where this state bank lives (one Fp8State serves one device)",
+            )
             old = self._tensors()
             n = len(self.owners)
             self.owners.append(owner)

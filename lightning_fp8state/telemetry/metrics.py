@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..config import require_choice, require_type
+from ..config import require_choice, require_that, require_type
 
 __all__ = [
     "CLIP_ALGORITHMS",
@@ -82,8 +82,7 @@ def _sharded_norms(grads: Sequence[torch.Tensor], ord: float) -> torch.Tensor:
     norms = gradient_norms(locals_, ord)
     sharded = [hasattr(g, "device_mesh") and any(p.is_shard() for p in g.placements) for g in grads]
     mesh = next(g.device_mesh for g in grads if hasattr(g, "device_mesh"))
-    if mesh.ndim != 1:
-        raise ValueError(f"gradient norms of DTensors on a {mesh.ndim}-D mesh are not supported: expected a 1-D mesh")
+    require_that(mesh.ndim == 1, "the gradients' device mesh ndim", mesh.ndim, "1 (gradient norms of DTensors)")
     mask = _shard_mask(tuple(sharded), norms.device)
     group = mesh.get_group()
     if math.isinf(ord):

@@ -620,7 +620,7 @@ def _error(fn) -> str:
 
 
 def test_kernel_argument_errors_match_the_reference_and_name_the_argument():
-    """The same bad call raises the same "fp8state: <arg>: expected X, got Y" ValueError on
+    """The same bad call raises the same "<arg>=<found> is not allowed: expected X" ValueError on
     CUDA (C++ checks) as on CPU (Python checks)."""
 
     def calls(dev):
@@ -694,11 +694,11 @@ def test_kernel_argument_errors_match_the_reference_and_name_the_argument():
     cpu_calls, cuda_calls = calls("cpu"), calls("cuda")
     for name in cpu_calls:
         want, got = _error(cpu_calls[name]), _error(cuda_calls[name])
-        assert got.startswith(f"fp8state: {name}: expected "), (name, got)
+        assert got.startswith(f"{name}=") and " is not allowed: expected " in got, (name, got)
         assert got == want, f"{name}: CUDA says {got!r}, CPU says {want!r}"
     x = torch.randn(2, 32, device="cuda")
-    assert "scale.device: expected cuda:0, got cpu" in _error(lambda: OPS.quantize_fp4(x, torch.ones(1), None, "nvfp4"))
-    assert "center.device: expected cuda:0, got cpu" in _error(
+    assert "scale.device=cpu is not allowed: expected cuda:0" in _error(lambda: OPS.quantize_fp4(x, torch.ones(1), None, "nvfp4"))
+    assert "center.device=cpu is not allowed: expected cuda:0" in _error(
         lambda: OPS.quantize_fp4(x, torch.ones(1, device="cuda"), torch.zeros(32), "nvfp4")
     )
 

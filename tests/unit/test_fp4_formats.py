@@ -538,9 +538,9 @@ def _raises(what: str):
 def test_fp4_bad_inputs_raise_value_errors():
     x = torch.randn(2, 32)
     s = torch.tensor([1.0])
-    with _raises("layout: expected one of ['mxfp4', 'nvfp4'], got 'fp4'"):
+    with _raises("layout='fp4' is not allowed: expected one of ['mxfp4', 'nvfp4']"):
         ops.quantize_fp4(x, s, "fp4")
-    with _raises("x.shape[-1]: expected a multiple of 32 (the mxfp4 block size), got 16"):
+    with _raises("x.shape[-1]=16 is not allowed: expected a multiple of 32 (the mxfp4 block size)"):
         ops.quantize_fp4(torch.randn(2, 16), s, "mxfp4")
     with _raises("x.dtype"):
         ops.quantize_fp4(x.double(), s, "nvfp4")
@@ -551,7 +551,7 @@ def test_fp4_bad_inputs_raise_value_errors():
     pending = torch.zeros(2)
     with _raises("slot"):
         ops.quantize_fp4_record_amax(x, s, pending, 2, "nvfp4")
-    with _raises("center_max.shape[1]: expected >= 32"):
+    with _raises("center_max.shape[1]=16 is not allowed: expected >= 32"):
         ops.quantize_fp4_centered_record(
             x, s, torch.zeros(32), pending, torch.zeros(2, 16), torch.zeros(2, 16), 0, "nvfp4"
         )
@@ -565,7 +565,7 @@ def test_fp4_bad_inputs_raise_value_errors():
         ops.dequantize_fp4(packed.to(torch.int32), scales, s, "nvfp4", torch.float32)
     with _raises("dtype"):
         ops.dequantize_fp4(packed, scales, s, "nvfp4", torch.float64)
-    with _raises("momentum: expected 0 < momentum <= 1, got 1.5"):
+    with _raises("momentum=1.5 is not allowed: expected 0 < momentum <= 1"):
         ops.update_centers(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([True]), 1.5)
     with _raises("commit_mask.dtype"):
         ops.update_centers(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([1]), 0.5)

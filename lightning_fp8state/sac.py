@@ -26,6 +26,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from . import ops as _ops  # noqa: F401  (defines torch.ops.fp8state.*)
+from .config import require_that
 from .errors import ConfigError
 
 __all__ = [
@@ -108,11 +109,12 @@ def _check_ops(save: Iterable) -> tuple:
                 f"selective checkpoint: {op} is an op packet, not an overload: name one, e.g. "
                 f"torch.ops.{op._qualified_op_name.replace('::', '.')}.default"
             )
-        if not isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
-            raise ConfigError(
-                f"selective checkpoint: expected torch op overloads to save (e.g. torch.ops.aten.mm.default), "
-                f"got {op!r} ({type(op).__name__})"
-            )
+        require_that(
+            isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)),
+            "selective checkpoint: an op to save",
+            f"{op!r} ({type(op).__name__})",
+            "torch op overloads to save (e.g. torch.ops.aten.mm.default)",
+        )
         out.append(op)
     return tuple(out)
 

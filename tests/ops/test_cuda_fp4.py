@@ -697,7 +697,9 @@ def test_kernel_argument_errors_match_the_reference_and_name_the_argument():
         assert got.startswith(f"{name}=") and " is not allowed: expected " in got, (name, got)
         assert got == want, f"{name}: CUDA says {got!r}, CPU says {want!r}"
     x = torch.randn(2, 32, device="cuda")
-    assert "scale.device=cpu is not allowed: expected cuda:0" in _error(lambda: OPS.quantize_fp4(x, torch.ones(1), None, "nvfp4"))
+    assert "scale.device=cpu is not allowed: expected cuda:0" in _error(
+        lambda: OPS.quantize_fp4(x, torch.ones(1), None, "nvfp4")
+    )
     assert "center.device=cpu is not allowed: expected cuda:0" in _error(
         lambda: OPS.quantize_fp4(x, torch.ones(1, device="cuda"), torch.zeros(32), "nvfp4")
     )

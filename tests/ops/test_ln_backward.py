@@ -184,7 +184,10 @@ def test_output_mask_empty_rows_and_batched_shapes():
 def test_bad_arguments_name_the_argument():
     dy, x, mean, rstd, w = problem(4, 64, torch.float32, seed=5)
     cases = [
-        ((dy[:, :62], x[:, :62], mean, rstd, None), r"x\.shape\[-1\]=.* is not allowed: expected a positive multiple of 4"),
+        (
+            (dy[:, :62], x[:, :62], mean, rstd, None),
+            r"x\.shape\[-1\]=.* is not allowed: expected a positive multiple of 4",
+        ),
         ((dy[:, :30], x[:, :30], mean, rstd, None), r"x\.shape\[-1\]"),
         ((dy.double(), x.double(), mean, rstd, None), r"x\.dtype"),
         ((dy.bfloat16(), x, mean, rstd, w), r"grad_y\.dtype=.* is not allowed: expected torch\.float32"),

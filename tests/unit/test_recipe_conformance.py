@@ -21,12 +21,22 @@ import lightning_fp8state as f8s
 from lightning_fp8state.errors import ConfigError, StaleSnapshotError, StateLoadError, StateTransitionError
 from lightning_fp8state.quant_recipes import RECIPE_CLASSES, recipe_for
 from lightning_fp8state.quant_recipes.base import LINEAR_GEMM_ROLES
+from tests import block_scaled_recipe
 from tests.conftest import ENGINE_IDS, ENGINES, bitwise_equal, event_inputs, make_stack, run_events
 
-RECIPES = list(RECIPE_CLASSES)
-QUANTIZED = [name for name, cls in RECIPE_CLASSES.items() if cls.quantized]
+# every registered recipe, and one written in tests/ from the plug-in's parts only, whose
+# block-scaled layouts no code outside its module knows
+SHIPPED = list(RECIPE_CLASSES)
+RECIPES = [*SHIPPED, block_scaled_recipe.NAME]
+QUANTIZED = [name for name in SHIPPED if RECIPE_CLASSES[name].quantized] + [block_scaled_recipe.NAME]
 NAIVE = [(name, mode) for name, cls in RECIPE_CLASSES.items() for mode in cls.modes if mode != "safe"]
 N_EVENTS = 3
+
+
+@pytest.fixture(autouse=True)
+def _block_scaled_registered():
+    with block_scaled_recipe.registered():
+        yield
 
 
 def _config(recipe: str, **kw) -> f8s.QuantConfig:
@@ -43,8 +53,19 @@ def _audited(recipe, ckpt, mode="safe", n_events=N_EVENTS, **kw):
 
 
 def test_every_shipped_recipe_is_registered():
-    assert {"fp8_delayed", "bf16", "fp8_current", "fp8_rowwise", "fp8_rowwise_gw_hp"} <= set(RECIPES)
-    assert RECIPES[0] == "fp8_delayed"
+    assert {"fp8_delayed", "bf16", "fp8_current", "fp8_rowwise", "fp8_rowwise_gw_hp"} <= set(SHIPPED)
+    assert SHIPPED[0] == "fp8_delayed" and block_scaled_recipe.NAME not in SHIPPED
+
+
+def test_the_block_scaled_recipe_quantizes_each_tile_at_its_own_scale():
+    from lightning_fp8state.formats import E4M3
+
+    x = torch.randn(5, 20, generator=torch.Generator().manual_seed(2)) * torch.arange(1, 21)
+    q, scale, descale, amax = block_scaled_recipe.block_quantize(x, block_scaled_recipe.TILE, torch.float8_e4m3fn, 0)
+    assert scale.shape == (5, 3)  # 20 columns in tiles of 8: 8, 8 and the edge's 4
+    want = torch.stack([x[:, :8].abs().amax(1), x[:, 8:16].abs().amax(1), x[:, 16:].abs().amax(1)], 1)
+    assert torch.equal(amax, want) and torch.equal(scale, torch.full_like(want, E4M3.max) / want)
+    assert torch.equal(q, (x * block_scaled_recipe.TILE.expand(scale, x.shape)).to(torch.float8_e4m3fn))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -28,7 +28,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         protocol, record, phase, out_dtype, backend, prologue = call
         y, saved, ctx.call = _linear_forward(x, weight, bias, protocol, record, phase, out_dtype, backend, prologue)
         ctx.save_for_backward(*saved)
-        return y
+        return _not_a_view(y)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -41,6 +41,13 @@ class _Fp8LinearFn(torch.autograd.Function):
         else:
             grads = _linear_backward(grad_out, ctx.saved_tensors, ctx.call, ctx.needs_input_grad)
         return (*grads, None)
+
+
+def _not_a_view(y: torch.Tensor) -> torch.Tensor:
+    """``y`` (the GEMM's 2-D result reshaped to the input's leading dims: a view of it) as a
+    tensor of its own, sharing the storage: a custom Function's view output may not be modified
+    in place (``nn.ReLU(inplace=True)``, ``out += residual``), which ``nn.Linear`` allows."""
+    return y.detach() if y._is_view() else y
 
 
 def apply_linear_fn(args: tuple, x: torch.Tensor, gemm: str, prologue) -> torch.Tensor:

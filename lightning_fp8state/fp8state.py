@@ -86,7 +86,7 @@ class Fp8State:
         self.converted_layers: set[str] = set()
         # Layers of a state loaded before any model was converted: the first convert() checks
         # that its model has them (else the loaded state belonged to another model).
-        self._loaded_unchecked: set[str] | None = None
+        self._loaded_unchecked: tuple | None = None  # (saved owner layers, saved converted layers)
 
     # -- what it holds (read access; the protocol's internals stay behind .protocol) ---
     @property
@@ -203,7 +203,7 @@ class Fp8State:
         self.converted_layers.update(report.layers())  # the layer names their owners take
         if self._loaded_unchecked is not None:
             saved, self._loaded_unchecked = self._loaded_unchecked, None
-            problem = self._owner_mismatch(saved)
+            problem = self._owner_mismatch(*saved)
             if problem:
                 self._protocol.reset()
                 raise StateLoadError(
@@ -213,14 +213,17 @@ class Fp8State:
                 )
         return model
 
-    def _owner_mismatch(self, saved_layers: set[str]) -> str | None:
+    def _owner_mismatch(self, saved_layers: set[str], saved_converted: set[str] | None = None) -> str | None:
         """Why a saved state's owner layers do not fit the converted model (None when they do):
-        layers the model lacks, or converted layers the state has no owners for. A state saved
-        before its first event (no owners) fits any model."""
+        layers the model lacks, or converted layers the saved model did not have. The saved
+        model's converted layers (``saved_converted``, recorded since the state carries them)
+        decide the second: a layer that had not run by the save (a head used some steps, the
+        parts of a packed projection a self-attention does not split) has no owner yet, and is
+        no mismatch. A state saved before its first event (no owners) fits any model."""
         if not saved_layers or not self.converted_layers:
             return None
         unknown = sorted(saved_layers - self.converted_layers)
-        missing = sorted(self.converted_layers - saved_layers)
+        missing = sorted(self.converted_layers - (saved_layers if saved_converted is None else saved_converted))
         if unknown:
             return (
                 f"it holds state for layers {_few(unknown)} that this model does not have (converted here: "
@@ -280,6 +283,8 @@ class Fp8State:
             "bank": self.bank.state_dict(),
             "clock": self.clock.state_dict(),
             "ledger": self.ledger.state_dict(),
+            # the model's converted layers: those that have not run yet own nothing in the bank
+            "converted_layers": sorted(self.converted_layers),
         }
 
     @staticmethod
@@ -360,11 +365,17 @@ class Fp8State:
             raise StateLoadError(f"saved quantizer state is corrupt: clock or ledger ({what})")
         owners, _, _ = StateBank.validate_state_dict(sd["bank"], self.bank.history_len)
         saved_layers = {o.layer for o in owners} - {"*"}
+        saved_converted = sd.get("converted_layers")
+        if saved_converted is not None:
+            if not isinstance(saved_converted, (list, tuple)) or not all(isinstance(n, str) for n in saved_converted):
+                raise StateLoadError("saved quantizer state is corrupt: 'converted_layers' is not a list of names")
+            saved_converted = set(saved_converted)
         fresh = len(self.bank) == 0
-        problem = self._owner_mismatch(saved_layers) if self.config.ownership != "per_model" else None
+        per_layer = self.config.ownership != "per_model"
+        problem = self._owner_mismatch(saved_layers, saved_converted) if per_layer else None
         if problem:
             raise StateLoadError(f"saved quantizer state belongs to a different model: {problem}")
         self.bank.load_state_dict(sd["bank"])  # validates fully before changing anything
-        self._loaded_unchecked = saved_layers if fresh and not self.converted_layers else None
+        self._loaded_unchecked = (saved_layers, saved_converted) if fresh and not self.converted_layers else None
         self.clock.load_state_dict(sd["clock"])
         self.ledger.load_state_dict(sd["ledger"])

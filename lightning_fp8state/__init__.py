@@ -14,7 +14,6 @@ import importlib
 
 from . import ops
 from .audit import AuditReport, AuditRow, DeviceRecomputeAuditor, RecomputeAuditor
-from .block_graphs import GraphedBlocks
 from .collector import ManagedCollector
 from .config import QuantConfig
 from .errors import (
@@ -33,7 +32,7 @@ from .errors import (
 )
 from .formats import E4M3, E5M2, MXFP4, NVFP4, Fp4Layout, Fp8Format
 from .fp8state import STATE_FORMAT_VERSION, Fp8State
-from .graphs import GraphedStep
+from .graphs import GraphedBlocks, GraphedStep
 from .nn import Fp4AttentionQuantizer, Fp8Linear, convert_model
 from .recompute import Phase, checkpoint
 from .sac import MATMUL_OPS, QUANTIZE_OPS, selective_checkpoint_context, selective_checkpoint_policy

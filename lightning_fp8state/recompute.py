@@ -228,7 +228,21 @@ def checkpoint(
         engine = "torch" if kwargs else nested_default
     _check_engine(engine)
     buffers = BufferRestore.for_region(fn, args, kwargs, restore_buffers)
-    key = _new_region_key()
+    region = _region_body(fn, _new_region_key(), buffers, nested_default)
+    if engine == "deepspeed":
+        import deepspeed  # noqa: PLC0415  (heavy; only when asked for)
+
+        if kwargs:
+            raise ConfigError(f"engine='deepspeed' takes no keyword arguments; got {sorted(kwargs)}")
+        return deepspeed.checkpointing.checkpoint(region, *args)
+    return torch_checkpoint(region, *args, use_reentrant=use_reentrant, **kwargs)
+
+
+def _region_body(fn: Callable, key: tuple, buffers: BufferRestore, nested_default: str) -> Callable:
+    """The function an engine checkpoints in place of ``fn``: its first call outside backward is
+    the true forward (its autocast state kept), every later call a recompute (run under that
+    autocast state); each call runs inside a :class:`RegionFrame` of region ``key`` with its
+    buffers restored around a recompute (:class:`BufferRestore`)."""
     calls = itertools.count()
     forward_autocast: list[AutocastState] = []  # the true forward's, set at its call
 
@@ -248,30 +262,30 @@ def checkpoint(
                 return fn(*inner_args, **inner_kwargs)
         except RuntimeError as exc:
             if phase is Phase.RECOMPUTE and storage_mismatch(exc):  # torch SAC: say what to do
-                raise SelectiveCheckpointError(
-                    f"checkpoint region {key}: torch's selective activation checkpointing saw another op "
-                    f"sequence in the recompute than in the true forward ({exc}). lightning_fp8state's "
-                    "quantizers issue the same ops in both runs, so the region's own code differs between "
-                    "them: a branch on state that changed after the forward (a counter or module attribute "
-                    "written in forward, randomness outside torch's RNG). Make the region's forward a "
-                    "function of its inputs, or checkpoint it without context_fn. A region that "
-                    "torch.compile compiled during its true forward (the process's first compile) shows the "
-                    "compiler's ops in the forward only: run the compiled region once before checkpointing "
-                    "it selectively (under torch.no_grad, or a step without context_fn)"
-                ) from exc
+                raise _recompute_mismatch(key, exc) from exc
             raise
         finally:
             # torch's early stop raises out of the region mid-body: leave it here anyway.
             buffers.exit(phase)
             stack.pop()
 
-    if engine == "deepspeed":
-        import deepspeed  # noqa: PLC0415  (heavy; only when asked for)
+    return region
 
-        if kwargs:
-            raise ConfigError(f"engine='deepspeed' takes no keyword arguments; got {sorted(kwargs)}")
-        return deepspeed.checkpointing.checkpoint(region, *args)
-    return torch_checkpoint(region, *args, use_reentrant=use_reentrant, **kwargs)
+
+def _recompute_mismatch(key: tuple, exc: RuntimeError) -> SelectiveCheckpointError:
+    """torch's selective checkpointing saw other ops in the recompute of region ``key``
+    (``exc``): the error that says why, and what to do."""
+    return SelectiveCheckpointError(
+        f"checkpoint region {key}: torch's selective activation checkpointing saw another op "
+        f"sequence in the recompute than in the true forward ({exc}). lightning_fp8state's "
+        "quantizers issue the same ops in both runs, so the region's own code differs between "
+        "them: a branch on state that changed after the forward (a counter or module attribute "
+        "written in forward, randomness outside torch's RNG). Make the region's forward a "
+        "function of its inputs, or checkpoint it without context_fn. A region that "
+        "torch.compile compiled during its true forward (the process's first compile) shows the "
+        "compiler's ops in the forward only: run the compiled region once before checkpointing "
+        "it selectively (under torch.no_grad, or a step without context_fn)"
+    )
 
 
 @dataclass

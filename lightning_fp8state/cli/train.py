@@ -121,7 +121,7 @@ def _module_and_data(cfg: DictConfig):
             self.last_loss = None  # the last step's loss, on the device: read once, when the run ends
             if cfg.trainer.cuda_graphs and strategy_facts(cfg.strategy).cuda_graphs == "blocks":
                 # per-block graphs: the strategy's gradient hooks stay eager between the blocks
-                from ..block_graphs import GraphedBlocks  # noqa: PLC0415
+                from ..graphs import GraphedBlocks  # noqa: PLC0415
 
                 self.model.blocks_runner = GraphedBlocks(
                     self.model.blocks, warmup=cfg.trainer.cuda_graphs_warmup, checkpoint=cfg.model.checkpoint

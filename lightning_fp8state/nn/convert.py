@@ -280,89 +280,151 @@ def convert_model(model: nn.Module, protocol: QuantProtocol) -> ConversionReport
     protocol = getattr(protocol, "protocol", protocol)  # an Fp8State: its protocol
     selection = protocol.config.selection  # the include/exclude patterns: all conversion reads
     report = ConversionReport()
-    modules = dict(model.named_modules())
-    targets = []
-    attentions = []  # (name, module, in-projection entries to quantize)
-    for name, module in modules.items():
-        if isinstance(module, Fp4AttentionQuantizer):
-            if module.protocol is None:
-                module.bind(protocol, name or type(model).__name__)
-                report.attention.append(module.layer_name)
-            elif module.protocol is not protocol:
-                report.skipped[name] = "an FP4 attention quantizer already bound to another state"
-            continue
-        if isinstance(module, nn.MultiheadAttention) and not isinstance(module, Fp8MultiheadAttention):
-            entries = {f"{name}.{e}" if name else e: layers for e, layers in mha_projections(module).items()}
-            why_not = _mha_not_convertible(module)
-            chosen = []
-            for entry in entries:
-                why = why_not or _selection(entry, selection)
-                (report.not_quantizable if why_not else report.skipped).update({entry: why} if why else {})
-                if why is None:
-                    chosen.append(entry)
-            out_chosen = _selection(f"{name}.out_proj" if name else "out_proj", selection) is None
-            if why_not is None and (chosen or out_chosen):
-                attentions.append((name, module, chosen, entries))
-            continue
-        if isinstance(module, (Fp8Linear, Fp8Conv1D, Fp8MultiheadAttention)):  # an MHA: its in-projection
-            if module.protocol is not protocol:
-                raise AlreadyConvertedError(
-                    f"{name or type(model).__name__} was converted by another Fp8State (layer "
-                    f"{module.layer_name!r}): a model is converted, and its quantizer state owned, by one Fp8State; "
-                    "use that Fp8State, or convert a fresh copy of the original model"
-                )
-            continue
-        if isinstance(module, nn.Linear):
-            kind = "nn.Linear" if type(module) is nn.Linear else f"nn.Linear subclass {type(module).__name__}"
-            if type(module).forward is not nn.Linear.forward:
-                report.not_quantizable[name] = (
-                    f"{kind} has its own forward, which an Fp8Linear would drop: convert it by hand or exclude it"
-                )
-                continue
-        elif is_hf_conv1d(module):
-            kind = "transformers Conv1D"
-        else:
-            continue
-        if not name:
-            report.not_quantizable[""] = f"the root module itself is a {kind}: wrap it in a container to convert it"
-            continue
-        why_not = _weight_read_outside_forward(modules, name)
-        if why_not is not None:
-            report.not_quantizable[name] = why_not
-        else:
-            why = _selection(name, selection)
-            if why is not None:
-                report.skipped[name] = why
-            else:
-                targets.append((name, module, kind))
+    targets, attentions = _survey(model, protocol, selection, report)
     for name, module, kind in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        if kind == "transformers Conv1D":
-            new = Fp8Conv1D.from_conv1d(module, protocol=protocol, layer_name=name)
-            report.how[name] = f"{kind} -> Fp8Conv1D (weight [in, out] used as its [out, in] view)"
-        elif isinstance(parent, nn.MultiheadAttention):
-            new = Fp8Linear.from_linear(module, protocol=protocol, layer_name=name)
-            report.how[name] = f"{kind} -> Fp8Linear (called by Fp8MultiheadAttention)"
-        else:
-            new = Fp8Linear.from_linear(module, protocol=protocol, layer_name=name)
-            report.how[name] = f"{kind} -> Fp8Linear"
-        setattr(parent, child, new)
-        report.converted.append(name)
+        _swap_linear(model, protocol, report, name, module, kind)
     for name, module, chosen, entries in attentions:
-        Fp8MultiheadAttention.convert(
-            module, protocol=protocol, layer_name=name, in_proj=frozenset(e.rpartition(".")[2] for e in chosen)
-        )
-        for entry in chosen:
-            param = "in_proj_weight [3E, E]" if entry.endswith("in_proj") else f"{entry.rpartition('.')[2]}_weight"
-            report.how[entry] = f"nn.MultiheadAttention {param} -> FP8 GEMM(s) in Fp8MultiheadAttention" + (
-                " (one packed GEMM for self-attention, q and packed kv for encoder-decoder attention, three "
-                "otherwise; each its own owners)"
-                if entry.endswith("in_proj")
-                else ""
-            )
-            prefix = entry.rpartition(".")[0]
-            report.owner_layers[entry] = tuple(f"{prefix}.{layer}" if prefix else layer for layer in entries[entry])
-            report.converted.append(entry)
+        _convert_attention(protocol, report, name, module, chosen, entries)
     _reroute_fast_paths(dict(model.named_modules()), report)
     return report
+
+
+def _survey(model: nn.Module, protocol: QuantProtocol, selection, report: ConversionReport) -> tuple[list, list]:
+    """Walk ``model`` once, before anything is swapped: bind its unbound FP4 attention
+    quantizers, refuse a layer converted by another protocol, report every candidate left
+    alone (skipped or not quantizable), and return what to convert: ``(targets, attentions)``,
+    the Linear-likes as ``(name, module, kind)`` and the ``nn.MultiheadAttention`` modules as
+    ``(name, module, in-projection entries to quantize, every entry's layer names)``."""
+    modules = dict(model.named_modules())
+    targets = []
+    attentions = []
+    for name, module in modules.items():
+        if isinstance(module, Fp4AttentionQuantizer):
+            _bind_attention_quantizer(model, protocol, report, name, module)
+        elif isinstance(module, nn.MultiheadAttention) and not isinstance(module, Fp8MultiheadAttention):
+            attention = _survey_mha(selection, report, name, module)
+            if attention is not None:
+                attentions.append(attention)
+        elif isinstance(module, (Fp8Linear, Fp8Conv1D, Fp8MultiheadAttention)):  # an MHA: its in-projection
+            _refuse_another_protocol(model, protocol, name, module)
+        else:
+            target = _survey_linear(modules, selection, report, name, module)
+            if target is not None:
+                targets.append(target)
+    return targets, attentions
+
+
+def _bind_attention_quantizer(
+    model: nn.Module, protocol: QuantProtocol, report: ConversionReport, name: str, module: Fp4AttentionQuantizer
+) -> None:
+    """Bind an unbound FP4 attention quantizer under its module path; report one bound elsewhere."""
+    if module.protocol is None:
+        module.bind(protocol, name or type(model).__name__)
+        report.attention.append(module.layer_name)
+    elif module.protocol is not protocol:
+        report.skipped[name] = "an FP4 attention quantizer already bound to another state"
+
+
+def _survey_mha(selection, report: ConversionReport, name: str, module: nn.MultiheadAttention) -> tuple | None:
+    """``(name, module, chosen entries, entries)`` when some projection of ``module`` is to be
+    quantized (its in-projection entries chosen by the patterns, or ``out_proj``), else None;
+    every entry left alone is reported with its reason."""
+    entries = {f"{name}.{e}" if name else e: layers for e, layers in mha_projections(module).items()}
+    why_not = _mha_not_convertible(module)
+    chosen = []
+    for entry in entries:
+        why = why_not or _selection(entry, selection)
+        (report.not_quantizable if why_not else report.skipped).update({entry: why} if why else {})
+        if why is None:
+            chosen.append(entry)
+    out_chosen = _selection(f"{name}.out_proj" if name else "out_proj", selection) is None
+    if why_not is None and (chosen or out_chosen):
+        return name, module, chosen, entries
+    return None
+
+
+def _refuse_another_protocol(model: nn.Module, protocol: QuantProtocol, name: str, module: nn.Module) -> None:
+    """AlreadyConvertedError unless the converted layer ``module`` belongs to ``protocol``
+    (converting twice with one state is a no-op)."""
+    if module.protocol is not protocol:
+        raise AlreadyConvertedError(
+            f"{name or type(model).__name__} was converted by another Fp8State (layer "
+            f"{module.layer_name!r}): a model is converted, and its quantizer state owned, by one Fp8State; "
+            "use that Fp8State, or convert a fresh copy of the original model"
+        )
+
+
+def _survey_linear(
+    modules: dict[str, nn.Module], selection, report: ConversionReport, name: str, module: nn.Module
+) -> tuple[str, nn.Module, str] | None:
+    """``(name, module, kind)`` when ``module`` is a Linear-like to swap, else None: not a
+    candidate, or one reported as not quantizable or skipped (with its reason)."""
+    if isinstance(module, nn.Linear):
+        kind = "nn.Linear" if type(module) is nn.Linear else f"nn.Linear subclass {type(module).__name__}"
+        if type(module).forward is not nn.Linear.forward:
+            report.not_quantizable[name] = (
+                f"{kind} has its own forward, which an Fp8Linear would drop: convert it by hand or exclude it"
+            )
+            return None
+    elif is_hf_conv1d(module):
+        kind = "transformers Conv1D"
+    else:
+        return None
+    if not name:
+        report.not_quantizable[""] = f"the root module itself is a {kind}: wrap it in a container to convert it"
+        return None
+    why_not = _weight_read_outside_forward(modules, name)
+    if why_not is not None:
+        report.not_quantizable[name] = why_not
+        return None
+    why = _selection(name, selection)
+    if why is not None:
+        report.skipped[name] = why
+        return None
+    return name, module, kind
+
+
+def _swap_linear(
+    model: nn.Module, protocol: QuantProtocol, report: ConversionReport, name: str, module: nn.Module, kind: str
+) -> None:
+    """Put the protocol-driven module in place of the Linear-like ``module`` (sharing its
+    parameters) and report how."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if kind == "transformers Conv1D":
+        new = Fp8Conv1D.from_conv1d(module, protocol=protocol, layer_name=name)
+        report.how[name] = f"{kind} -> Fp8Conv1D (weight [in, out] used as its [out, in] view)"
+    elif isinstance(parent, nn.MultiheadAttention):
+        new = Fp8Linear.from_linear(module, protocol=protocol, layer_name=name)
+        report.how[name] = f"{kind} -> Fp8Linear (called by Fp8MultiheadAttention)"
+    else:
+        new = Fp8Linear.from_linear(module, protocol=protocol, layer_name=name)
+        report.how[name] = f"{kind} -> Fp8Linear"
+    setattr(parent, child, new)
+    report.converted.append(name)
+
+
+def _convert_attention(
+    protocol: QuantProtocol,
+    report: ConversionReport,
+    name: str,
+    module: nn.MultiheadAttention,
+    chosen: list[str],
+    entries: dict[str, tuple[str, ...]],
+) -> None:
+    """Make ``module`` an Fp8MultiheadAttention quantizing the ``chosen`` in-projection entries,
+    and report each with how it runs and the layer names its calls own."""
+    Fp8MultiheadAttention.convert(
+        module, protocol=protocol, layer_name=name, in_proj=frozenset(e.rpartition(".")[2] for e in chosen)
+    )
+    for entry in chosen:
+        param = "in_proj_weight [3E, E]" if entry.endswith("in_proj") else f"{entry.rpartition('.')[2]}_weight"
+        report.how[entry] = f"nn.MultiheadAttention {param} -> FP8 GEMM(s) in Fp8MultiheadAttention" + (
+            " (one packed GEMM for self-attention, q and packed kv for encoder-decoder attention, three "
+            "otherwise; each its own owners)"
+            if entry.endswith("in_proj")
+            else ""
+        )
+        prefix = entry.rpartition(".")[0]
+        report.owner_layers[entry] = tuple(f"{prefix}.{layer}" if prefix else layer for layer in entries[entry])
+        report.converted.append(entry)

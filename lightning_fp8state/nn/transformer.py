@@ -199,7 +199,9 @@ class Fp8MultiheadAttention(nn.MultiheadAttention):
 
     def _attention(self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal):
         """``F.multi_head_attention_forward`` (torch 2.13) with the in-projection through
-        :meth:`_in_projection` and the out-projection through ``self.out_proj``."""
+        :meth:`_in_projection` and the out-projection through ``self.out_proj``, in torch's order:
+        the masks made canonical and the shapes checked, the in-projection, the heads laid out,
+        then the attention (with its weights, or through SDPA) and the out-projection."""
         num_heads = self.num_heads
         is_batched = F._mha_shape_check(query, key, value, key_padding_mask, attn_mask, num_heads)
         if not is_batched:
@@ -208,30 +210,31 @@ class Fp8MultiheadAttention(nn.MultiheadAttention):
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         tgt_len, bsz, embed_dim = query.shape
         src_len = key.shape[0]
-        key_padding_mask = F._canonical_mask(
-            mask=key_padding_mask,
-            mask_name="key_padding_mask",
-            other_type=F._none_or_dtype(attn_mask),
-            other_name="attn_mask",
-            target_type=query.dtype,
+        key_padding_mask, attn_mask, is_causal = _canonical_masks(
+            query, key_padding_mask, attn_mask, need_weights, is_causal
         )
-        if is_causal and attn_mask is None:
-            raise RuntimeError(
-                "Need attn_mask if specifying the is_causal hint. You may use the Transformer module method "
-                "`generate_square_subsequent_mask` to create this mask."
+        self._check_embeddings(embed_dim, key, value)
+        q, k, v = self._in_projection(query, key, value)
+        attn_mask = _checked_attn_mask(attn_mask, (tgt_len, src_len), (bsz * num_heads, tgt_len, src_len))
+        q, k, v, attn_mask = self._heads(q, k, v, attn_mask, key_padding_mask, tgt_len, bsz, embed_dim // num_heads)
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights:
+            out, weights = self._attention_with_weights(
+                q, k, v, attn_mask, dropout_p, is_causal, average_attn_weights, tgt_len, bsz, embed_dim
             )
-        if is_causal and key_padding_mask is None and not need_weights:
-            attn_mask = None  # SDPA takes the hint itself
-        else:
-            attn_mask = F._canonical_mask(
-                mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="", target_type=query.dtype,
-                check_other=False,
-            )  # fmt: skip
-            if key_padding_mask is not None:
-                is_causal = False  # merged with the padding mask, no longer causal
+            if not is_batched:
+                out, weights = out.squeeze(1), weights.squeeze(0)
+            return out, weights
+        out = self._sdpa_attention(q, k, v, attn_mask, dropout_p, is_causal, tgt_len, bsz, embed_dim)
+        if not is_batched:
+            out = out.squeeze(1)
+        return out, None
+
+    def _check_embeddings(self, embed_dim: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The query's embedding dimension is this module's, and key and value agree (in shape
+        with a packed in-projection; in sequence and batch dims otherwise)."""
         if embed_dim != self.embed_dim:
             raise ValueError(f"{self.layer_name}: expected embedding dimension {self.embed_dim}, got {embed_dim}")
-        head_dim = embed_dim // num_heads
         if self._qkv_same_embed_dim and key.shape != value.shape:
             raise ValueError(
                 f"{self.layer_name}: key shape {tuple(key.shape)} does not match value shape {tuple(value.shape)}"
@@ -241,23 +244,12 @@ class Fp8MultiheadAttention(nn.MultiheadAttention):
                 f"{self.layer_name}: key's sequence and batch dims {tuple(key.shape[:2])} do not match value's "
                 f"{tuple(value.shape[:2])}"
             )
-        q, k, v = self._in_projection(query, key, value)
 
-        if attn_mask is not None:
-            if attn_mask.dim() == 2:
-                if attn_mask.shape != (tgt_len, src_len):
-                    raise RuntimeError(
-                        f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be {(tgt_len, src_len)}."
-                    )
-                attn_mask = attn_mask.unsqueeze(0)
-            elif attn_mask.dim() == 3:
-                if attn_mask.shape != (bsz * num_heads, tgt_len, src_len):
-                    raise RuntimeError(
-                        f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be "
-                        f"{(bsz * num_heads, tgt_len, src_len)}."
-                    )
-            else:
-                raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")
+    def _heads(self, q, k, v, attn_mask, key_padding_mask, tgt_len: int, bsz: int, head_dim: int):
+        """``q, k, v`` as ``[batch * heads, sequence, head_dim]``, with ``bias_k``/``bias_v`` and
+        ``add_zero_attn``'s zero row appended to the keys and values (the masks padded to match),
+        and the key padding mask merged into ``attn_mask``. Returns ``(q, k, v, attn_mask)``."""
+        num_heads = self.num_heads
         if self.bias_k is not None and self.bias_v is not None:
             k = torch.cat([k, self.bias_k.repeat(1, bsz, 1)])
             v = torch.cat([v, self.bias_v.repeat(1, bsz, 1)])
@@ -284,30 +276,39 @@ class Fp8MultiheadAttention(nn.MultiheadAttention):
                 .reshape(bsz * num_heads, 1, src_len)
             )
             attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
-        dropout_p = self.dropout if self.training else 0.0
+        return q, k, v, attn_mask
 
-        if need_weights:
-            _, _, e = q.shape
-            q_scaled = q * math.sqrt(1.0 / float(e))
-            if is_causal and attn_mask is None:
-                raise RuntimeError("is_causal is not implemented for need_weights=True without attn_mask")
-            if attn_mask is not None:
-                weights = torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1))
-            else:
-                weights = torch.bmm(q_scaled, k.transpose(-2, -1))
-            weights = F.softmax(weights, dim=-1)
-            if dropout_p > 0.0:
-                weights = F.dropout(weights, p=dropout_p)
-            out = torch.bmm(weights, v)
-            out = out.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
-            out = self.out_proj(out)
-            out = out.view(tgt_len, bsz, out.size(1))
-            weights = weights.view(bsz, num_heads, tgt_len, src_len)
-            if average_attn_weights:
-                weights = weights.mean(dim=1)
-            if not is_batched:
-                out, weights = out.squeeze(1), weights.squeeze(0)
-            return out, weights
+    def _attention_with_weights(
+        self, q, k, v, attn_mask, dropout_p: float, is_causal: bool, average_attn_weights: bool, tgt_len, bsz, embed_dim
+    ):
+        """Attention computed step by step (``need_weights``): the output after ``out_proj`` as
+        ``[tgt, batch, E]`` and the weights as ``[batch, (heads,) tgt, src]``."""
+        src_len = k.size(1)
+        _, _, e = q.shape
+        q_scaled = q * math.sqrt(1.0 / float(e))
+        if is_causal and attn_mask is None:
+            raise RuntimeError("is_causal is not implemented for need_weights=True without attn_mask")
+        if attn_mask is not None:
+            weights = torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1))
+        else:
+            weights = torch.bmm(q_scaled, k.transpose(-2, -1))
+        weights = F.softmax(weights, dim=-1)
+        if dropout_p > 0.0:
+            weights = F.dropout(weights, p=dropout_p)
+        out = torch.bmm(weights, v)
+        out = out.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
+        out = self.out_proj(out)
+        out = out.view(tgt_len, bsz, out.size(1))
+        weights = weights.view(bsz, self.num_heads, tgt_len, src_len)
+        if average_attn_weights:
+            weights = weights.mean(dim=1)
+        return out, weights
+
+    def _sdpa_attention(self, q, k, v, attn_mask, dropout_p: float, is_causal: bool, tgt_len, bsz, embed_dim):
+        """Attention through ``F.scaled_dot_product_attention`` (no weights): the output after
+        ``out_proj`` as ``[tgt, batch, E]``."""
+        num_heads, src_len = self.num_heads, k.size(1)
+        head_dim = q.size(-1)
         if attn_mask is not None:
             if attn_mask.size(0) == 1 and attn_mask.dim() == 3:
                 attn_mask = attn_mask.unsqueeze(0)
@@ -319,10 +320,52 @@ class Fp8MultiheadAttention(nn.MultiheadAttention):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
         out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
         out = self.out_proj(out)
-        out = out.view(tgt_len, bsz, out.size(1))
-        if not is_batched:
-            out = out.squeeze(1)
-        return out, None
+        return out.view(tgt_len, bsz, out.size(1))
+
+
+def _canonical_masks(query, key_padding_mask, attn_mask, need_weights: bool, is_causal: bool):
+    """torch's canonical masks (a boolean one made an additive float one) and what stays of the
+    ``is_causal`` hint: without a padding mask or weights SDPA takes the hint itself
+    (``attn_mask`` dropped); with a padding mask the masks are merged and no longer causal.
+    Returns ``(key_padding_mask, attn_mask, is_causal)``."""
+    key_padding_mask = F._canonical_mask(
+        mask=key_padding_mask,
+        mask_name="key_padding_mask",
+        other_type=F._none_or_dtype(attn_mask),
+        other_name="attn_mask",
+        target_type=query.dtype,
+    )
+    if is_causal and attn_mask is None:
+        raise RuntimeError(
+            "Need attn_mask if specifying the is_causal hint. You may use the Transformer module method "
+            "`generate_square_subsequent_mask` to create this mask."
+        )
+    if is_causal and key_padding_mask is None and not need_weights:
+        attn_mask = None  # SDPA takes the hint itself
+    else:
+        attn_mask = F._canonical_mask(
+            mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="", target_type=query.dtype,
+            check_other=False,
+        )  # fmt: skip
+        if key_padding_mask is not None:
+            is_causal = False  # merged with the padding mask, no longer causal
+    return key_padding_mask, attn_mask, is_causal
+
+
+def _checked_attn_mask(attn_mask, shape_2d: tuple, shape_3d: tuple):
+    """``attn_mask`` (None, ``[tgt, src]`` or ``[batch * heads, tgt, src]``) checked against
+    those shapes, a 2-D mask unsqueezed to 3-D (torch's messages)."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dim() == 2:
+        if attn_mask.shape != shape_2d:
+            raise RuntimeError(f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be {shape_2d}.")
+        return attn_mask.unsqueeze(0)
+    if attn_mask.dim() == 3:
+        if attn_mask.shape != shape_3d:
+            raise RuntimeError(f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be {shape_3d}.")
+        return attn_mask
+    raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")
 
 
 class Fp8TransformerEncoderLayer(nn.TransformerEncoderLayer):

@@ -20,7 +20,7 @@ def _train(layout: str, graphed: bool):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
 
     import lightning_fp8state as f8s  # noqa: PLC0415
-    from lightning_fp8state.block_graphs import GraphedBlocks  # noqa: PLC0415
+    from lightning_fp8state.graphs import GraphedBlocks  # noqa: PLC0415
     from tests.unit.test_block_graphs import Net, inputs  # noqa: PLC0415
 
     state = f8s.Fp8State(f8s.QuantConfig(strict=False))
@@ -83,7 +83,7 @@ def _worker(rank: int, port: int, out: str, layout: str) -> None:
             if layout in ("cast_inputs", "fp8_gather"):
                 result["eager"] = _train(layout, graphed=False)
             if layout == "fp8_gather":  # the dtypes of each batched copy of the static parameters
-                from lightning_fp8state.block_graphs import _BlockGraphs  # noqa: PLC0415
+                from lightning_fp8state.graphs.replay import _BlockGraphs  # noqa: PLC0415
 
                 copies, foreach_copy, load_params = [], torch._foreach_copy_, _BlockGraphs.load_params
                 refreshing = [False]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lightning_fp8state as f8s
-from lightning_fp8state.block_graphs import CudaGraphBackend, GraphedBlocks
+from lightning_fp8state.graphs import CudaGraphBackend, GraphedBlocks
 from tests.conftest import bitwise_equal
 from tests.gpu.test_compile_cuda import CLI_ON_THE_GPU
 from tests.unit.test_block_graphs import N_EVENTS, WARMUP, Net, inputs, train

@@ -166,7 +166,7 @@ def run(spec: dict, out: str) -> None:
     pl.seed_everything(0, workers=True, verbose=False)
     model = CheckpointedBoring(ckpt=spec["ckpt"], frozen=spec["frozen"], optimizer=spec["optimizer"])
     if spec["graphed"]:
-        from lightning_fp8state.block_graphs import GraphedBlocks
+        from lightning_fp8state.graphs import GraphedBlocks
         from tests.graph_emulation import EmulatedGraphBackend
 
         model.blocks_runner = GraphedBlocks(model.blocks, warmup=2, backend=EmulatedGraphBackend())

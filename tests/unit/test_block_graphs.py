@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import lightning_fp8state as f8s
-from lightning_fp8state.block_graphs import GraphedBlocks
+from lightning_fp8state.graphs import GraphedBlocks
 from tests.conftest import Block, bitwise_equal
 from tests.graph_emulation import EmulatedGraphBackend
 
@@ -182,7 +182,7 @@ def test_fresh_grads_leave_the_graphs_memory_in_one_aligned_buffer():
     """The replayed backward hands autograd its gradients out of the graph's static buffers: the
     same bits, in memory of their own (a later replay overwrites the static buffers), each at a
     16-byte-aligned offset of one new buffer; gradients of mixed dtypes are cloned one by one."""
-    from lightning_fp8state.block_graphs import _BlockGraphs
+    from lightning_fp8state.graphs.replay import _BlockGraphs
 
     graphs = _BlockGraphs(Block(D))
     g = torch.Generator().manual_seed(3)

@@ -18,7 +18,7 @@ LAYERS = [
     ("quant_recipes", {"quant_recipes"}),
     ("protocol", {"protocol"}),
     ("defects, nn", {"defects", "nn"}),
-    ("facade, audit, graphs, collector", {"fp8state", "audit", "graphs", "block_graphs", "collector"}),
+    ("facade, audit, graphs, collector", {"fp8state", "audit", "graphs", "collector"}),
     ("models, telemetry", {"models", "telemetry"}),
     ("lightning", {"lightning"}),
     ("cli", {"cli", "__main__", "__init__"}),

@@ -28,9 +28,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .config import require_int, require_type
-from .errors import ConfigError, StateTransitionError
-from .protocol import QuantProtocol
+from ..config import require_type
+from ..errors import ConfigError, StateTransitionError
+from ..protocol import QuantProtocol
+from .capture import on_side_stream, require_warmup
 
 __all__ = ["GraphedStep"]
 
@@ -238,29 +239,6 @@ class GraphedStep:
                 "raise warmup so that every layer runs in an eager event first"
             )
         return state.ledger.event(state.clock.last)
-
-
-def on_side_stream(side: torch.cuda.Stream, protocol: QuantProtocol | None, fn):
-    """Run ``fn`` on the CUDA stream ``side`` (ordered after the caller's stream, and the
-    caller's after it), which ``protocol`` treats as the caller's stream (one entrant, not two):
-    warm-up and capture run there, as CUDA graphs want."""
-    caller = torch.cuda.current_stream(side.device)
-    order = None if protocol is None else protocol.stream_order
-    side.wait_stream(caller)
-    if order is not None:
-        order.alias(side, caller)
-    try:
-        with torch.cuda.stream(side):
-            return fn()
-    finally:
-        if order is not None:
-            order.unalias(side)
-        caller.wait_stream(side)
-
-
-def require_warmup(warmup) -> None:
-    """ConfigError unless ``warmup`` (eager events before the capture) is an integer >= 1."""
-    require_int("warmup", warmup, 1, why="owners register and calibrate their first scale in eager events")
 
 
 def _protocol_of(state):

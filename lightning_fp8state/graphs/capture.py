@@ -1,0 +1,131 @@
+"""How a capture runs: on a side stream the protocol takes for the caller's, after eager warm-up
+events, and (per-block graphs) one graph per block and pass, chained through static buffers.
+
+Shared by the whole-step graph (:mod:`.step`) and the per-block graphs (:mod:`.blocks`):
+
+- :func:`on_side_stream`: warm-up and capture run on a side stream (CUDA graphs want one),
+  ordered after the caller's stream and aliased to it in the protocol's stream order, so the
+  protocol sees one entrant, not two;
+- :func:`require_warmup`: every graph replays only owners that registered and calibrated their
+  first scale in an eager event, so at least one warm-up event runs first;
+- :class:`CudaGraphBackend`: what a per-block capture asks of CUDA (graphs, a memory pool they
+  share, the side stream, the generator's state), replaceable by a CPU stand-in in tests;
+- :func:`capture_chain`: every block's forward graph in order, then every backward graph in
+  reverse, block ``i``'s static input being block ``i-1``'s static output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..config import require_int
+from ..errors import ConfigError
+from ..protocol import QuantProtocol
+from .fsdp_units import _unit_input
+
+__all__ = ["CudaGraphBackend", "capture_chain", "on_side_stream", "require_warmup"]
+
+
+def on_side_stream(side: torch.cuda.Stream, protocol: QuantProtocol | None, fn):
+    """Run ``fn`` on the CUDA stream ``side`` (ordered after the caller's stream, and the
+    caller's after it), which ``protocol`` treats as the caller's stream (one entrant, not two):
+    warm-up and capture run there, as CUDA graphs want."""
+    caller = torch.cuda.current_stream(side.device)
+    order = None if protocol is None else protocol.stream_order
+    side.wait_stream(caller)
+    if order is not None:
+        order.alias(side, caller)
+    try:
+        with torch.cuda.stream(side):
+            return fn()
+    finally:
+        if order is not None:
+            order.unalias(side)
+        caller.wait_stream(side)
+
+
+def require_warmup(warmup) -> None:
+    """ConfigError unless ``warmup`` (eager events before the capture) is an integer >= 1."""
+    require_int("warmup", warmup, 1, why="owners register and calibrate their first scale in eager events")
+
+
+class CudaGraphBackend:
+    """What a capture needs from CUDA: graphs, a memory pool shared by them, a side stream."""
+
+    def new_graph(self) -> torch.cuda.CUDAGraph:
+        return torch.cuda.CUDAGraph()
+
+    def new_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, graph, pool, side):
+        # thread_local: a DataLoader's pin-memory thread may allocate pinned memory meanwhile
+        return torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local")
+
+    def side_stream(self, device: torch.device):
+        return torch.cuda.Stream(device)
+
+    def on_side(self, side, protocol: QuantProtocol | None, fn: Callable):
+        return on_side_stream(side, protocol, fn)
+
+    def rng_state(self, device: torch.device) -> torch.Tensor:
+        """The device generator's state (seed and offset: host values, no device sync)."""
+        return torch.cuda.get_rng_state(device)
+
+
+def capture_chain(
+    graphs: Sequence,
+    x: torch.Tensor,
+    backend: CudaGraphBackend,
+    pool,
+    side,
+    region: Callable[[Callable, torch.Tensor], torch.Tensor],
+) -> None:
+    """Capture each block's forward graph (``region(block, input)``, the block read through its
+    aliases) in order, then each block's backward graph (the recompute inside) in reverse, into
+    ``graphs`` (one :class:`~.replay._BlockGraphs` per block): the forwards chain their static
+    outputs into the next block's static input, the backwards their input gradients into the
+    previous block's output gradient. Runs on the side stream, inside the caller's event.
+
+    Raises:
+        ConfigError: a block's output does not depend on its input (not a chain of blocks).
+    """
+    device = x.device.type
+    # the autocast weight cache off: a cast cached in one graph would be read by another
+    cache_off = torch.autocast(
+        device,
+        dtype=torch.get_autocast_dtype(device),
+        enabled=torch.is_autocast_enabled(device),
+        cache_enabled=False,
+    )
+    with cache_off:
+        inp = x.detach().clone().requires_grad_(x.requires_grad)
+        for g in graphs:
+            if g.copy_params:  # the replay's input is FSDP2's cast of it: capture with that
+                inp = _unit_input(g.block, inp)
+            g.static_in = inp
+            g.fwd = backend.new_graph()
+            with backend.capture(g.fwd, pool, side):
+                g.static_out = region(g.call_with_aliases, inp)
+            inp = g.static_out.detach().requires_grad_(True)
+        grad = torch.empty_like(graphs[-1].static_out)
+        for g in reversed(graphs):
+            aliases = [a for a in g.aliases.values() if a.requires_grad]
+            wanted = ([g.static_in] if g.static_in.requires_grad else []) + aliases
+            g.static_grad_out = grad
+            g.bwd = backend.new_graph()
+            with backend.capture(g.bwd, pool, side):
+                grads = torch.autograd.grad(g.static_out, wanted, grad_outputs=grad, allow_unused=True)
+            if g.static_in.requires_grad:
+                g.static_grad_in, grads = grads[0], grads[1:]
+            g.static_grad_params = tuple(grads)
+            g._grad_layout = None  # fresh_grads works its buffer out anew for these
+            g.static_out = g.static_out.detach()  # the captured autograd graph is not needed again
+            grad = g.static_grad_in
+            if grad is None and g is not graphs[0]:
+                raise ConfigError(
+                    "GraphedBlocks: a block's output does not depend on its input, so the stack is not "
+                    "a chain of blocks"
+                )

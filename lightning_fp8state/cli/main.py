@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..config import require_int
 from ..errors import ConfigError, DiskFullError, StateLoadError
-from .rundir import RESUMABLE_KEYS
+from .resume import RESUMABLE_KEYS
 
 __all__ = ["EXIT_DISK_FULL", "EXIT_INTERRUPTED", "main"]
 
@@ -86,8 +86,8 @@ def _split(args) -> tuple[str | None, list[str]]:
 
 def _audit(args) -> int:
     from .audit import HEADER, run_audit
+    from .checks import require_accelerator, require_finite
     from .config import load_config
-    from .train import require_accelerator, require_finite
 
     require_int("--steps", args.steps, 1, MAX_AUDIT_STEPS)
     recipe, overrides = _split(args)
@@ -143,7 +143,7 @@ def _disk_full(exc: OSError) -> str:
     """A full disk (or a file-size limit) as one line: the file, the space needed and free
     (DiskFullError), and what to do: the command that continues the run where it has a
     checkpoint, else to start it again."""
-    from .train import resume_command  # noqa: PLC0415
+    from .rundir import resume_command  # noqa: PLC0415
 
     path = getattr(exc, "path", None) or exc.filename
     if isinstance(exc, DiskFullError):

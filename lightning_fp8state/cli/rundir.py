@@ -1,76 +1,66 @@
-"""The run directory: claimed atomically by rank 0, and validated in full before a resume.
+"""The run directory: claimed atomically by rank 0, its files, and what is left of a failed run.
 
 A new run's directory is ``out_dir/name``, or ``name-2``, ``name-3``, ... when taken: rank 0
-claims it with ``os.mkdir`` (atomic: two runs started together never share one), exports its
-path to the ranks it launches (``FP8STATE_RUN_DIR``), and every rank receives it again from
-rank 0 over the process group once that exists (:class:`SharedRunDir`). Other ranks never
-create or write anything there themselves.
+claims it with ``os.mkdir`` (atomic: two runs started together never share one), holds its
+``.lock``, exports its path to the ranks it launches (``FP8STATE_RUN_DIR``), and every rank
+receives it again from rank 0 over the process group once that exists (``SharedRunDir``). Other
+ranks never create or write anything there themselves (:func:`run_directory`).
 
-``--resume RUN_DIR`` validates before anything in the directory changes: its
-``config.yaml`` loads, the overrides are valid and are ones a resume can take, a checkpoint is
-readable (a corrupt ``last.ckpt`` falls back to the newest good ``step=N.ckpt``, saying so),
-and that checkpoint was made with this configuration. Every failure is a
-:class:`~lightning_fp8state.errors.RunDirectoryError` naming the file and what to do.
+Rank 0 writes the run files at fit start (``RunFiles``): the resolved ``config.yaml``,
+``provenance.json`` (what produced the run, and where a resume continued it) and
+``conversion.json``; each checkpoint records the configuration it was trained with
+(:data:`RUN_CONFIG_KEY`). A new run that ends before its first checkpoint leaves no directory.
+Every entry fp8state keeps there (:data:`RUN_ENTRIES`) is opened without following a link.
+A resume is validated by :mod:`lightning_fp8state.cli.resume` before anything here changes.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
+import platform
 import re
+import shlex
 import shutil
 import stat
+import subprocess
+import sys
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..errors import ConfigError, DiskFullError, RunDirectoryError, UntrustedCheckpointError
-from ..fp8state import Fp8State
-from ..state.checkpoint_files import DEEPSPEED_LATEST, check_checkpoint, deepspeed_safe_globals, load_checkpoint_file
-from .config import quant_config
-from .schema import strategy_facts
+from ..errors import ConfigError, DiskFullError, RunDirectoryError
+from ..ops import cuda as cuda_ext
 
 __all__ = [
-    "RESUMABLE_KEYS",
     "RUN_CONFIG_KEY",
     "RUN_DIR_ENV",
-    "ResumePlan",
+    "RUN_ENTRIES",
     "claim_run_dir",
     "launch_rank",
     "lock_run_dir",
-    "plan_resume",
+    "provenance",
     "remove_if_empty_run",
+    "report_interrupted",
     "require_no_links",
+    "resume_command",
+    "rewrite_run_files",
+    "run_directory",
+    "run_files_callback",
+    "shared_run_dir_callback",
     "wandb_run_id",
+    "write_run_files",
     "write_text_atomic",
 ]
 
 RUN_DIR_ENV = "FP8STATE_RUN_DIR"
 RUN_CONFIG_KEY = "fp8state_run_config"  # the resolved run configuration a checkpoint was trained with
 WANDB_ID_FILE = "wandb_run_id"
-# What a resume may change: how long to train, how often to save and log, where W&B goes,
-# loader workers, CPU threads, garbage collection and strictness. Everything else defines what the checkpoint holds (or the
-# data position and learning rate the optimizer state restores), so it is refused.
-RESUMABLE_KEYS = (  # (not trainer.cpu_threads: another thread count changes CPU sums, so the losses)
-    "trainer.max_steps",
-    "trainer.gc",
-    "trainer.gc_full_every_n_steps",
-    "trainer.schedule_steps",
-    "trainer.checkpoint_every_n_steps",
-    "telemetry.log_every_n_steps",
-    "telemetry.wandb",
-    "telemetry.audit",
-    "data.num_workers",
-    "quant.strict",
-    "quant.weight_codes_once",  # how a call runs, bitwise the same either way
-    "trainer.cuda_graphs",  # how a step runs, bitwise the same either way: a resume warms up and captures again
-    "trainer.cuda_graphs_warmup",
-)
-_STEP_CKPT = re.compile(r"^step=(\d+)\.ckpt$")
 
 
 def launch_rank() -> int:
@@ -230,266 +220,177 @@ def remove_if_empty_run(run_dir: Path) -> bool:
     return True
 
 
-# -- resume ------------------------------------------------------------------------------
-@dataclass
-class ResumePlan:
-    """A validated resume: the configuration to run, the checkpoint to load and its step."""
-
-    cfg: DictConfig
-    checkpoint: Path
-    step: int
-    notes: list[str] = field(default_factory=list)
-    saved_cfg: DictConfig | None = None  # the run's config.yaml as it was (before the overrides)
-
-    @property
-    def complete(self) -> bool:
-        return self.step >= int(self.cfg.trainer.max_steps)
-
-
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: node}
-
-
-def _checkpoint_candidates(run_dir: Path) -> list[Path]:
-    """``last.ckpt`` first, then ``step=N.ckpt`` newest first (the previous good ones)."""
-    ckpts = run_dir / "checkpoints"
-    found = []
-    if (ckpts / "last.ckpt").exists():
-        found.append(ckpts / "last.ckpt")
-    steps = []
-    if ckpts.is_dir():
-        for p in ckpts.iterdir():
-            m = _STEP_CKPT.match(p.name)
-            if m:
-                steps.append((int(m.group(1)), p))
-    found += [p for _, p in sorted(steps, reverse=True)]
-    return found
-
-
-def _read_checkpoint(path: Path) -> dict:
-    """The checkpoint's contents (memory-mapped: tensors are not read), or an error.
-
-    Every file a loader would unpickle (a DeepSpeed directory's shards, FSDP2's ``meta.pt`` and
-    DCP ``.metadata``) is read with ``weights_only=True`` and our allowlist first
-    (:func:`~lightning_fp8state.state.checkpoint_files.check_checkpoint`): a file that names
-    anything else raises UntrustedCheckpointError, and nothing in it has run."""
-    check_checkpoint(path)  # every file a loader would unpickle (each shard), and no link: before anything reads one
-    target = path
-    if path.is_dir() and (path / "meta.pt").is_file():  # FSDP2 (DCP): Lightning's state beside the shards
-        target = path / "meta.pt"
-    elif path.is_dir():  # DeepSpeed: a directory of shards; the client state is in mp_rank_00
-        latest = path / DEEPSPEED_LATEST  # the tag folder DeepSpeed's engine will open (checked above)
-        tag_dir = path / latest.read_text(encoding="utf-8").strip() if latest.is_file() else path
-        shards = sorted(tag_dir.rglob("*mp_rank_00_model_states.pt"))  # ZeRO-3: zero_pp_rank_0_...
-        if not shards:
-            raise ValueError("a checkpoint directory without mp_rank_00_model_states.pt")
-        target = shards[0]
-    if target.stat().st_size == 0:
-        raise ValueError("the file is empty")
-    allowed = deepspeed_safe_globals() if path.is_dir() and target.name != "meta.pt" else ()
-    ckpt = load_checkpoint_file(target, mmap=True, safe_globals=allowed)
-    if not isinstance(ckpt, dict) or "global_step" not in ckpt:
-        raise ValueError(f"not a Lightning checkpoint (no 'global_step'; got {type(ckpt).__name__})")
-    return ckpt
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
-
-
-def _check_against_checkpoint(cfg: DictConfig, ckpt: dict, path: Path) -> None:
-    """The checkpoint was made by a run of this configuration: same quantizer state layout and
-    world size, exactly the model's weights (none missing, none extra, each of its shape), and
-    quantizer owners of exactly the layers this configuration converts."""
-    entry = ckpt.get("fp8state")
-    if isinstance(entry, dict) and entry.get("ranks"):
-        world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
-        if entry.get("world_size") not in (None, world):
-            raise RunDirectoryError(
-                f"{path}: saved by {entry['world_size']} rank(s), but this configuration runs {world} "
-                f"(trainer.devices x trainer.num_nodes); resume with the run's own world size"
-            )
-        saved = next(iter(entry["ranks"].values())).get("config", {})
-        live = quant_config(cfg)
-        diff = [
-            f"quant.{k}: checkpoint {v!r}, config {getattr(live, k)!r}"
-            for k, v in saved.items()
-            if hasattr(live, k) and getattr(live, k) != v
-        ]
-        if diff:
-            raise RunDirectoryError(
-                f"{path}: the quantizer state was made with another configuration ({'; '.join(diff)}); "
-                "resume with the configuration the run was started with"
-            )
-    weights = ckpt.get("state_dict")  # (DeepSpeed's shards hold the weights in their own layout)
-    from ..models import GPT  # noqa: PLC0415
-    from .audit import model_config  # noqa: PLC0415
-
-    with torch.device("meta"):
-        model = GPT(model_config(cfg))
-    if isinstance(weights, dict) and weights:
-        _check_weights(path, {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}, weights)
-    if isinstance(entry, dict) and entry.get("ranks"):
-        state = Fp8State(quant_config(cfg))
-        state.convert(model)
-        _check_owners(path, {f"model.{name}" for name in state.converted_layers}, entry["ranks"], state)
-
-
-def _check_weights(path: Path, expected: dict[str, tuple], weights: dict) -> None:
-    """Exactly the model's weights: none missing, none extra, each of its shape."""
-    missing = sorted(set(expected) - set(weights))
-    extra = sorted(set(weights) - set(expected))
-    wrong = sorted(
-        k for k in expected if k in weights and hasattr(weights[k], "shape") and tuple(weights[k].shape) != expected[k]
-    )
-    if not (missing or extra or wrong):
-        return
-    if missing:
-        detail = f"missing {_few(missing)}"
-    elif extra:
-        detail = f"extra {_few(extra)} that this configuration's model does not have"
-    else:
-        detail = f"{wrong[0]}: checkpoint {tuple(weights[wrong[0]].shape)}, config {expected[wrong[0]]}"
-    raise RunDirectoryError(
-        f"{path}: the model weights do not fit this configuration's model ({detail}); "
-        "resume with the model.* settings the run was started with"
-    )
-
-
-def _check_owners(path: Path, layers: set[str], ranks: dict, state: Fp8State) -> None:
-    """The quantizer state of every rank belongs to exactly the layers this configuration converts."""
-    if not state.config.quantized or state.config.ownership == "per_model":
-        return
-    for rank, sd in ranks.items():
-        try:
-            saved = {o[0] for o in sd["bank"]["owners"]} - {"*"}
-        except (KeyError, TypeError, IndexError) as exc:
-            raise RunDirectoryError(f"{path}: the quantizer state of rank {rank} is corrupt ({exc!r})") from None
-        if not saved:
-            continue  # saved before the first step: no owner registered yet
-        unknown, missing = sorted(saved - layers), sorted(layers - saved)
-        if unknown or missing:
-            detail = (
-                f"owners of layers {_few(unknown)} that this configuration's model does not convert"
-                if unknown
-                else f"no owners for the converted layers {_few(missing)}"
-            )
-            raise RunDirectoryError(
-                f"{path}: the quantizer state of rank {rank} does not fit this configuration ({detail}); "
-                "resume with the model.* and quant.* settings the run was started with"
-            )
-
-
-def _few(names: list[str], n: int = 3) -> str:
-    return f"{names[:n]}{f' and {len(names) - n} more' if len(names) > n else ''}"
-
-
-def _require_checkpoint_kind(cfg: DictConfig, candidates: list[Path], resume: str) -> None:
-    """A strategy that writes one file per checkpoint finds no directory under a checkpoint's
-    name: it would fall back past it, train, and then fail to save over it."""
-    if strategy_facts(cfg.strategy).writes_checkpoint_directory:  # DeepSpeed's shards, FSDP2's DCP
-        return
-    for path in candidates:
-        if path.is_dir():
-            raise RunDirectoryError(
-                f"--resume {resume!r}: {path} is a directory, but strategy.name={cfg.strategy.name!r} writes "
-                "each checkpoint as one file there: move or remove that directory, then resume"
-            )
-
-
-def _select_checkpoint(cfg: DictConfig, run_dir: Path, resume: str) -> tuple[Path, dict, list[str]]:
-    candidates = _checkpoint_candidates(run_dir)
-    _require_checkpoint_kind(cfg, candidates, resume)
-    if not candidates:
-        raise RunDirectoryError(
-            f"--resume {resume!r}: no checkpoint to continue from (expected {run_dir / 'checkpoints' / 'last.ckpt'} "
-            "or checkpoints/step=N.ckpt); the run stopped before its first checkpoint: start it again"
-        )
-    bad: list[str] = []
-    for path in candidates:
-        try:
-            ckpt = _read_checkpoint(path)
-        except UntrustedCheckpointError as exc:  # refused, not "corrupt": never fall back past it
-            raise RunDirectoryError(f"--resume {resume!r}: {exc}") from None
-        except Exception as exc:  # noqa: BLE001  (any failure to read is "corrupt": say which and why)
-            bad.append(f"{path} is not a readable checkpoint ({_reason(exc)})")
-            continue
-        _check_against_checkpoint(cfg, ckpt, path)
-        if bad:
-            bad.append(f"resuming from the previous good checkpoint {path} (step {ckpt['global_step']})")
-        return path, ckpt, bad
-    raise RunDirectoryError(
-        f"--resume {resume!r}: no readable checkpoint: "
-        + "; ".join(bad)
-        + ". The files may be truncated or overwritten; start a new run"
-    )
-
-
-def _check_recorded_config(saved_path: Path, old: dict[str, Any], recorded: Any, path: Path) -> None:
-    """``config.yaml`` against the configuration the checkpoint records, key by key, under the rule
-    of the overrides: a hand edit of a key outside RESUMABLE_KEYS trained another run silently
-    (or, for ``trainer.lr``, was written back and not used). Checkpoints of earlier versions record
-    none; keys one side does not have (another version's schema) are not compared."""
-    if not isinstance(recorded, dict):
-        return
-    rec = _flatten(recorded)
-    edited = sorted(k for k in set(old) & set(rec) if old[k] != rec[k] and k not in RESUMABLE_KEYS)
-    if edited:
-        k = edited[0]
-        raise RunDirectoryError(
-            f"{saved_path}: {k}={old[k]!r}, but {path} was trained with {k}={rec[k]!r}: the file was edited. A resume "
-            f"continues the run as it was configured and may change only {', '.join(RESUMABLE_KEYS)}; put back "
-            f"{k}: {rec[k]!r}, or start a new run (without --resume) to change {k}"
-        )
-
-
-def plan_resume(resume: str, recipe: str | None, overrides: list[str]) -> ResumePlan:
-    """Validate a resume of ``resume`` with ``overrides``; nothing is written.
-
-    Raises:
-        RunDirectoryError: not a run directory, a recipe given, an invalid override or one a
-            resume cannot take, no readable checkpoint, or a checkpoint of another configuration.
-    """
-    from .config import load_config  # noqa: PLC0415
-
-    run_dir = Path(resume)
-    if recipe is not None:
-        raise RunDirectoryError(
-            f"--resume {resume!r} continues that run with its own config.yaml, so a recipe ({recipe!r}) "
-            "cannot be given too: pass only key=value overrides, or drop --resume to start a new run"
-        )
-    saved_path = run_dir / "config.yaml"
-    require_no_links(run_dir)
-    if not saved_path.is_file():
-        raise RunDirectoryError(f"--resume {resume!r}: no config.yaml there (not a run directory)")
+@contextmanager
+def run_directory(cfg: DictConfig, resume: str | None, rank: int) -> Iterator[Path]:
+    """The run's directory, held for the body of the ``with``: ``resume`` when given; for a new
+    run, rank 0 claims one (:func:`claim_run_dir`) and exports it to the ranks Lightning launches,
+    which take it from there. Rank 0 holds its lock (:func:`lock_run_dir`: a concurrent resume
+    of this run is refused). A new run that fails before its first checkpoint is removed."""
+    fresh = resume is None
+    if not fresh:
+        run_dir = Path(resume)
+    elif rank == 0:
+        run_dir = claim_run_dir(cfg.out_dir, cfg.name)
+    else:  # a launched rank: rank 0's directory (the broadcast in SharedRunDir confirms it)
+        run_dir = Path(os.environ.get(RUN_DIR_ENV) or Path(cfg.out_dir) / cfg.name)
+    lock = lock_run_dir(run_dir) if rank == 0 else None
+    exported = rank == 0 and fresh
+    if exported:
+        os.environ[RUN_DIR_ENV] = str(run_dir)  # the ranks Lightning launches inherit it
     try:
-        saved = load_config(str(saved_path))
-        cfg = load_config(str(saved_path), overrides) if overrides else saved
-    except RunDirectoryError:
+        yield run_dir
+    except BaseException:
+        if fresh and rank == 0:
+            if lock is not None:
+                lock.close()
+                lock = None
+            remove_if_empty_run(run_dir)  # a run that failed before its first checkpoint leaves nothing
         raise
-    except ConfigError as exc:
-        raise RunDirectoryError(f"--resume {resume!r}: {exc}") from exc
-    old = _flatten(OmegaConf.to_container(saved, resolve=True))
-    new = _flatten(OmegaConf.to_container(cfg, resolve=True))
-    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in RESUMABLE_KEYS)
-    if changed:
-        k = changed[0]
-        raise RunDirectoryError(
-            f"--resume {resume!r}: {k}={new.get(k)!r} differs from the run's {k}={old.get(k)!r} "
-            f"(in {saved_path}); a resume continues the run as it was configured and may change only "
-            f"{', '.join(RESUMABLE_KEYS)}. Start a new run (without --resume) to change {k}"
+    finally:
+        if exported:
+            os.environ.pop(RUN_DIR_ENV, None)
+        if lock is not None:
+            lock.close()
+
+
+def resume_command(run_dir: Path, *overrides: str) -> str:
+    """The command that continues the run in ``run_dir``, quoted for the shell."""
+    return shlex.join(["fp8state", "train", "--resume", str(run_dir), *overrides])
+
+
+def report_interrupted(run_dir: Path, step: int, *, fresh: bool, stopping: bool) -> int:
+    """Say where an interrupted run stands (exit 130). With a checkpoint: which one, and the command
+    that continues from it. Without one (a new run stopped before its first save): nothing can be
+    resumed, so the run's directory is removed and the line says to start again."""
+    saved = sorted((run_dir / "checkpoints").glob("step=*.ckpt"), key=lambda p: p.stat().st_mtime)
+    how = "stopped by a signal (SIGTERM or SIGHUP)" if stopping else "interrupted"
+    if saved:
+        print(
+            f"fp8state: {how} at step {step}; the last checkpoint is {saved[-1]}. "
+            f"Continue with: {resume_command(run_dir)}",
+            file=sys.stderr,
         )
-    asked = any(item.split("=", 1)[0].strip() == "trainer.schedule_steps" for item in overrides)
-    if not asked and not cfg.trainer.schedule_steps and cfg.trainer.max_steps != saved.trainer.max_steps:
-        # a longer (or shorter) resume keeps the learning-rate curve the run was on; the user
-        # re-stretches it only by asking (trainer.schedule_steps=N)
-        cfg.trainer.schedule_steps = int(saved.trainer.schedule_steps or saved.trainer.max_steps)
-    path, ckpt, notes = _select_checkpoint(cfg, run_dir, resume)
-    _check_recorded_config(saved_path, old, ckpt.get(RUN_CONFIG_KEY), path)
-    return ResumePlan(cfg=cfg, checkpoint=path, step=int(ckpt["global_step"]), notes=notes, saved_cfg=saved)
+    elif fresh:
+        remove_if_empty_run(run_dir)
+        print(
+            f"fp8state: {how} at step {step}, before the first checkpoint: nothing to resume, and the run "
+            f"directory {run_dir} was removed; start the run again",
+            file=sys.stderr,
+        )
+    else:
+        print(f"fp8state: {how} at step {step}; no checkpoint was saved in {run_dir / 'checkpoints'}", file=sys.stderr)
+    return 130
+
+
+# -- the run files ---------------------------------------------------------------------------
+def _git_commit() -> str:
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return "unknown (installed package)"
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def provenance() -> dict:
+    """What produced a run: package, git commit, Python, torch, CUDA and the built extension."""
+    from .. import __version__
+
+    return {
+        "package": "lightning_fp8state",
+        "version": __version__,
+        "git_commit": _git_commit(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "cuda_extension": cuda_ext.extension_info(),
+        "command": sys.argv,
+    }
+
+
+def write_run_files(run_dir: Path, cfg: DictConfig, plan=None, conversion: dict | None = None) -> None:
+    """``config.yaml``, ``provenance.json`` (and ``conversion.json`` when given), each replaced
+    in one rename. A resumed run's provenance keeps what started the run (``started_as``) and
+    says where it resumed (``plan``: its :class:`~lightning_fp8state.cli.resume.ResumePlan`)."""
+    write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    if conversion is not None:
+        write_text_atomic(run_dir / "conversion.json", json.dumps(conversion, indent=1))
+    doc = provenance()
+    try:
+        prior = json.loads((run_dir / "provenance.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        prior = {}
+    if plan is not None or "started_as" in prior:
+        doc["started_as"] = prior.get("started_as") or {
+            k: prior.get(k) for k in ("version", "git_commit", "torch", "gpu", "command")
+        }
+        resumed = prior.get("resumed_from") if plan is None else {"checkpoint": str(plan.checkpoint), "step": plan.step}
+        doc["resumed_from"] = resumed
+    write_text_atomic(run_dir / "provenance.json", json.dumps(doc, indent=1, default=str))
+
+
+def rewrite_run_files(run_dir: Path, cfg: DictConfig) -> None:
+    """The run files written again when the run ends: the CUDA extension (and its hash) is known
+    only now. A run directory moved or deleted mid-run is not recreated (the telemetry has said
+    so); a full disk is a warning, not a failure (the run itself is saved)."""
+    try:
+        if run_dir.is_dir():
+            write_run_files(run_dir, cfg)
+    except DiskFullError as exc:
+        print(f"fp8state: warning: {exc}; the run's files keep what they said at its start", file=sys.stderr)
+
+
+def _remove_stale_temporaries(run_dir: Path) -> None:
+    """Remove what saves killed mid-write left behind (``.last.ckpt.XXXX.tmp``, a file or, for a
+    sharded checkpoint, a folder)."""
+    from ..lightning.checkpoint_io import TMP_SUFFIX, remove_temporary
+
+    for tmp in (run_dir / "checkpoints").glob(f".*{TMP_SUFFIX}"):
+        remove_temporary(tmp)
+
+
+# -- the callbacks that keep the run directory -------------------------------------------------
+def shared_run_dir_callback(run_dir: Path, telemetry, checkpoint):
+    """A callback that makes every rank use rank 0's run directory once the process group
+    exists (``strategy.broadcast``): the telemetry and checkpoint directories follow it."""
+    from lightning.pytorch.callbacks import Callback
+
+    class SharedRunDir(Callback):
+        def __init__(self) -> None:
+            self.run_dir = run_dir
+
+        def setup(self, trainer, pl_module, stage: str) -> None:
+            self.run_dir = Path(trainer.strategy.broadcast(str(self.run_dir), src=0))
+            telemetry.run_dir = self.run_dir
+            checkpoint.dirpath = str(self.run_dir / "checkpoints")
+
+    return SharedRunDir()
+
+
+def run_files_callback(run_dir: Path, cfg: DictConfig, plan, fp8_callback):
+    """A callback that writes the run's files at fit start: after a resume's checkpoint has been
+    loaded (a load that fails leaves the directory as it was), before the first step."""
+    from lightning.pytorch.callbacks import Callback
+
+    class RunFiles(Callback):
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+            # the configuration the checkpoint was trained with (plain values: weights_only loads
+            # it): a resume compares config.yaml with it key by key
+            checkpoint[RUN_CONFIG_KEY] = OmegaConf.to_container(cfg, resolve=True)
+
+        def on_fit_start(self, trainer, pl_module) -> None:
+            if trainer.is_global_zero:
+                write_run_files(run_dir, cfg, plan, conversion=fp8_callback.conversion.to_dict())
+                if plan is not None:
+                    _remove_stale_temporaries(run_dir)
+
+    return RunFiles()

@@ -1,360 +1,151 @@
-"""``fp8state train``: a Lightning run of a recipe with the project's callbacks and strategy.
+"""``fp8state train``: a Lightning run of a run recipe with the project's callbacks and strategy.
 
 The run directory (``out_dir/name``, numbered if taken; claimed by rank 0 alone, see
 ``cli/rundir.py``) holds the resolved ``config.yaml``, ``provenance.json`` (what produced the
 run), ``telemetry.jsonl``, the W&B run id and W&B's offline files under ``wandb/``, and
 Lightning checkpoints under ``checkpoints/`` (``last.ckpt`` and the two newest ``step=N.ckpt``,
 written atomically). ``--resume RUN_DIR`` continues from the newest readable checkpoint with
-that directory's configuration, once the resume is validated in full.
+that directory's configuration, once the resume is validated in full (``cli/resume.py``).
+
+A run, step by step (:func:`run_training`): the resume plan or the run recipe's configuration;
+the checks before the run (``cli/checks.py``); the run directory, held for the fit; the
+loggers, the module and data (``cli/gpt_module.py``), the callbacks and the trainer; the fit;
+and the lines that say how it ended.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import platform
-import shlex
-import subprocess
 import sys
 import warnings
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from ..errors import ConfigError, DiskFullError
-from ..models import GPT, ResumableLoader, make_dataset
-from ..ops import cuda as cuda_ext
-from ..quant_recipes import RECIPE_CLASSES, Recipe, recipe_for
-from .audit import model_config
+from ..errors import ConfigError
+from .checks import require_runnable
 from .config import load_config, quant_config
+from .gpt_module import lr_factor, module_and_data
+from .resume import ResumePlan, plan_resume
 from .rundir import (
-    RUN_CONFIG_KEY,
-    RUN_DIR_ENV,
-    claim_run_dir,
     launch_rank,
-    lock_run_dir,
-    plan_resume,
-    remove_if_empty_run,
+    report_interrupted,
+    rewrite_run_files,
+    run_directory,
+    run_files_callback,
+    shared_run_dir_callback,
     wandb_run_id,
-    write_text_atomic,
 )
 from .schema import strategy_facts
 
-__all__ = ["lr_factor", "provenance", "resume_command", "run_training", "set_cpu_threads"]
+__all__ = ["quiet_lightning", "run_training", "set_cpu_threads", "telemetry_clips"]
 
 
-def resume_command(run_dir: Path, *overrides: str) -> str:
-    """The command that continues the run in ``run_dir``, quoted for the shell."""
-    return shlex.join(["fp8state", "train", "--resume", str(run_dir), *overrides])
+def run_training(recipe: str | None, overrides: list[str], *, resume: str | None = None, verbose: bool = False) -> int:
+    """Validate everything, then train. Nothing is created (new run) or changed (resume)
+    until the configuration, the overrides and (on resume) the checkpoint are validated.
 
+    Args:
+        recipe: the run recipe (a name or a YAML path); None for the default, or with ``resume``.
+        overrides: ``key=value`` items.
+        resume: a run directory to continue (``--resume``).
+        verbose: log the full conversion report.
 
-def _git_commit() -> str:
-    root = Path(__file__).resolve().parents[2]
-    if not (root / ".git").exists():
-        return "unknown (installed package)"
+    Returns:
+        The exit code: 0, or 130 for a run interrupted by Ctrl-C or a signal.
+    """
+    rank = launch_rank()
+    plan = plan_resume(resume, recipe, overrides) if resume is not None else None
+    cfg = plan.cfg if plan is not None else load_config(recipe, overrides)
+    require_runnable(cfg, recipe, rank=rank)
+    threads = torch.get_num_threads()  # the caller's, put back when the run ends (main() in a process of its own)
+    set_cpu_threads(cfg)
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return _run_validated(cfg, plan, rank, resume, verbose=verbose)
+    finally:
+        torch.set_num_threads(threads)
 
 
-def provenance() -> dict:
-    """What produced a run: package, git commit, Python, torch, CUDA and the built extension."""
-    from .. import __version__
-
-    return {
-        "package": "lightning_fp8state",
-        "version": __version__,
-        "git_commit": _git_commit(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "cuda_extension": cuda_ext.extension_info(),
-        "command": sys.argv,
-    }
+def _run_validated(cfg: DictConfig, plan: ResumePlan | None, rank: int, resume: str | None, *, verbose: bool) -> int:
+    """The validated run: a resume of a complete run says so and ends; any other resume says
+    where it continues; then the fit, in the run directory held for it."""
+    if plan is not None and plan.complete:
+        if rank == 0:
+            print(plan.complete_message(Path(resume)))
+        return 0
+    if plan is not None and rank == 0:
+        _announce_resume(cfg, plan)
+    with run_directory(cfg, resume, rank) as run_dir:
+        return _fit(cfg, run_dir, plan, rank, verbose=verbose)
 
 
-def lr_factor(cfg: DictConfig, step: int) -> float:
-    """The learning rate of optimizer step ``step + 1`` as a fraction of ``trainer.lr``: linear
-    warm-up, then cosine to 10% over ``trainer.schedule_steps`` (0: ``trainer.max_steps``)."""
+def _announce_resume(cfg: DictConfig, plan: ResumePlan) -> None:
+    """The plan's notes (a checkpoint passed over) as warnings, and the learning rate the resume
+    continues with, beside what it was on the run's schedule."""
+    for note in plan.notes:
+        print(f"fp8state: warning: {note}", file=sys.stderr)
     t = cfg.trainer
-    warm = max(1, t.warmup_steps)
+    before = t.lr * lr_factor(plan.saved_cfg, plan.step)
+    after = t.lr * lr_factor(cfg, plan.step)
     total = t.schedule_steps or t.max_steps
-    if step < warm:
-        return (step + 1) / warm
-    frac = min(1.0, (step - warm) / max(1, total - warm))
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * frac))
+    if math.isclose(before, after, rel_tol=1e-9):
+        print(f"fp8state: learning rate at step {plan.step + 1}: {after:.3g}, on the run's schedule of {total} steps")
+    else:
+        print(
+            f"fp8state: learning rate at step {plan.step + 1}: {before:.3g} on the run's schedule, {after:.3g} on "
+            f"the schedule of trainer.schedule_steps={total} (re-stretched, as asked)"
+        )
 
 
-def _set_fused(optimizers, fused: bool) -> None:
-    """Every param group of ``optimizers`` (optimizers or their state dicts) fused or not."""
-    for opt in optimizers:
-        groups = opt.get("param_groups", ()) if isinstance(opt, dict) else opt.param_groups
-        for group in groups:
-            group["fused"] = fused
-            if fused:
-                group["foreach"] = None  # fused and foreach are exclusive
-
-
-def _module_and_data(cfg: DictConfig):
+def _fit(cfg: DictConfig, run_dir: Path, plan: ResumePlan | None, rank: int, *, verbose: bool = False) -> int:
+    """Build the trainer and fit in ``run_dir``; the exit code (130: interrupted)."""
+    os.environ.setdefault("WANDB_SILENT", "true")
+    quiet_lightning()
     import lightning.pytorch as pl
 
-    class GPTModule(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = GPT(model_config(cfg))
-            if cfg.trainer.compile:  # compiled on first use, after the callback converted the linears
-                for block in self.model.blocks:
-                    block.compile()
-            self.graphed = None
-            self.last_loss = None  # the last step's loss, on the device: read once, when the run ends
-            if cfg.trainer.cuda_graphs and strategy_facts(cfg.strategy).cuda_graphs == "blocks":
-                # per-block graphs: the strategy's gradient hooks stay eager between the blocks
-                from ..graphs import GraphedBlocks  # noqa: PLC0415
-
-                self.model.blocks_runner = GraphedBlocks(
-                    self.model.blocks, warmup=cfg.trainer.cuda_graphs_warmup, checkpoint=cfg.model.checkpoint
-                )
-            elif cfg.trainer.cuda_graphs:  # manual optimization: the step runs the optimizer itself
-                from ..lightning import GraphedTrainingStep  # noqa: PLC0415
-
-                self.graphed = GraphedTrainingStep(self, self.model.loss, warmup=cfg.trainer.cuda_graphs_warmup)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = self.graphed(self, batch) if self.graphed is not None else self.model.loss(x, y)
-            self.last_loss = loss.detach()
-            # for callback_metrics only: the telemetry writes the loss to the loggers and the
-            # bar on log steps; a device value in the bar would be read back every batch (a sync)
-            self.log("train/loss", loss, on_step=True, prog_bar=False, logger=False)
-            return loss
-
-        def configure_optimizers(self):
-            t = cfg.trainer
-            # fused: one kernel per step, and the telemetry's non-finite guard skips on the device
-            # (no host sync); sharded (FSDP2) and DeepSpeed-managed parameters keep the default
-            opt = torch.optim.AdamW(self.parameters(), lr=t.lr, weight_decay=t.weight_decay, fused=fused_optimizer(cfg))
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(cfg, step))
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-        def on_train_start(self):
-            # Under FSDP2 the optimizer state comes back through DCP in the strategy's
-            # load_checkpoint, past on_load_checkpoint below: put the configured setting back
-            if strategy_facts(cfg.strategy).restores_optimizer_late:
-                _set_fused(self.trainer.optimizers, fused_optimizer(cfg))
-
-        def on_load_checkpoint(self, checkpoint):
-            # load_state_dict takes the saved param groups' settings: a run saved by an earlier
-            # version (AdamW not fused) would continue unfused, its guard syncing every step.
-            # The optimizer of this run is what the configuration says (the state is the same).
-            fused = fused_optimizer(cfg)
-            for opt_state in checkpoint.get("optimizer_states", ()):
-                _set_fused([opt_state], fused)
-
-    class TokenData(pl.LightningDataModule):
-        def train_dataloader(self):
-            d = cfg.data
-            ds = make_dataset(
-                d.source,
-                vocab_size=cfg.model.vocab_size,
-                seq_len=cfg.model.seq_len,
-                length=d.num_samples,
-                seed=d.seed,
-                path=d.path,
-            )
-            # resumable: a resumed run continues on the next batch of the epoch, not its start
-            # pinned on a GPU: Lightning's non-blocking copy to the device is then asynchronous
-            pin = cfg.trainer.accelerator in ("gpu", "cuda") and torch.cuda.is_available()
-            return ResumableLoader(
-                ds, batch_size=d.batch_size, shuffle=False, drop_last=True, num_workers=d.num_workers, pin_memory=pin
-            )
-
-    return GPTModule(), TokenData()
+    pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
+    loggers = _loggers(cfg, run_dir, rank)
+    module, data = module_and_data(cfg)
+    telemetry = _telemetry(cfg, run_dir)
+    trainer = _trainer(cfg, run_dir, loggers, _callbacks(cfg, run_dir, plan, telemetry, verbose=verbose))
+    interrupted = _run_fit(trainer, module, data, cfg, plan, loggers)
+    if not trainer.is_global_zero:
+        return 130 if interrupted else 0
+    failures = telemetry.sink_failures
+    for line in failures:
+        print(f"fp8state: warning: {line}", file=sys.stderr)
+    if interrupted:
+        return report_interrupted(run_dir, trainer.global_step, fresh=plan is None, stopping=trainer.received_sigterm)
+    rewrite_run_files(run_dir, cfg)
+    _print_summary(run_dir, trainer, telemetry, module.last_loss, failures)
+    return 0
 
 
-def _strategy(cfg: DictConfig):
-    """The ``strategy`` argument of ``Trainer`` for ``strategy.name``, built from the section."""
-    return strategy_facts(cfg.strategy).from_cli(cfg.strategy)
+def _loggers(cfg: DictConfig, run_dir: Path, rank: int) -> list:
+    """The W&B logger unless ``telemetry.wandb=disabled``, continuing the run's W&B run (its id
+    is kept in the run directory); an online run is started now, on rank 0 (:func:`_start_wandb`)."""
+    if cfg.telemetry.wandb == "disabled":
+        return []
+    from ..lightning import wandb_logger
 
-
-def last_checkpoint(run_dir: Path) -> Path:
-    """The run's ``checkpoints/last.ckpt``: a file, or under DeepSpeed a directory of
-    per-rank shards (a link to either counts too); ConfigError if there is none."""
-    last = run_dir / "checkpoints" / "last.ckpt"
-    if not last.exists():
-        raise ConfigError(f"--resume {str(run_dir)!r}: no checkpoints/last.ckpt to continue from")
-    return last
-
-
-def require_finite(cfg: DictConfig) -> None:
-    """Refuse a NaN or infinite number anywhere in the configuration (``trainer.lr=nan``)."""
-
-    def walk(node, prefix: str) -> None:
-        for key, value in node.items():
-            name = f"{prefix}{key}"
-            if isinstance(value, dict):
-                walk(value, f"{name}.")
-            elif isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{name}={value!r} is not allowed: expected a finite number")
-
-    walk(OmegaConf.to_container(cfg, resolve=True), "")
-
-
-def _names(fact) -> list[str]:
-    """The strategy names for which ``fact(contract class)`` holds (for messages)."""
-    from .schema import strategy_choices  # noqa: PLC0415
-
-    return [name for name, cls in strategy_choices().items() if fact(cls)]
-
-
-def fused_optimizer(cfg: DictConfig) -> bool:
-    """Whether the run's AdamW is fused: the guard then skips on the device (the strategy says,
-    ``Fp8StateStrategyContract.fused_optimizer``). Where the optimizer owns the parameters the
-    telemetry clips (:func:`telemetry_clips`); under DeepSpeed ZeRO-1/2 the optimizer steps
-    DeepSpeed's flat fp32 partitions, and the strategy's device guard
-    (``lightning.deepspeed_guard``) checks and clips there."""
-    return strategy_facts(cfg.strategy).fused_optimizer(cfg.strategy)
-
-
-def telemetry_clips(cfg: DictConfig) -> bool:
-    """Whether the telemetry callback clips (Lightning's mixed-precision plugin refuses to clip a
-    fused optimizer; DeepSpeed clips in its own buffers)."""
-    return strategy_facts(cfg.strategy).optimizer_owns_parameters and bool(cfg.trainer.gradient_clip_val)
-
-
-def require_compile_strategy(cfg: DictConfig) -> None:
-    """trainer.compile with the strategies it has run with only (the contract's ``compiles_blocks``)."""
-    if cfg.trainer.compile and not strategy_facts(cfg.strategy).compiles_blocks:
-        raise ConfigError(
-            f"trainer.compile=true with strategy.name={cfg.strategy.name!r} is not allowed: expected a strategy "
-            f"in {_names(lambda c: c.compiles_blocks)}, or trainer.compile=false"
-        )
-
-
-CUDA_GRAPHS_ACCELERATORS = ("gpu", "cuda")
-
-
-def require_cuda_graphs_setup(cfg: DictConfig) -> None:
-    """trainer.cuda_graphs: on GPUs, under a strategy whose contract has graphs (``"step"``: the
-    whole step, one GPU, no accumulation; ``"blocks"``: per-block graphs), no recompute audit, none
-    of DeepSpeed's activation-checkpointing features; each refusal names the key to change and why."""
-    t, s = cfg.trainer, cfg.strategy
-    if not t.cuda_graphs:
-        return
-    graphs = strategy_facts(s).cuda_graphs  # "step": the whole step (GraphedTrainingStep); "blocks": GraphedBlocks
-    whole_step = graphs == "step"
-    one_graph = f"1 under strategy.name={s.name!r}"
-    why_step = "the whole step is one graph on one GPU that writes its gradients afresh each step"
-    why_blocks = "per-block graphs recompute through torch's checkpoint inside the graph"
-    needs = [
-        (
-            "trainer.accelerator",
-            t.accelerator in CUDA_GRAPHS_ACCELERATORS,
-            f"{t.accelerator!r}",
-            "'gpu'",
-            "graphs are CUDA's",
-        ),
-        (
-            "strategy.name",
-            graphs is not None,
-            f"{s.name!r}",
-            f"one of {_names(lambda c: c.cuda_graphs is not None)}",
-            "graphs run under these strategies only",
-        ),
-        (
-            "trainer.devices",
-            not whole_step or (t.devices == 1 and t.num_nodes == 1),
-            f"{t.devices} x {t.num_nodes} node(s)",
-            one_graph,
-            why_step,
-        ),
-        (
-            "trainer.accumulate_grad_batches",
-            not whole_step or t.accumulate_grad_batches == 1,
-            str(t.accumulate_grad_batches),
-            one_graph,
-            why_step,
-        ),
-        (
-            "telemetry.audit",
-            not cfg.telemetry.audit,
-            "true",
-            "false",
-            "the audit runs Python on every quantized call, which a replay does not",
-        ),
-        ("trainer.compile", whole_step or not t.compile, "true", "false under a data-parallel strategy", why_blocks),
-    ]
-    for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
-        needs.append((f"strategy.{key}", not s[key], "true", "false", f"{why_blocks}, not DeepSpeed's"))
-    problem = recipe_for(quant_config(cfg)).graph_problem()
-    if problem is not None:
-        graphable = [name for name, cls in RECIPE_CLASSES.items() if cls.graph_problem is Recipe.graph_problem]
-        needs.append(("quant.recipe", False, repr(cfg.quant.recipe), f"one of {graphable}", problem))
-    for key, ok, found, allowed, why in needs:
-        if not ok:
-            raise ConfigError(
-                f"trainer.cuda_graphs=true with {key}={found} is not allowed: expected {key}={allowed} ({why}), "
-                "or trainer.cuda_graphs=false"
-            )
+    online = cfg.telemetry.wandb == "online"
+    logger = wandb_logger(
+        run_dir,
+        project=cfg.telemetry.project,
+        online=online,
+        name=run_dir.name,
+        id=wandb_run_id(run_dir, create=rank == 0),
+        resume="allow",
+        **({"settings": _wandb_settings()} if online else {}),
+    )
+    if online and rank == 0:
+        _start_wandb(logger)
+    return [logger]
 
 
 WANDB_INIT_TIMEOUT_S = 30  # W&B's own default waits 90 s for a network that is not there, then raises
-
-
-def require_wandb_credentials(cfg: DictConfig) -> None:
-    """``telemetry.wandb=online`` needs an API key for the server W&B will use; without one W&B
-    asks on a terminal (or fails) after the run has started. W&B decides both itself, here
-    without any network call: the server from ``WANDB_BASE_URL`` or its settings file (``wandb
-    login --host``), the key from ``WANDB_API_KEY`` or ``WANDB_IDENTITY_TOKEN_FILE``, a netrc
-    entry for that server (``host:port``; ``api.wandb.ai`` for W&B's cloud under any of its
-    addresses) or its settings. A key W&B would reject (too short, two sources at once) is
-    refused here too. A wandb without this lookup (``wandb.sdk.lib.wbauth``, older releases)
-    leaves the answer to ``wandb.init``, whose failure is one line as well (:func:`_start_wandb`).
-    """
-    if cfg.telemetry.wandb != "online":
-        return
-    import wandb  # noqa: PLC0415
-
-    try:
-        from wandb.sdk import wandb_setup  # noqa: PLC0415
-        from wandb.sdk.lib import wbauth  # noqa: PLC0415
-    except ImportError:
-        return
-    setup = wandb_setup.singleton()
-    # W&B reads its settings from the environment once per process: settings loaded only for this
-    # check are dropped after it, so that wandb.init reads them afresh (WANDB_SILENT is set later)
-    loaded_here = getattr(setup, "settings_if_loaded", False) is None
-    try:
-        host = setup.settings.base_url
-        found = wbauth.authenticate_session(host=host, source="fp8state", prompt=False, update_session=False)
-    except TypeError:  # an authenticate_session of another signature: wandb.init answers
-        return
-    except (wandb.errors.Error, ValueError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(
-            f"telemetry.wandb='online': W&B cannot use its credentials or server setting ({reason}); fix them or "
-            "run `wandb login`, or pass telemetry.wandb=offline (`wandb sync` uploads the run later)"
-        ) from None
-    finally:
-        if loaded_here:
-            wandb.teardown()
-    if found is None:
-        raise ConfigError(
-            f"telemetry.wandb='online' needs a W&B API key for {host}, and W&B finds none (no WANDB_API_KEY, no "
-            f"netrc entry for {urlparse(host).netloc}): run `wandb login` or set WANDB_API_KEY, or pass "
-            "telemetry.wandb=offline (the run is kept under RUN_DIR/wandb; `wandb sync` uploads it later)"
-        )
 
 
 def _wandb_settings():
@@ -378,25 +169,127 @@ def _start_wandb(logger) -> None:
         ) from None
 
 
-def require_accelerator(cfg: DictConfig, recipe: str | None) -> None:
-    """Refuse a GPU configuration on a machine without (enough) GPUs, before anything is created."""
+def telemetry_clips(cfg: DictConfig) -> bool:
+    """Whether the telemetry callback clips (Lightning's mixed-precision plugin refuses to clip a
+    fused optimizer; DeepSpeed clips in its own buffers)."""
+    return strategy_facts(cfg.strategy).optimizer_owns_parameters and bool(cfg.trainer.gradient_clip_val)
+
+
+def _telemetry(cfg: DictConfig, run_dir: Path):
+    """The telemetry callback. With the fused AdamW it clips, reusing the norm it measures:
+    Lightning's mixed-precision plugin refuses to clip for a fused optimizer."""
+    from ..lightning import TelemetryCallback
+
     t = cfg.trainer
-    needs_cuda = strategy_facts(cfg.strategy).needs_cuda
-    if not (t.accelerator in ("gpu", "cuda") or needs_cuda):
-        return
-    what = f"recipe {recipe!r}" if recipe else f"recipe {cfg.name!r}"
-    need = f"strategy.name={cfg.strategy.name}" if needs_cuda else f"trainer.accelerator={t.accelerator!r}"
-    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if have == 0:
-        raise ConfigError(
-            f"{what}: {need} needs a CUDA GPU, and none is visible here (torch.cuda.is_available() is False). "
-            "Run it on a GPU machine, or train the CPU recipe: fp8state train tiny_gpt_cpu"
+    clip_here = telemetry_clips(cfg)
+    return TelemetryCallback(
+        run_dir=run_dir,
+        log_every_n_steps=cfg.telemetry.log_every_n_steps,
+        clip_threshold=t.gradient_clip_val if clip_here else None,
+        apply_clipping=clip_here,
+        saturation=not t.cuda_graphs,  # the saturation count runs Python per call: a replay does not
+    )
+
+
+def _callbacks(cfg: DictConfig, run_dir: Path, plan: ResumePlan | None, telemetry, *, verbose: bool) -> list:
+    """The run's callbacks, in the order they run: the shared run directory, the FP8 state, the
+    run files (``conversion.json`` is written there), the telemetry, the checkpoints, the bar
+    and the managed collector."""
+    from ..lightning import Fp8StateCallback
+    from ..lightning.checkpoint_io import RunCheckpoint
+
+    checkpoint = RunCheckpoint(  # ModelCheckpoint that still prunes when the run directory moved
+        dirpath=run_dir / "checkpoints",
+        filename="{step}",
+        every_n_train_steps=cfg.trainer.checkpoint_every_n_steps,
+        monitor="step",  # keep the two newest step=N.ckpt: the previous good one survives
+        mode="max",
+        save_top_k=2,
+        save_last=True,
+        enable_version_counter=False,  # a resume rewrites last.ckpt / step=N.ckpt (atomically), never last-v1.ckpt
+    )
+    fp8 = Fp8StateCallback(config=quant_config(cfg), audit=cfg.telemetry.audit, verbose=verbose)
+    return [
+        shared_run_dir_callback(run_dir, telemetry, checkpoint),
+        fp8,
+        run_files_callback(run_dir, cfg, plan, fp8),
+        telemetry,
+        checkpoint,
+        _progress_bar(),
+        *_garbage_collection(cfg.trainer),
+    ]
+
+
+def _trainer(cfg: DictConfig, run_dir: Path, loggers: list, callbacks: list):
+    """Lightning's Trainer of ``trainer.*`` and ``strategy.*``; a setting Lightning refuses is a
+    ConfigError naming it."""
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from ..lightning import AtomicCheckpointIO
+
+    t = cfg.trainer
+    facts = strategy_facts(cfg.strategy)
+    # DeepSpeed and FSDP2 write their own (sharded) checkpoint directories
+    plugins = [] if facts.writes_checkpoint_directory else [AtomicCheckpointIO()]
+    try:
+        return pl.Trainer(
+            default_root_dir=str(run_dir),
+            max_steps=t.max_steps,
+            accelerator="gpu" if t.accelerator == "cuda" else t.accelerator,
+            devices=t.devices,
+            num_nodes=t.num_nodes,
+            precision=t.precision,
+            accumulate_grad_batches=t.accumulate_grad_batches,
+            gradient_clip_val=None if telemetry_clips(cfg) else (t.gradient_clip_val or None),
+            deterministic=t.deterministic,
+            strategy=facts.from_cli(cfg.strategy),
+            logger=loggers or False,
+            log_every_n_steps=cfg.telemetry.log_every_n_steps,
+            enable_model_summary=False,
+            plugins=plugins,
+            callbacks=callbacks,
         )
-    if t.accelerator in ("gpu", "cuda") and t.num_nodes == 1 and t.devices > have:
-        raise ConfigError(
-            f"{what}: trainer.devices={t.devices} but {have} GPU(s) are visible here: "
-            f"pass trainer.devices={have} or run on a machine with {t.devices}"
-        )
+    except MisconfigurationException as exc:
+        raise ConfigError(f"trainer: {exc}") from exc
+
+
+def _run_fit(trainer, module, data, cfg: DictConfig, plan: ResumePlan | None, loggers: list) -> bool:
+    """``trainer.fit`` (from the plan's checkpoint on a resume); whether a Ctrl-C or a signal
+    stopped it (Lightning exits after a graceful stop; anything else goes on). The W&B run is
+    closed either way: a later run in this process gets its own."""
+    try:
+        with warnings.catch_warnings():
+            if plan is not None:  # a resumed run's checkpoint directory holds its earlier checkpoints
+                warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+            if cfg.trainer.cuda_graphs:  # manual optimization: Lightning warns that a checkpoint holds the state
+                # after the optimizer step, which is what every run of this CLI saves
+                warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
+            trainer.fit(module, datamodule=data, ckpt_path=str(plan.checkpoint) if plan is not None else None)
+    except SystemExit:
+        if not trainer.interrupted:
+            raise
+        return True
+    finally:
+        if trainer.is_global_zero:
+            for logger in loggers:
+                logger.experiment.finish()
+    return False
+
+
+def _print_summary(run_dir: Path, trainer, telemetry, loss, failures: list[str]) -> None:
+    """The run directory, the steps (and how many were skipped), the last loss (read once, now)
+    and the telemetry sinks that failed."""
+    print(f"run directory: {run_dir}")
+    text = f"steps: {trainer.global_step}"
+    skipped = (telemetry.state_dict().get("counters") or {}).get("skipped") or 0
+    if skipped:  # throughput is not progress: say how much of the run did not update the model
+        text += f" ({skipped} skipped: their gradients were not finite; see telemetry.jsonl)"
+    if loss is not None:
+        text += f", last loss: {float(loss):.4f}"
+    if failures:
+        text += f", telemetry sink failures: {len(failures)} sink(s) (see the warnings above)"
+    print(text)
 
 
 def _garbage_collection(t) -> list:
@@ -437,165 +330,6 @@ def _progress_bar():
     return StepBoundRichProgressBar()
 
 
-def _shared_run_dir_callback(run_dir: Path, telemetry, checkpoint):
-    """A callback that makes every rank use rank 0's run directory once the process group
-    exists (``strategy.broadcast``): the telemetry and checkpoint directories follow it."""
-    from lightning.pytorch.callbacks import Callback
-
-    class SharedRunDir(Callback):
-        def __init__(self) -> None:
-            self.run_dir = run_dir
-
-        def setup(self, trainer, pl_module, stage: str) -> None:
-            self.run_dir = Path(trainer.strategy.broadcast(str(self.run_dir), src=0))
-            telemetry.run_dir = self.run_dir
-            checkpoint.dirpath = str(self.run_dir / "checkpoints")
-
-    return SharedRunDir()
-
-
-def _write_run_files(run_dir: Path, cfg: DictConfig, plan=None, conversion: dict | None = None) -> None:
-    """``config.yaml``, ``provenance.json`` (and ``conversion.json`` when given), each replaced
-    in one rename. A resumed run's provenance keeps what started the run (``started_as``) and
-    says where it resumed."""
-    write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    if conversion is not None:
-        write_text_atomic(run_dir / "conversion.json", json.dumps(conversion, indent=1))
-    doc = provenance()
-    try:
-        prior = json.loads((run_dir / "provenance.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        prior = {}
-    if plan is not None or "started_as" in prior:
-        doc["started_as"] = prior.get("started_as") or {
-            k: prior.get(k) for k in ("version", "git_commit", "torch", "gpu", "command")
-        }
-        resumed = prior.get("resumed_from") if plan is None else {"checkpoint": str(plan.checkpoint), "step": plan.step}
-        doc["resumed_from"] = resumed
-    write_text_atomic(run_dir / "provenance.json", json.dumps(doc, indent=1, default=str))
-
-
-def _run_files_callback(run_dir: Path, cfg: DictConfig, plan, fp8_callback):
-    """A callback that writes the run's files at fit start: after a resume's checkpoint has been
-    loaded (a load that fails leaves the directory as it was), before the first step."""
-    from lightning.pytorch.callbacks import Callback
-
-    class RunFiles(Callback):
-        def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-            # the configuration the checkpoint was trained with (plain values: weights_only loads
-            # it): a resume compares config.yaml with it key by key
-            checkpoint[RUN_CONFIG_KEY] = OmegaConf.to_container(cfg, resolve=True)
-
-        def on_fit_start(self, trainer, pl_module) -> None:
-            if trainer.is_global_zero:
-                _write_run_files(run_dir, cfg, plan, conversion=fp8_callback.conversion.to_dict())
-                if plan is not None:
-                    _stale_temporaries(run_dir)
-
-    return RunFiles()
-
-
-def _stale_temporaries(run_dir: Path) -> None:
-    """Remove what saves killed mid-write left behind (``.last.ckpt.XXXX.tmp``, a file or, for a
-    sharded checkpoint, a folder)."""
-    from ..lightning.checkpoint_io import TMP_SUFFIX, remove_temporary
-
-    for tmp in (run_dir / "checkpoints").glob(f".*{TMP_SUFFIX}"):
-        remove_temporary(tmp)
-
-
-def _print_resumed_lr(cfg: DictConfig, plan) -> None:
-    """Say the learning rate the resume continues with, and what it was on the run's schedule."""
-    t = cfg.trainer
-    before = t.lr * lr_factor(plan.saved_cfg, plan.step)
-    after = t.lr * lr_factor(cfg, plan.step)
-    total = t.schedule_steps or t.max_steps
-    if math.isclose(before, after, rel_tol=1e-9):
-        print(f"fp8state: learning rate at step {plan.step + 1}: {after:.3g}, on the run's schedule of {total} steps")
-    else:
-        print(
-            f"fp8state: learning rate at step {plan.step + 1}: {before:.3g} on the run's schedule, {after:.3g} on "
-            f"the schedule of trainer.schedule_steps={total} (re-stretched, as asked)"
-        )
-
-
-def set_cpu_threads(cfg: DictConfig | None = None) -> int:
-    """Torch's intra-op threads: ``trainer.cpu_threads`` when set, else ``OMP_NUM_THREADS`` when
-    set, else the cores this process may run on (``os.sched_getaffinity``: a container's or
-    ``taskset``'s share), not the machine's count. DataLoader workers run one thread each (torch
-    sets that in every worker). Returns the count in force."""
-    wanted = int(cfg.trainer.cpu_threads) if cfg is not None else 0
-    if wanted == 0:
-        if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-            return torch.get_num_threads()
-        wanted = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, wanted))
-    return torch.get_num_threads()
-
-
-def run_training(recipe: str | None, overrides: list[str], *, resume: str | None = None, verbose: bool = False) -> int:
-    """Validate everything, then train. Nothing is created (new run) or changed (resume)
-    until the configuration, the overrides and (on resume) the checkpoint are validated."""
-    rank = launch_rank()
-    plan = None
-    if resume is not None:
-        plan = plan_resume(resume, recipe, overrides)
-        cfg = plan.cfg
-    else:
-        cfg = load_config(recipe, overrides)
-    require_finite(cfg)
-    require_compile_strategy(cfg)
-    require_cuda_graphs_setup(cfg)
-    require_accelerator(cfg, recipe)
-    if rank == 0:
-        require_wandb_credentials(cfg)
-    threads = torch.get_num_threads()  # the caller's, put back when the run ends (main() in a process of its own)
-    set_cpu_threads(cfg)
-    try:
-        return _run_validated(cfg, plan, recipe, rank, resume, verbose=verbose)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _run_validated(cfg: DictConfig, plan, recipe: str | None, rank: int, resume: str | None, *, verbose: bool) -> int:
-    if plan is not None:
-        run_dir = Path(resume)
-        if plan.complete:
-            if rank == 0:
-                print(
-                    f"run {run_dir} is already complete at step {plan.step} (trainer.max_steps={cfg.trainer.max_steps}); "
-                    "to train on, pass a larger trainer.max_steps, e.g. "
-                    + resume_command(run_dir, f"trainer.max_steps={plan.step + int(cfg.trainer.max_steps)}")
-                )
-            return 0
-        if rank == 0:
-            for note in plan.notes:
-                print(f"fp8state: warning: {note}", file=sys.stderr)
-            _print_resumed_lr(cfg, plan)
-    elif rank == 0:
-        run_dir = claim_run_dir(cfg.out_dir, cfg.name)
-    else:  # a launched rank: rank 0's directory (the broadcast in SharedRunDir confirms it)
-        run_dir = Path(os.environ.get(RUN_DIR_ENV) or Path(cfg.out_dir) / cfg.name)
-    lock = lock_run_dir(run_dir) if rank == 0 else None  # a concurrent resume of this run is refused
-    exported = rank == 0 and plan is None
-    if exported:
-        os.environ[RUN_DIR_ENV] = str(run_dir)  # the ranks Lightning launches inherit it
-    try:
-        return _fit(cfg, run_dir, plan, rank, verbose=verbose)
-    except BaseException:
-        if plan is None and rank == 0:
-            if lock is not None:
-                lock.close()
-                lock = None
-            remove_if_empty_run(run_dir)  # a run that failed before its first checkpoint leaves nothing
-        raise
-    finally:
-        if exported:
-            os.environ.pop(RUN_DIR_ENV, None)
-        if lock is not None:
-            lock.close()
-
-
 class _NoLitLoggerTip:
     """Drops Lightning's "Tip: ... try installing litlogger" advertisement (one INFO record of
     its rank_zero logger on every run); every other record of that logger passes."""
@@ -620,147 +354,15 @@ def quiet_lightning() -> None:
     )
 
 
-def _interrupted(run_dir: Path, step: int, *, fresh: bool, stopping: bool) -> int:
-    """Say where an interrupted run stands (exit 130). With a checkpoint: which one, and the command
-    that continues from it. Without one (a new run stopped before its first save): nothing can be
-    resumed, so the run's directory is removed and the line says to start again."""
-    saved = sorted((run_dir / "checkpoints").glob("step=*.ckpt"), key=lambda p: p.stat().st_mtime)
-    how = "stopped by a signal (SIGTERM or SIGHUP)" if stopping else "interrupted"
-    if saved:
-        print(
-            f"fp8state: {how} at step {step}; the last checkpoint is {saved[-1]}. "
-            f"Continue with: {resume_command(run_dir)}",
-            file=sys.stderr,
-        )
-    elif fresh:
-        remove_if_empty_run(run_dir)
-        print(
-            f"fp8state: {how} at step {step}, before the first checkpoint: nothing to resume, and the run "
-            f"directory {run_dir} was removed; start the run again",
-            file=sys.stderr,
-        )
-    else:
-        print(f"fp8state: {how} at step {step}; no checkpoint was saved in {run_dir / 'checkpoints'}", file=sys.stderr)
-    return 130
-
-
-def _fit(cfg: DictConfig, run_dir: Path, plan, rank: int, *, verbose: bool = False) -> int:
-    os.environ.setdefault("WANDB_SILENT", "true")
-    quiet_lightning()
-    import lightning.pytorch as pl
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-    from ..lightning import AtomicCheckpointIO, Fp8StateCallback, TelemetryCallback, wandb_logger
-    from ..lightning.checkpoint_io import RunCheckpoint
-
-    pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
-    loggers = []
-    if cfg.telemetry.wandb != "disabled":
-        run_id = wandb_run_id(run_dir, create=rank == 0)
-        loggers.append(
-            wandb_logger(
-                run_dir,
-                project=cfg.telemetry.project,
-                online=cfg.telemetry.wandb == "online",
-                name=run_dir.name,
-                id=run_id,
-                resume="allow",
-                **({"settings": _wandb_settings()} if cfg.telemetry.wandb == "online" else {}),
-            )
-        )
-        if cfg.telemetry.wandb == "online" and rank == 0:
-            _start_wandb(loggers[-1])
-    module, data = _module_and_data(cfg)
-    t = cfg.trainer
-    # With the fused AdamW the telemetry clips, reusing the norm it measures: Lightning's
-    # mixed-precision plugin refuses to clip for a fused optimizer
-    clip_here = telemetry_clips(cfg)
-    telemetry = TelemetryCallback(
-        run_dir=run_dir,
-        log_every_n_steps=cfg.telemetry.log_every_n_steps,
-        clip_threshold=t.gradient_clip_val if clip_here else None,
-        apply_clipping=clip_here,
-        saturation=not t.cuda_graphs,  # the saturation count runs Python per call: a replay does not
-    )
-    checkpoint = RunCheckpoint(  # ModelCheckpoint that still prunes when the run directory moved
-        dirpath=run_dir / "checkpoints",
-        filename="{step}",
-        every_n_train_steps=t.checkpoint_every_n_steps,
-        monitor="step",  # keep the two newest step=N.ckpt: the previous good one survives
-        mode="max",
-        save_top_k=2,
-        save_last=True,
-        enable_version_counter=False,  # a resume rewrites last.ckpt / step=N.ckpt (atomically), never last-v1.ckpt
-    )
-    fp8 = Fp8StateCallback(config=quant_config(cfg), audit=cfg.telemetry.audit, verbose=verbose)
-    # DeepSpeed and FSDP2 write their own (sharded) checkpoint directories
-    plugins = [] if strategy_facts(cfg.strategy).writes_checkpoint_directory else [AtomicCheckpointIO()]
-    try:
-        trainer = pl.Trainer(
-            default_root_dir=str(run_dir),
-            max_steps=t.max_steps,
-            accelerator="gpu" if t.accelerator == "cuda" else t.accelerator,
-            devices=t.devices,
-            num_nodes=t.num_nodes,
-            precision=t.precision,
-            accumulate_grad_batches=t.accumulate_grad_batches,
-            gradient_clip_val=None if clip_here else (t.gradient_clip_val or None),
-            deterministic=t.deterministic,
-            strategy=_strategy(cfg),
-            logger=loggers or False,
-            log_every_n_steps=cfg.telemetry.log_every_n_steps,
-            enable_model_summary=False,
-            plugins=plugins,
-            callbacks=[
-                _shared_run_dir_callback(run_dir, telemetry, checkpoint),
-                fp8,
-                _run_files_callback(run_dir, cfg, plan, fp8),  # conversion.json is written there
-                telemetry,
-                checkpoint,
-                _progress_bar(),
-                *_garbage_collection(t),
-            ],
-        )
-    except MisconfigurationException as exc:
-        raise ConfigError(f"trainer: {exc}") from exc
-    interrupted = False
-    try:
-        with warnings.catch_warnings():
-            if plan is not None:  # a resumed run's checkpoint directory holds its earlier checkpoints
-                warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
-            if t.cuda_graphs:  # manual optimization: Lightning warns that a checkpoint holds the state
-                # after the optimizer step, which is what every run of this CLI saves
-                warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
-            trainer.fit(module, datamodule=data, ckpt_path=str(plan.checkpoint) if plan is not None else None)
-    except SystemExit:
-        if not trainer.interrupted:  # Lightning exits after a graceful Ctrl-C; anything else goes on
-            raise
-        interrupted = True
-    finally:
-        if trainer.is_global_zero:
-            for logger in loggers:  # close the W&B run: a later run in this process gets its own
-                logger.experiment.finish()
-    if not trainer.is_global_zero:
-        return 130 if interrupted else 0
-    failures = telemetry.sink_failures
-    for line in failures:
-        print(f"fp8state: warning: {line}", file=sys.stderr)
-    if interrupted:
-        return _interrupted(run_dir, trainer.global_step, fresh=plan is None, stopping=trainer.received_sigterm)
-    try:
-        if run_dir.is_dir():  # (moved or deleted mid-run: the telemetry has said so; nothing is recreated)
-            _write_run_files(run_dir, cfg)  # again: the CUDA extension (and its hash) is known only now
-    except DiskFullError as exc:  # the run itself is saved: say what is stale, do not fail it
-        print(f"fp8state: warning: {exc}; the run's files keep what they said at its start", file=sys.stderr)
-    loss = module.last_loss  # the last step's (one read, at the end)
-    print(f"run directory: {run_dir}")
-    text = f"steps: {trainer.global_step}"
-    skipped = (telemetry.state_dict().get("counters") or {}).get("skipped") or 0
-    if skipped:  # throughput is not progress: say how much of the run did not update the model
-        text += f" ({skipped} skipped: their gradients were not finite; see telemetry.jsonl)"
-    if loss is not None:
-        text += f", last loss: {float(loss):.4f}"
-    if failures:
-        text += f", telemetry sink failures: {len(failures)} sink(s) (see the warnings above)"
-    print(text)
-    return 0
+def set_cpu_threads(cfg: DictConfig | None = None) -> int:
+    """Torch's intra-op threads: ``trainer.cpu_threads`` when set, else ``OMP_NUM_THREADS`` when
+    set, else the cores this process may run on (``os.sched_getaffinity``: a container's or
+    ``taskset``'s share), not the machine's count. DataLoader workers run one thread each (torch
+    sets that in every worker). Returns the count in force."""
+    wanted = int(cfg.trainer.cpu_threads) if cfg is not None else 0
+    if wanted == 0:
+        if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            return torch.get_num_threads()
+        wanted = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, wanted))
+    return torch.get_num_threads()

@@ -91,7 +91,7 @@ import sys
 import lightning_fp8state.cli.train as train
 def interrupted(*args, **kwargs):
     raise KeyboardInterrupt
-train._module_and_data = interrupted  # Ctrl-C while the model is built, before Lightning's own handling
+train.module_and_data = interrupted  # Ctrl-C while the model is built, before Lightning's own handling
 from lightning_fp8state.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -190,7 +190,7 @@ def test_wandb_online_that_cannot_be_reached_is_one_line_within_a_bounded_wait(r
 def test_wandb_online_with_a_netrc_entry_is_not_refused(tmp_path, monkeypatch):
     from omegaconf import OmegaConf
 
-    from lightning_fp8state.cli.train import require_wandb_credentials
+    from lightning_fp8state.cli.checks import require_wandb_credentials
 
     _no_wandb_key(monkeypatch, tmp_path)
     netrc = tmp_path / ".netrc"

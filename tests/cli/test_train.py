@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
+from lightning_fp8state.cli.checks import require_cuda_graphs_setup
 from lightning_fp8state.cli.config import load_config
 from lightning_fp8state.cli.main import main
-from lightning_fp8state.cli.train import last_checkpoint, require_cuda_graphs_setup
+from lightning_fp8state.cli.resume import last_checkpoint
 from lightning_fp8state.errors import ConfigError
 from lightning_fp8state.telemetry.sinks import read_jsonl
 
@@ -432,11 +433,11 @@ def test_trainer_cuda_graphs_trains_bitwise_the_eager_run_and_resumes(run_root, 
     real replay runs in tests/gpu/test_graphed_training_cuda.py). Eight steps, and four then a
     resume to eight, end with the weights, the quantizer state and every step's loss and grad
     norm of the plain run."""
-    import lightning_fp8state.cli.train as cli_train  # noqa: PLC0415
+    import lightning_fp8state.cli.checks as cli_checks  # noqa: PLC0415
     import lightning_fp8state.lightning.graphed as graphed  # noqa: PLC0415
     from tests.lightning.graph_stand_in import for_model, model_of_graphed_body  # noqa: PLC0415
 
-    monkeypatch.setattr(cli_train, "CUDA_GRAPHS_ACCELERATORS", ("cpu",))
+    monkeypatch.setattr(cli_checks, "CUDA_GRAPHS_ACCELERATORS", ("cpu",))
     runners = []
     stand_in = for_model(model_of_graphed_body)
 
@@ -502,10 +503,10 @@ def test_under_fsdp2_a_resumed_unfused_optimizer_is_fused_again_at_train_start()
     from types import SimpleNamespace
 
     from lightning_fp8state.cli.config import load_config
-    from lightning_fp8state.cli.train import _module_and_data
+    from lightning_fp8state.cli.gpt_module import module_and_data
 
     cfg = load_config("tiny_gpt_cpu", ["strategy.name=fp8state_fsdp"])
-    module, _ = _module_and_data(cfg)
+    module, _ = module_and_data(cfg)
     opt = torch.optim.AdamW(module.parameters(), foreach=True)  # as a loaded unfused state leaves it
     module._trainer = SimpleNamespace(optimizers=[opt])
     module.on_train_start()

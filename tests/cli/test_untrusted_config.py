@@ -196,7 +196,7 @@ def test_the_readme_lists_exactly_the_resumable_keys():
     import re
     from pathlib import Path
 
-    from lightning_fp8state.cli.rundir import RESUMABLE_KEYS
+    from lightning_fp8state.cli.resume import RESUMABLE_KEYS
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     listed = re.search(r"The resumable keys, also listed by `fp8state train --help`:\s*(.+?)\. A", readme, re.S)

@@ -130,7 +130,7 @@ class Ledger:
 
         Args:
             partial: the template is a part of the open event (per-block graphs,
-                ``block_graphs.py``): its counts are added to what the event counted so far,
+                ``graphs/blocks.py``): its counts are added to what the event counted so far,
                 and the event's end checks it as usual. Otherwise the template is the whole
                 event, which must be new, and is checked now.
         """

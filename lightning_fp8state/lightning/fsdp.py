@@ -107,7 +107,8 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
             DTensor's Python dispatch over every tensor: host time a step;
             :func:`~lightning_fp8state.nn.fsdp.step_on_local_shards`). Other optimizers step
             as they are.
-        process_group_backend, timeout: as ``ModelParallelStrategy``.
+        process_group_backend: as ``ModelParallelStrategy``.
+        **kwargs: ``ModelParallelStrategy``'s other arguments (``timeout``, ...).
 
     Data parallel only: every rank holds a shard of every unit (a one-dimensional mesh of the
     world size); tensor parallelism is not supported.

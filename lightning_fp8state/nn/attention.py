@@ -209,7 +209,9 @@ class Fp4AttentionQuantizer(nn.Module):
         """``fn(q, k, v, **kwargs)`` on the quantized operands, saving only packed FP4 for backward.
 
         Args:
-            q, k, v: the attention operands (last dimension a multiple of the block size).
+            q: the queries (last dimension a multiple of the block size).
+            k: the keys (likewise).
+            v: the values (likewise).
             fn: any attention returning one tensor; it runs once in forward and once more in
                 backward (on bit-identical dequantized operands) to be differentiated.
             preserve_rng_state: replay the RNG state in backward's re-run (needed if ``fn``

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import require_that
 from ..protocol import QuantProtocol
 from .linear import apply_linear_fn
 from .linear_call import LINEAR_ROLES, fp8_linear_op, op_key
@@ -176,11 +177,14 @@ class Fp8MultiheadAttention(nn.MultiheadAttention):
             mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="", target_type=query.dtype,
             check_other=False,
         )  # fmt: skip
-        if query.is_nested or key.is_nested or value.is_nested:
-            raise ValueError(
-                f"{self.layer_name}: Fp8MultiheadAttention does not take nested tensors (torch's fast path does; "
-                "it would run the projections in high precision). Pass padded tensors with a key_padding_mask"
-            )
+        nested = [name for name, t in (("query", query), ("key", key), ("value", value)) if t.is_nested]
+        require_that(
+            not nested,
+            f"{self.layer_name}: {' and '.join(nested)}",
+            "a nested tensor",
+            "padded tensors with a key_padding_mask (Fp8MultiheadAttention does not take nested tensors; torch's "
+            "fast path does, running the projections in high precision)",
+        )
         if self.batch_first and is_batched:  # keep the "is" relations the in-projection reads
             if key is value:
                 if query is key:
@@ -233,16 +237,18 @@ class Fp8MultiheadAttention(nn.MultiheadAttention):
     def _check_embeddings(self, embed_dim: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """The query's embedding dimension is this module's, and key and value agree (in shape
         with a packed in-projection; in sequence and batch dims otherwise)."""
-        if embed_dim != self.embed_dim:
-            raise ValueError(f"{self.layer_name}: expected embedding dimension {self.embed_dim}, got {embed_dim}")
-        if self._qkv_same_embed_dim and key.shape != value.shape:
-            raise ValueError(
-                f"{self.layer_name}: key shape {tuple(key.shape)} does not match value shape {tuple(value.shape)}"
+        name = self.layer_name
+        require_that(embed_dim == self.embed_dim, f"{name}: query.shape[-1]", embed_dim, f"{self.embed_dim}")
+        if self._qkv_same_embed_dim:
+            require_that(
+                key.shape == value.shape, f"{name}: key.shape", tuple(key.shape), f"value's {tuple(value.shape)}"
             )
-        if not self._qkv_same_embed_dim and key.shape[:2] != value.shape[:2]:
-            raise ValueError(
-                f"{self.layer_name}: key's sequence and batch dims {tuple(key.shape[:2])} do not match value's "
-                f"{tuple(value.shape[:2])}"
+        else:
+            require_that(
+                key.shape[:2] == value.shape[:2],
+                f"{name}: key.shape[:2]",
+                tuple(key.shape[:2]),
+                f"value's sequence and batch dims {tuple(value.shape[:2])}",
             )
 
     def _heads(self, q, k, v, attn_mask, key_padding_mask, tgt_len: int, bsz: int, head_dim: int):

@@ -202,8 +202,7 @@ class StateBank:
         """:meth:`freeze` into an earlier event's copy (same bank version): the copy a
         captured CUDA graph reads, refreshed for this event by one device op (two when
         centered). Only when no snapshot of that earlier event is read any more."""
-        if frozen.version != self.version:
-            raise ValueError(f"frozen scales of bank version {frozen.version}, the bank is at {self.version}")
+        require_that(frozen.version == self.version, "frozen.version", frozen.version, f"the bank's {self.version}")
         frozen.scales.select(-1, 0).copy_(self.scales)
         if frozen.centers is not None:
             frozen.centers.copy_(self.center)

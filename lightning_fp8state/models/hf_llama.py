@@ -84,7 +84,7 @@ def load_hf_llama(folder: str | os.PathLike, *, dtype: torch.dtype | None = None
         )
     with torch.device("meta"):  # shapes and names only: no memory until the tensors are read
         model = Llama(cfg)
-    wanted = _check_tensors(model, stored, cfg)
+    wanted = _check_tensors(model, stored, cfg, root)
     state = _read_tensors(stored, wanted, dtype or _stored_dtype(stored, wanted))
     if cfg.tie_embeddings:
         head = state.pop("lm_head.weight", None)
@@ -192,7 +192,7 @@ def _member(root: Path, name: str, named_by: Path) -> Path:
     """``root / name``, where ``name`` (given by the folder's layout or by ``named_by``, the index)
     is a plain file name and the entry a regular file, not a link; else the error says which."""
     if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
-        raise UntrustedCheckpointError(named_by, f"the file {name!r}, which is not a file name inside the folder")
+        raise UntrustedCheckpointError(named_by, f"the file {name!r} (a path, not a file name in the folder)")
     path = root / name
     try:
         mode = os.lstat(path).st_mode
@@ -202,7 +202,7 @@ def _member(root: Path, name: str, named_by: Path) -> Path:
             f"{WEIGHTS_FILE} (or {INDEX_FILE} and the shards it names)"
         ) from None
     if stat.S_ISLNK(mode):
-        raise UntrustedCheckpointError(path, f"a symbolic link (to {os.readlink(path)!r}); copy the files themselves")
+        raise UntrustedCheckpointError(path, f"a symbolic link (to {os.readlink(path)!r})")
     if not stat.S_ISREG(mode):
         raise UntrustedCheckpointError(path, "a special file (a folder, FIFO, socket or device) where a file belongs")
     return path
@@ -239,7 +239,7 @@ def _weight_files(root: Path) -> tuple[list[Path], dict[str, str] | None, Path]:
     names = sorted(set(weight_map.values()))
     for name in names:
         if not name.endswith(".safetensors"):
-            raise UntrustedCheckpointError(index_path, f"the file {name!r}, which is not a .safetensors file")
+            raise UntrustedCheckpointError(index_path, f"the file {name!r} (not a .safetensors file)")
     return [_member(root, name, index_path) for name in names], weight_map, index_path
 
 
@@ -278,7 +278,7 @@ def _hf_name(name: str) -> str:
 
 
 def _check_tensors(
-    model: Llama, stored: Mapping[str, tuple[Path, str, tuple[int, ...]]], cfg: LlamaConfig
+    model: Llama, stored: Mapping[str, tuple[Path, str, tuple[int, ...]]], cfg: LlamaConfig, root: Path
 ) -> dict[str, str]:
     """Our name -> transformers' name of every tensor to read, after checking that the files
     hold every parameter of ``model`` (built on the meta device), of its shape and a float dtype,
@@ -292,7 +292,8 @@ def _check_tensors(
         found = [f"missing {_listed(missing)}"] if missing else []
         found += [f"unexpected {_listed(unexpected)}"] if unexpected else []
         raise StateLoadError(
-            f"the weights do not match config.json ({cfg.n_layers} layers): {'; '.join(found)}; nothing was loaded"
+            f"{root}: the weights do not match config.json ({cfg.n_layers} layers): {'; '.join(found)}; "
+            "nothing was loaded"
         )
     wanted = {}
     for theirs, (mine, shape) in expected.items():

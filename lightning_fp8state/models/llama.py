@@ -145,8 +145,9 @@ class RotaryEmbedding(nn.Module):
         Called outside the checkpointed blocks (they only read the tables), so a recompute never
         sees a table change."""
         key = (seq_len, torch.device(device), dtype)
-        if self._key == key and self.cos is not None and self.cos.device == key[1]:
-            return
+        held = self.cos
+        if self._key == key and held is not None and held.device == key[1] and held.dtype == dtype:
+            return  # (a module .to() moves or casts the buffers without telling us: checked too)
         # the frequencies on the CPU, in float32, as transformers computes them at construction
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64).to(dtype=torch.float32) / self.head_dim
         inv_freq = (1.0 / (self.theta**exponent)).to(device)
@@ -270,9 +271,10 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        require_int("idx.shape[1]", idx.shape[-1], 1, self.cfg.seq_len, why="the model's seq_len")
+        t = idx.shape[-1]
+        require_int("idx.shape[1]", t, 1, self.cfg.seq_len, why="the model's seq_len")
         x = self.embed_tokens(idx)
-        self.rotary_emb.prepare(x.shape[1], x.device, x.dtype)
+        self.rotary_emb.prepare(t, x.device, x.dtype)
         if self.blocks_runner is not None and torch.is_grad_enabled():
             return self.lm_head(self.norm(self.blocks_runner(x)))
         for block in self.layers:

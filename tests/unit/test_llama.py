@@ -240,7 +240,7 @@ def test_untrusted_files_are_refused(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"model.norm.weight": "../model.safetensors"}})
     )
-    with pytest.raises(UntrustedCheckpointError, match=r"'\.\./model\.safetensors', which is not a file name inside"):
+    with pytest.raises(UntrustedCheckpointError, match=r"'\.\./model\.safetensors' \(a path, not a file name"):
         load_hf_llama(tmp_path)
     (tmp_path / "model.safetensors.index.json").unlink()
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
@@ -248,6 +248,9 @@ def test_untrusted_files_are_refused(tmp_path):
         load_hf_llama(tmp_path)
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(StateLoadError, match=r"model.safetensors: not found"):
+        load_hf_llama(tmp_path)
+    (tmp_path / "model.safetensors").mkdir()
+    with pytest.raises(UntrustedCheckpointError, match=r"model.safetensors.*a special file"):
         load_hf_llama(tmp_path)
 
 
@@ -334,9 +337,9 @@ def test_sharded_checkpoint_and_half_precisions_are_bitwise_transformers(tmp_pat
 # --- (d) FP8 training under activation checkpointing ------------------------------------------
 
 
-def fp8_run(mode: str, checkpointed: bool = True, steps: int = 3):
+def fp8_run(mode: str, steps: int = 3, **model_kw):
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(**TINY, checkpoint=checkpointed))
+    model = Llama(LlamaConfig(**TINY, **model_kw))
     state = f8s.Fp8State(f8s.QuantConfig(mode=mode, strict=False, exclude=["*lm_head"]))
     state.convert(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -356,13 +359,18 @@ def fp8_run(mode: str, checkpointed: bool = True, steps: int = 3):
     return state, auditor.report(), losses, grads
 
 
-def test_fp8_training_recomputes_bitwise_and_equals_the_uncheckpointed_run():
-    state, report, losses, grads = fp8_run("safe")
+@pytest.mark.parametrize(
+    "engine, reentrant",
+    [("torch", False), ("torch", True), ("deepspeed", False)],
+    ids=["torch-nonreentrant", "torch-reentrant", "deepspeed"],
+)
+def test_fp8_training_recomputes_bitwise_and_equals_the_uncheckpointed_run(engine, reentrant):
+    state, report, losses, grads = fp8_run("safe", checkpoint_engine=engine, use_reentrant=reentrant)
     converted = state.last_conversion.converted
     assert len(converted) == 2 * 7 and "layers.0.self_attn.q_proj" in converted and "lm_head" not in converted
-    assert report.recomputed > 0
+    assert report.recomputed >= 3 * 2 * 7  # every layer of every step
     assert report.ok, report.format_table()
-    _, _, losses_plain, grads_plain = fp8_run("safe", checkpointed=False)
+    _, _, losses_plain, grads_plain = fp8_run("safe", checkpoint=False)
     for step, (a, b) in enumerate(zip(losses, losses_plain, strict=True)):
         assert bitwise_equal(a, b), f"loss of step {step}"
     for step, (ga, gb) in enumerate(zip(grads, grads_plain, strict=True)):

@@ -2,5 +2,19 @@
 
 from .data import DATA_SOURCES, MarkovTokens, ResumableLoader, TokenFile, make_dataset
 from .gpt import GPT, GPTConfig
+from .hf_llama import llama_config_from_hf, load_hf_llama
+from .llama import Llama, LlamaConfig
 
-__all__ = ["DATA_SOURCES", "GPT", "GPTConfig", "MarkovTokens", "ResumableLoader", "TokenFile", "make_dataset"]
+__all__ = [
+    "DATA_SOURCES",
+    "GPT",
+    "GPTConfig",
+    "Llama",
+    "LlamaConfig",
+    "MarkovTokens",
+    "ResumableLoader",
+    "TokenFile",
+    "llama_config_from_hf",
+    "load_hf_llama",
+    "make_dataset",
+]

@@ -2,8 +2,8 @@
 
 It holds the state every part reads (config, recipe, bank, clock, ledger, guard, stash, the
 open event, one lock) and the events (begin, commit, end, abort); each call's work is
-delegated to the parts, bound once at construction so the hot path (:meth:`enter_call`,
-:meth:`quantize`) costs no lookup more than one method call: owners and call records
+delegated to the parts, whose methods on the hot path (:meth:`enter_call`, :meth:`quantize`)
+are bound once at construction, so a call pays no lookup for them: owners and call records
 (:mod:`.records`), quantize and encode (:mod:`.encode`), commits and the amax reduction
 (:mod:`.events`), sharded weights (:mod:`.sharded`), CUDA-graph templates (:mod:`.templates`)
 and what comes in from outside, a quantize policy and the auditors (:mod:`.policy`).

@@ -407,7 +407,7 @@ def test_an_owner_first_seen_under_inference_mode_trains_afterwards():
 
 
 def test_an_entrant_s_cached_owners_follow_the_bank_when_it_changes():
-    """The per-entrant cache (QuantProtocol._entrant) is keyed by the bank's version: a later
+    """The per-entrant cache (CallRecords._entrant, protocol/records.py) is keyed by the bank's version: a later
     registration, a load into a fresh state and a reset all give indices of the bank in use."""
     state = f8s.Fp8State(f8s.QuantConfig())
     model = state.convert(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))

@@ -158,7 +158,7 @@ def test_save_quantized_keeps_codes_instead_of_recomputing():
         model = SacStack(state.convert(make_stack()).blocks, "wrapper", None)
         model.run = lambda block, x, ctx=ctx: f8s.checkpoint(block, x, context_fn=ctx)
         run_events(state, model, event_inputs(2))
-        seen[save_quantized] = [float(slot[0].max()) for slot in state.protocol._discard.values()]
+        seen[save_quantized] = [float(slot[0].max()) for slot in state.protocol._quantizer.scratch.values()]
     assert seen[False] and max(seen[False]) > 0
     assert seen[True] == [] or max(seen[True]) == 0
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ..audit import AuditReport, RecomputeAuditor
 from ..fp8state import Fp8State
-from ..models import GPT, GPTConfig, make_dataset
+from ..models import make_dataset
 from .config import quant_config
+from .models import build_model
 
 __all__ = ["AuditOutcome", "run_audit"]
 
@@ -44,17 +45,13 @@ class AuditOutcome:
         )
 
 
-def model_config(cfg: DictConfig) -> GPTConfig:
-    return GPTConfig(**OmegaConf.to_container(cfg.model, resolve=True))
-
-
 def run_audit(cfg: DictConfig, steps: int) -> AuditOutcome:
     """Train ``steps`` events (AdamW, one microbatch each) with the auditor attached."""
     device = torch.device("cuda" if cfg.trainer.accelerator in ("gpu", "cuda") and torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.trainer.seed)
     qcfg = quant_config(cfg)
     state = Fp8State(qcfg)
-    model = state.convert(GPT(model_config(cfg))).to(device)
+    model = state.convert(build_model(cfg)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
     data = make_dataset(
         cfg.data.source,

@@ -34,6 +34,7 @@ from ..config import QuantConfig
 from ..errors import ConfigError
 from ..quant_recipes import check_recipe
 from ..shipped import shipped_dir
+from .models import adopt_init_from, model_config
 from .schema import RunCfg
 
 __all__ = [
@@ -222,6 +223,10 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None) -
             raise ConfigError(f"override {item!r}: cannot parse ({_reason(exc)})") from exc
         _refuse_resolvers(dotted, f"override {item!r}")
         cfg = _merge(cfg, dotted, f"override {item!r}")
+    try:
+        adopt_init_from(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"model.{exc}") from exc
     validate(cfg)
     return cfg
 
@@ -259,6 +264,8 @@ def validate(cfg: DictConfig) -> None:
         try:
             if f.name == "quant":
                 quant_config(cfg)
+            elif f.name == "model":
+                model_config(cfg)
             else:
                 f.default_factory(**OmegaConf.to_container(cfg[f.name], resolve=True))
         except ConfigError as exc:

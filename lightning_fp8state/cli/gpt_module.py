@@ -13,8 +13,8 @@ import math
 import torch
 from omegaconf import DictConfig
 
-from ..models import GPT, ResumableLoader, make_dataset
-from .audit import model_config
+from ..models import ResumableLoader, make_dataset
+from .models import build_model
 from .schema import strategy_facts
 
 __all__ = ["fused_optimizer", "lr_factor", "module_and_data"]
@@ -80,7 +80,7 @@ def _gpt_module(cfg: DictConfig):
     class GPTModule(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = GPT(model_config(cfg))
+            self.model = build_model(cfg)
             if cfg.trainer.compile:  # compiled on first use, after the callback converted the linears
                 for block in self.model.blocks:
                     block.compile()

@@ -163,11 +163,10 @@ def _check_against_checkpoint(cfg: DictConfig, ckpt: dict, path: Path) -> None:
                 "resume with the configuration the run was started with"
             )
     weights = ckpt.get("state_dict")  # (DeepSpeed's shards hold the weights in their own layout)
-    from ..models import GPT  # noqa: PLC0415
-    from .audit import model_config  # noqa: PLC0415
+    from .models import build_model  # noqa: PLC0415
 
-    with torch.device("meta"):
-        model = GPT(model_config(cfg))
+    with torch.device("meta"):  # the shapes only: no checkpoint's weights read
+        model = build_model(cfg, weights=False)
     if isinstance(weights, dict) and weights:
         _check_weights(path, {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}, weights)
     if isinstance(entry, dict) and entry.get("ranks"):

@@ -1,7 +1,7 @@
 """The run configuration schema: plain (non-frozen) dataclasses that omegaconf types.
 
-Two sections are the library's own configurations, not restated: ``model`` is ``GPTConfig``
-itself, and ``quant`` is ``QuantCfg``, a non-frozen twin generated from ``QuantConfig``'s
+Two sections are the library's own configurations, not restated: ``model`` holds the fields of
+``GPTConfig`` and ``LlamaConfig`` with ``arch`` choosing one (cli/models.py), and ``quant`` is ``QuantCfg``, a non-frozen twin generated from ``QuantConfig``'s
 fields (omegaconf makes a frozen dataclass a read-only node that rejects merges), with the
 same names and defaults in types omegaconf can hold (tuples as lists, ``amax_reduction``'s
 (role, mode) pairs as a mapping). Their documentation is the comment on each field in
@@ -21,6 +21,7 @@ from ..config import QuantConfig, require_bool, require_choice, require_int, req
 from ..errors import ConfigError
 from ..models.data import DATA_SOURCES
 from ..models.gpt import GPTConfig
+from ..models.llama import LlamaConfig
 from ..telemetry.sinks import WANDB_MODES
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "WANDB_MODES",
     "DataCfg",
     "GPTConfig",
+    "ModelCfg",
     "QuantCfg",
     "RunCfg",
     "StrategyCfg",
@@ -98,6 +100,27 @@ def schema_twin(cls: type, name: str, *, skip: tuple[str, ...] = ()) -> type:
 
 # QuantConfig's fields, for omegaconf: validated by QuantConfig.from_dict (cli.config.quant_config)
 QuantCfg = schema_twin(QuantConfig, "QuantCfg", skip=("extra",))
+
+
+def _model_schema() -> type:
+    """The ``model`` section: ``arch`` (gpt | llama), ``init_from`` (a Hugging Face checkpoint
+    folder for a Llama; empty: initialised afresh) and every architecture's keys, each with its
+    default (cli/models.py builds the chosen architecture's config from its own keys)."""
+    spec = [("arch", str, "gpt"), ("init_from", str, "")]
+    seen = set()
+    for cls in (GPTConfig, LlamaConfig):
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            if f.name not in seen:
+                seen.add(f.name)
+                spec.append((f.name, hints[f.name], f.default))
+    twin = make_dataclass("ModelCfg", spec)
+    twin.__module__ = __name__
+    twin.__doc__ = _model_schema.__doc__
+    return twin
+
+
+ModelCfg = _model_schema()
 
 
 # an upper bound for step and sample counts: far beyond any run, well inside every integer type used
@@ -234,7 +257,7 @@ class StrategyCfg:
 class RunCfg:
     name: str = "tiny_gpt_cpu"
     out_dir: str = "runs"  # the run directory is out_dir/name
-    model: GPTConfig = field(default_factory=GPTConfig)  # the model, field for field
+    model: ModelCfg = field(default_factory=ModelCfg)  # model.arch's config, field for field
     data: DataCfg = field(default_factory=DataCfg)
     quant: QuantCfg = field(default_factory=QuantCfg)  # QuantConfig, field for field
     telemetry: TelemetryCfg = field(default_factory=TelemetryCfg)

@@ -2,7 +2,7 @@
 
 from .data import DATA_SOURCES, MarkovTokens, ResumableLoader, TokenFile, make_dataset
 from .gpt import GPT, GPTConfig
-from .hf_llama import llama_config_from_hf, load_hf_llama
+from .hf_llama import llama_config_from_hf, load_hf_llama, read_hf_llama_config
 from .llama import Llama, LlamaConfig
 
 __all__ = [
@@ -17,4 +17,5 @@ __all__ = [
     "llama_config_from_hf",
     "load_hf_llama",
     "make_dataset",
+    "read_hf_llama_config",
 ]

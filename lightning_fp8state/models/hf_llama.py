@@ -12,6 +12,7 @@ config that claims a huge model costs nothing unless the files hold its bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -21,11 +22,11 @@ from typing import Any
 
 import torch
 
-from ..config import require_bool, require_choice, require_int, require_number, require_type
+from ..config import require_bool, require_choice, require_int, require_number, require_that, require_type
 from ..errors import ConfigError, StateLoadError, UntrustedCheckpointError
 from .llama import Llama, LlamaConfig
 
-__all__ = ["HF_MODEL_TYPES", "llama_config_from_hf", "load_hf_llama"]
+__all__ = ["HF_MODEL_TYPES", "TRAINING_KEYS", "llama_config_from_hf", "load_hf_llama", "read_hf_llama_config"]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -44,7 +45,27 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _ROPE_KEYS = ("rope_type", "rope_theta")
 
 
-def load_hf_llama(folder: str | os.PathLike, *, dtype: torch.dtype | None = None) -> tuple[Llama, LlamaConfig]:
+def read_hf_llama_config(folder: str | os.PathLike) -> LlamaConfig:
+    """The :class:`~.llama.LlamaConfig` of the Hugging Face checkpoint folder ``folder``, read from
+    its ``config.json`` (a regular file inside the folder, at most 1 MiB) without the weights."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise StateLoadError(f"{root}: not a folder; expected a Hugging Face checkpoint folder with {CONFIG_FILE}")
+    config_path = _member(root, CONFIG_FILE, root)
+    try:
+        return llama_config_from_hf(_read_json(config_path, CONFIG_MAX_BYTES))
+    except ConfigError as exc:
+        raise ConfigError(f"{config_path}: {exc}") from None
+
+
+# what a run may choose for a checkpoint's model: how long its sequences are (up to the
+# checkpoint's max_position_embeddings) and how its blocks are checkpointed
+TRAINING_KEYS = ("seq_len", "checkpoint", "checkpoint_engine", "use_reentrant")
+
+
+def load_hf_llama(
+    folder: str | os.PathLike, *, dtype: torch.dtype | None = None, training: Mapping[str, Any] | None = None
+) -> tuple[Llama, LlamaConfig]:
     """Build a :class:`~.llama.Llama` from a local Hugging Face checkpoint folder.
 
     Args:
@@ -53,6 +74,8 @@ def load_hf_llama(folder: str | os.PathLike, *, dtype: torch.dtype | None = None
             ``model.safetensors.index.json``.
         dtype: the parameters' dtype (float32, bfloat16, float16, float64); None: the dtype the
             weights are stored in (one for all of them).
+        training: values of :data:`TRAINING_KEYS` for this run (a ``seq_len`` within the
+            checkpoint's, the checkpointing of the blocks); the rest of the config is the folder's.
 
     Returns:
         ``(model, config)``: the model on the CPU, in training mode, its config's ``seq_len`` the
@@ -69,13 +92,14 @@ def load_hf_llama(folder: str | os.PathLike, *, dtype: torch.dtype | None = None
     """
     require_choice("dtype", dtype, LOAD_DTYPES)
     root = Path(folder)
-    if not root.is_dir():
-        raise StateLoadError(f"{root}: not a folder; expected a Hugging Face checkpoint folder with {CONFIG_FILE}")
-    config_path = _member(root, CONFIG_FILE, root)
-    try:
-        cfg = llama_config_from_hf(_read_json(config_path, CONFIG_MAX_BYTES))
-    except ConfigError as exc:
-        raise ConfigError(f"{config_path}: {exc}") from None
+    cfg = read_hf_llama_config(root)
+    if training:
+        unknown = sorted(set(training) - set(TRAINING_KEYS))
+        require_that(not unknown, "training", unknown, f"keys among {list(TRAINING_KEYS)}")
+        longest = cfg.seq_len
+        cfg = dataclasses.replace(cfg, **training)
+        require_int("seq_len", cfg.seq_len, 1, longest, why=f"the checkpoint's max_position_embeddings={longest}")
+    config_path = root / CONFIG_FILE
     stored = _stored_tensors(root)
     if cfg.n_layers > len(stored):  # each layer is a tensor at least: the meta build below stays small
         raise StateLoadError(

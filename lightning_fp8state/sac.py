@@ -13,7 +13,7 @@ ops SAC sees must form the same sequence in both runs. Two rules keep it so:
    scratch slot) runs through :func:`outside_selective_checkpoint`: unseen by SAC.
 2. The quantize itself stays visible (a policy may save its codes) and is the same op in both
    runs: the recompute calls the true forward's ``*_record_amax`` op with the same snapshot,
-   its statistics going to a discarded scratch slot (``QuantProtocol._encode_discard``).
+   its statistics going to a discarded scratch slot (``Quantizer.encode_discard``, protocol/encode.py).
 """
 
 from __future__ import annotations

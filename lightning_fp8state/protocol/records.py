@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..config import require_that
 from ..errors import StateTransitionError
 from ..recompute import CallRecord
 from ..state import QuantSnapshot, current_stream_ident, scoped_owner
@@ -108,11 +109,12 @@ class CallRecords:
             width = 0
             encoder = self._encoder(role)
             if encoder.centered:
-                if channels is None or role not in channels:
-                    raise ValueError(
-                        f"layer {layer!r}: role {role!r} is centered, so enter_call needs its channel "
-                        "count: pass channels={role: x.shape[-1]}"
-                    )
+                require_that(
+                    channels is not None and role in channels,
+                    f"layer {layer!r}: enter_call(channels)",
+                    channels,
+                    f"the channel count of {role!r}, which is centered: channels={{{role!r}: x.shape[-1]}}",
+                )
                 width = int(channels[role])
             owners[role] = owner
             if bank.device is None or owner not in bank.index:

@@ -93,7 +93,7 @@ class Recipe:
     saves_inputs: ClassVar[bool] = False
     # Whether the recipe can make a training call's weight codes once per event: the true
     # forward's encode (with the stage weight_stage names) is kept for its recompute, which
-    # reuses it (QuantProtocol._quantize). An instance's attribute is what a run does: this and
+    # reuses it (Quantizer.quantize, protocol/encode.py). An instance's attribute is what a run does: this and
     # QuantConfig.weight_codes_once; False: every run of the call encodes the weight.
     weight_codes_once: ClassVar[bool] = False
     # What one line of the README's feature table says the recipe guarantees.

@@ -45,8 +45,10 @@ std::string fp8s_str(const X& v) {
   }
 }
 
+// The package's one argument-check message (config.require_that): "<key>=<found> is not
+// allowed: expected <what is>", bit for bit the CPU reference's.
 #define FP8S_CHECK(cond, what, expected, found) \
-  TORCH_CHECK_VALUE(cond, "fp8state: ", what, ": expected ", fp8s_str(expected), ", got ", fp8s_str(found))
+  TORCH_CHECK_VALUE(cond, what, "=", fp8s_str(found), " is not allowed: expected ", fp8s_str(expected))
 
 // ---------------------------------------------------------------------------------------
 // element conversions
@@ -293,8 +295,8 @@ inline void check_scalar(const at::Tensor& t, const char* name, const at::Tensor
 }
 
 inline void check_slot(int64_t slot, int64_t numel) {
-  TORCH_CHECK_VALUE(slot >= 0 && slot < numel, "fp8state: slot: expected 0 <= slot < ", std::to_string(numel),
-                    ", got ", std::to_string(slot));
+  TORCH_CHECK_VALUE(slot >= 0 && slot < numel, "slot=", std::to_string(slot), " is not allowed: expected 0 <= slot < ",
+                    std::to_string(numel));
 }
 
 inline void check_input(const at::Tensor& x, at::ScalarType dtype) {

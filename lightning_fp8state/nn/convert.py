@@ -13,8 +13,16 @@ holding converted layers becomes an :class:`~lightning_fp8state.nn.Fp8Transforme
 (no eval fast path reading their weights) and an ``nn.TransformerEncoder`` of them stops
 building nested tensors: both reported as rerouted. A subclass of the encoder layer with its
 own forward cannot be rerouted: reported (``fast_path``) and warned about at its first eval
-call. What no static rule can see is caught after the first event by
-:meth:`ConversionReport.unowned` (a converted layer that never ran through the protocol).
+call. A Linear whose weight its parent's ``forward`` source reads (``self.<child>.weight``, its
+values) is not converted either, and a module doing a Linear's work without being one (3-D
+expert weights, ``F.linear`` on its own parameter) is reported. What no static rule can see is
+caught after the first event by :meth:`ConversionReport.unowned` (a converted layer that never
+ran through the protocol).
+
+peft's LoRA adapters stay in high precision unless an include pattern naming LoRA selects them.
+Patterns match a LightningModule's names with or without its attribute prefix; a pattern that
+matches nothing, and a conversion that converts nothing, are warned about
+(:class:`~lightning_fp8state.errors.ConversionWarning`).
 """
 
 from __future__ import annotations
@@ -256,7 +264,8 @@ _LINEAR_OPS = frozenset(
 )
 
 
-def _linear_operands(tree: ast.AST, self_name: str) -> list[tuple[str, str]]:
+@functools.lru_cache(maxsize=512)
+def _linear_operands(tree: ast.AST, self_name: str) -> tuple[tuple[str, str], ...]:
     """``(op, attribute)`` for every ``self.<attribute>`` used in a linear call of ``forward``:
     an operand of ``F.linear`` / ``torch.matmul`` / ``torch.mm``, or of ``@``."""
     found = []
@@ -266,14 +275,15 @@ def _linear_operands(tree: ast.AST, self_name: str) -> list[tuple[str, str]]:
             found += [(op, a) for arg in (*node.args, *node.keywords) for a in _self_attributes(arg, self_name)]
         elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
             found += [("@", a) for a in _self_attributes(node, self_name)]
-    return found
+    return tuple(found)
 
 
 # attribute reads of a weight that do not use its values
 _METADATA = frozenset({"dtype", "device", "shape", "size", "ndim", "dim", "requires_grad", "numel", "layout"})
 
 
-def _weight_readers(tree: ast.AST, self_name: str) -> set[str]:
+@functools.lru_cache(maxsize=512)
+def _weight_readers(tree: ast.AST, self_name: str) -> frozenset[str]:
     """The children ``<c>`` whose ``self.<c>.weight`` values ``forward`` reads (its dtype,
     device, shape, an ``isinstance`` or ``is`` test do not count)."""
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
@@ -292,7 +302,7 @@ def _weight_readers(tree: ast.AST, self_name: str) -> set[str]:
         if isinstance(up, ast.Compare) and all(isinstance(op, (ast.Is, ast.IsNot)) for op in up.ops):
             continue
         out.add(owner.attr)
-    return out
+    return frozenset(out)
 
 
 def _not_a_linear_module(module: nn.Module) -> str | None:
@@ -459,16 +469,18 @@ def convert_model(model: nn.Module, protocol: QuantProtocol, *, warn: bool = Tru
     for name, module, chosen, entries in attentions:
         _convert_attention(protocol, report, name, module, chosen, entries)
     _reroute_fast_paths(dict(model.named_modules()), report)
-    report.warnings = _conversion_warnings(model, patterns, report, before)
+    report.warnings = _conversion_warnings(model, protocol, patterns, report, before)
     for message in report.warnings if warn else ():
         warnings.warn(message, ConversionWarning, stacklevel=2)
     return report
 
 
-def _conversion_warnings(model: nn.Module, patterns: _Patterns, report: ConversionReport, before: list[str]) -> list:
+def _conversion_warnings(
+    model: nn.Module, protocol: QuantProtocol, patterns: _Patterns, report: ConversionReport, before: list[str]
+) -> list[str]:
     """What a conversion says out loud: each pattern that matched no Linear-like name (with
-    the 3 nearest names), and a conversion that converted nothing while nothing was converted
-    before (with each candidate's reason)."""
+    the 3 nearest names, ``before`` being the ones converted already), and a conversion that
+    converted nothing in a model holding nothing converted (with each candidate's reason)."""
     names = list(dict.fromkeys([*before, *report.converted, *report.skipped, *report.not_quantizable]))
     model_name = type(model).__name__
     prefix = " (with or without the LightningModule's attribute prefix)" if patterns.unprefixed else ""
@@ -479,7 +491,7 @@ def _conversion_warnings(model: nn.Module, patterns: _Patterns, report: Conversi
         "meant for are converted (exclude) or left out (include) unseen"
         for kind, pattern in patterns.unmatched(names)
     ]
-    if report.converted or report.attention or before:
+    if report.converted or report.attention or before or _holds_bound_quantizer(model, protocol):
         return out
     left = [*report.not_quantizable.items(), *report.skipped.items()]
     if not left:
@@ -498,19 +510,21 @@ def _conversion_warnings(model: nn.Module, patterns: _Patterns, report: Conversi
     return out
 
 
+def _holds_bound_quantizer(model: nn.Module, protocol: QuantProtocol) -> bool:
+    return any(isinstance(m, Fp4AttentionQuantizer) and m.protocol is protocol for m in model.modules())
+
+
 def _survey(model: nn.Module, protocol: QuantProtocol, patterns: _Patterns, report: ConversionReport) -> tuple:
     """Walk ``model`` once, before anything is swapped: bind its unbound FP4 attention
     quantizers, refuse a layer converted by another protocol, report every candidate left
     alone (skipped or not quantizable), and return what to convert: ``(targets, attentions,
     before)``, the Linear-likes as ``(name, module, kind)``, the ``nn.MultiheadAttention`` modules
     as ``(name, module, in-projection entries to quantize, every entry's layer names)``, and the
-    names this protocol converted (or bound) already."""
+    Linear-likes this protocol converted already."""
     modules = dict(model.named_modules())
     targets, attentions, before = [], [], []
     for name, module in modules.items():
         if isinstance(module, Fp4AttentionQuantizer):
-            if module.protocol is protocol:
-                before.append(module.layer_name)
             _bind_attention_quantizer(model, protocol, report, name, module)
         elif isinstance(module, nn.MultiheadAttention) and not isinstance(module, Fp8MultiheadAttention):
             attention = _survey_mha(patterns, report, name, module)

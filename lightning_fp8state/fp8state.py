@@ -82,6 +82,7 @@ class Fp8State:
         # every layer converted so far, checked for owners after the next event (once)
         self.conversion = ConversionReport()
         self._check_owners = False
+        self._conversion_warned: set[str] = set()  # convert()'s warnings, each said once
         # Layers (and FP4 attention quantizers) of every model converted by this state.
         self.converted_layers: set[str] = set()
         # Layers of a state loaded before any model was converted: the first convert() checks
@@ -192,9 +193,15 @@ class Fp8State:
         The report of this call (converted, skipped and not-quantizable candidates, each with a
         reason) is kept in :attr:`last_conversion`; :attr:`conversion` accumulates every call's.
         After the next event, a converted layer that never ran through the protocol (no owner
-        in the bank) is warned about once (:class:`ConversionWarning`).
+        in the bank) is warned about once (:class:`ConversionWarning`). What the conversion
+        itself warns about (a pattern that matched no module, nothing converted) is said once
+        per state, not again at a second convert of the same model.
         """
-        report = convert_model(model, self._protocol)
+        report = convert_model(model, self._protocol, warn=False)
+        for message in report.warnings:
+            if message not in self._conversion_warned:
+                self._conversion_warned.add(message)
+                warnings.warn(message, ConversionWarning, stacklevel=2)
         self.last_conversion = report
         self.conversion.merge(report)
         # a second convert with nothing new (the Lightning callback converts at setup and again at

@@ -13,19 +13,33 @@ holding converted layers becomes an :class:`~lightning_fp8state.nn.Fp8Transforme
 (no eval fast path reading their weights) and an ``nn.TransformerEncoder`` of them stops
 building nested tensors: both reported as rerouted. A subclass of the encoder layer with its
 own forward cannot be rerouted: reported (``fast_path``) and warned about at its first eval
-call. What no static rule can see is caught after the first event by
-:meth:`ConversionReport.unowned` (a converted layer that never ran through the protocol).
+call. A Linear whose weight its parent's ``forward`` source reads (``self.<child>.weight``, its
+values) is not converted either, and a module doing a Linear's work without being one (3-D
+expert weights, ``F.linear`` on its own parameter) is reported. What no static rule can see is
+caught after the first event by :meth:`ConversionReport.unowned` (a converted layer that never
+ran through the protocol).
+
+peft's LoRA adapters stay in high precision unless an include pattern naming LoRA selects them.
+Patterns match a LightningModule's names with or without its attribute prefix; a pattern that
+matches nothing, and a conversion that converts nothing, are warned about
+(:class:`~lightning_fp8state.errors.ConversionWarning`).
 """
 
 from __future__ import annotations
 
+import ast
+import difflib
 import fnmatch
+import functools
+import inspect
+import textwrap
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList
 
 from ..errors import AlreadyConvertedError, ConversionWarning
 from ..protocol import QuantProtocol
@@ -58,6 +72,8 @@ class ConversionReport:
             (per module), and how.
         fast_path: modules holding converted layers whose eval fast path could not be turned
             off, and why (warned about at their first eval call).
+        warnings: what this conversion warned about (:class:`ConversionWarning` messages:
+            patterns that matched nothing, a conversion that converted nothing).
     """
 
     converted: list[str] = field(default_factory=list)
@@ -68,6 +84,7 @@ class ConversionReport:
     owner_layers: dict[str, tuple[str, ...]] = field(default_factory=dict)
     rerouted: dict[str, str] = field(default_factory=dict)
     fast_path: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     def layers(self) -> list[str]:
         """Every layer name the converted entries' calls take (what their owners are keyed by)."""
@@ -133,6 +150,8 @@ class ConversionReport:
         self.owner_layers.update(new.owner_layers)
         self.rerouted.update(new.rerouted)
         self.fast_path.update(new.fast_path)
+        new.warnings = [w for w in other.warnings if w not in self.warnings]
+        self.warnings += new.warnings
         return new
 
     def to_dict(self) -> dict:
@@ -157,8 +176,162 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def _matches(name: str, patterns: tuple[str, ...]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+# A dotted-name component that makes a module one of peft's LoRA adapters.
+LORA_COMPONENTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"})
+_LORA_WHY = "a LoRA adapter (peft): kept in high precision; name it in an include pattern to quantize it"
+
+
+def _is_lora_adapter(name: str) -> bool:
+    return not LORA_COMPONENTS.isdisjoint(name.split("."))
+
+
+@dataclass(frozen=True)
+class _Patterns:
+    """The include/exclude patterns of one conversion and how a module name meets them.
+
+    ``unprefixed``: the model is a LightningModule, whose attribute (``self.model``) prefixes
+    every name; a name then also matches without its first dotted component, so the patterns
+    written for the bare model (``exclude=["lm_head"]``) work on the LightningModule too.
+    """
+
+    include: tuple[str, ...]
+    exclude: tuple[str, ...]
+    unprefixed: bool = False
+
+    def matches(self, name: str, patterns: tuple[str, ...]) -> bool:
+        forms = (name, name.partition(".")[2]) if self.unprefixed and "." in name else (name,)
+        return any(fnmatch.fnmatchcase(form, p) for form in forms for p in patterns)
+
+    def why_skipped(self, name: str) -> str | None:
+        """Why ``name`` is left alone by the patterns, or None (selected). A LoRA adapter is
+        left alone unless an include pattern naming LoRA (not a bare ``*``) matches it."""
+        if _is_lora_adapter(name) and not self.matches(name, tuple(p for p in self.include if "lora" in p.lower())):
+            return _LORA_WHY
+        if not self.matches(name, self.include):
+            return f"matches no include pattern {list(self.include)}"
+        if self.matches(name, self.exclude):
+            return f"matches an exclude pattern {list(self.exclude)}"
+        return None
+
+    def unmatched(self, names: list[str]) -> list[tuple[str, str]]:
+        """``(kind, pattern)`` of every exclude pattern, and include pattern unless the include
+        is the default ``("*",)``, that matches none of ``names``."""
+        groups = [("exclude", self.exclude)]
+        if tuple(self.include) != ("*",):
+            groups.insert(0, ("include", self.include))
+        return [
+            (kind, p) for kind, patterns in groups for p in patterns if not any(self.matches(n, (p,)) for n in names)
+        ]
+
+
+def _is_lightning_module(model: nn.Module) -> bool:
+    # by name: nothing below lightning/ imports Lightning
+    return any(cls.__name__ == "LightningModule" for cls in type(model).__mro__)
+
+
+@functools.lru_cache(maxsize=512)
+def _forward_tree(forward) -> tuple[ast.AST, str] | None:
+    """The parsed source of a module class's ``forward`` and the name of its first argument
+    (``self``), or None where the source cannot be read (built-in, generated, no file)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    function = tree.body[0] if tree.body else None
+    if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or not function.args.args:
+        return None
+    return tree, function.args.args[0].arg
+
+
+def _source_of_forward(module: nn.Module) -> tuple[ast.AST, str] | None:
+    try:
+        return _forward_tree(type(module).forward)
+    except TypeError:  # an unhashable forward (a callable object): nothing to read
+        return None
+
+
+def _self_attributes(node: ast.AST, self_name: str) -> list[str]:
+    """The ``self.<name>`` attributes read anywhere under ``node``."""
+    return [
+        n.attr
+        for n in ast.walk(node)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == self_name
+    ]
+
+
+_LINEAR_OPS = frozenset(
+    {"F.linear", "torch.nn.functional.linear", "nn.functional.linear", "functional.linear", "torch.matmul", "torch.mm"}
+)
+
+
+@functools.lru_cache(maxsize=512)
+def _linear_operands(tree: ast.AST, self_name: str) -> tuple[tuple[str, str], ...]:
+    """``(op, attribute)`` for every ``self.<attribute>`` used in a linear call of ``forward``:
+    an operand of ``F.linear`` / ``torch.matmul`` / ``torch.mm``, or of ``@``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in _LINEAR_OPS:
+            op = ast.unparse(node.func)
+            found += [(op, a) for arg in (*node.args, *node.keywords) for a in _self_attributes(arg, self_name)]
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+            found += [("@", a) for a in _self_attributes(node, self_name)]
+    return tuple(found)
+
+
+# attribute reads of a weight that do not use its values
+_METADATA = frozenset({"dtype", "device", "shape", "size", "ndim", "dim", "requires_grad", "numel", "layout"})
+
+
+@functools.lru_cache(maxsize=512)
+def _weight_readers(tree: ast.AST, self_name: str) -> frozenset[str]:
+    """The children ``<c>`` whose ``self.<c>.weight`` values ``forward`` reads (its dtype,
+    device, shape, an ``isinstance`` or ``is`` test do not count)."""
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    out = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr == "weight" and isinstance(node.ctx, ast.Load)):
+            continue
+        owner = node.value
+        if not (isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name) and owner.value.id == self_name):
+            continue
+        up = parents.get(node)
+        if isinstance(up, ast.Attribute) and (up.attr in _METADATA or up.attr.startswith("is_")):
+            continue
+        if isinstance(up, ast.Call) and node in up.args and ast.unparse(up.func) in ("isinstance", "type", "id"):
+            continue
+        if isinstance(up, ast.Compare) and all(isinstance(op, (ast.Is, ast.IsNot)) for op in up.ops):
+            continue
+        out.add(owner.attr)
+    return frozenset(out)
+
+
+def _not_a_linear_module(module: nn.Module) -> str | None:
+    """Why a module that is no Linear-like candidate (no ``nn.Linear``, no Conv1D) still does a
+    Linear's work that conversion leaves in high precision, or None: 3-D expert weights, or its
+    own 2-D parameter applied by ``F.linear`` / ``torch.matmul`` / ``@`` in its forward."""
+    if isinstance(module, (nn.modules.conv._ConvNd, ParametrizationList)):
+        return None
+    own = {
+        n: p
+        for n, p in module.named_parameters(recurse=False)
+        if not isinstance(p, nn.parameter.UninitializedParameter)
+    }
+    experts = [n for n, p in own.items() if p.dim() == 3 and p.shape[0] > 1]
+    if experts:
+        return (
+            f"3-D expert weights {', '.join(experts)} [E, out, in] applied with batched/grouped matmuls: not "
+            "converted (experts: see the MoE issue)"
+        )
+    flat = {n for n, p in own.items() if p.dim() == 2}
+    source = _source_of_forward(module) if flat else None
+    for op, attribute in _linear_operands(*source) if source else ():
+        if attribute in flat:
+            op = "F.linear" if op.endswith("linear") else op
+            return (
+                f"calls {op} on its own parameter {attribute} in forward: not a Linear module; convert by hand "
+                "or exclude"
+            )
+    return None
 
 
 def _mha_not_convertible(mha: nn.MultiheadAttention) -> str | None:
@@ -175,21 +348,21 @@ def _mha_not_convertible(mha: nn.MultiheadAttention) -> str | None:
 
 def _weight_read_outside_forward(parents: dict[str, nn.Module], name: str) -> str | None:
     """Why ``name`` would never quantize if swapped (its weight is used by a parent's own code),
-    or None."""
+    or None: a subclass of ``nn.MultiheadAttention`` reading ``out_proj``, or a parent whose
+    forward source reads ``self.<child>.weight``'s values. (nn.MultiheadAttention and
+    nn.TransformerEncoderLayer read their children's weights on paths conversion reroutes.)"""
     parent_name, _, child = name.rpartition(".")
     parent = parents.get(parent_name)
-    if isinstance(parent, nn.MultiheadAttention) and child == "out_proj":
-        return _mha_not_convertible(parent)
-    return None
-
-
-def _selection(name: str, selection) -> str | None:
-    """Why ``name`` is left alone by the include/exclude patterns of ``selection`` (a
-    config's ``selection`` section), or None (selected)."""
-    if not _matches(name, selection.include):
-        return f"matches no include pattern {list(selection.include)}"
-    if _matches(name, selection.exclude):
-        return f"matches an exclude pattern {list(selection.exclude)}"
+    if isinstance(parent, nn.MultiheadAttention):
+        return _mha_not_convertible(parent) if child == "out_proj" else None
+    if parent is None or isinstance(parent, nn.TransformerEncoderLayer):
+        return None
+    source = _source_of_forward(parent)
+    if source is not None and child in _weight_readers(*source):
+        return (
+            f"its weight is read by {type(parent).__name__}'s forward (self.{child}.weight), which would use it "
+            "unquantized: not converted"
+        )
     return None
 
 
@@ -256,7 +429,7 @@ def _reroute_fast_paths(modules: dict[str, nn.Module], report: ConversionReport)
                 report.rerouted[name] = _ENCODER_HOW
 
 
-def convert_model(model: nn.Module, protocol: QuantProtocol) -> ConversionReport:
+def convert_model(model: nn.Module, protocol: QuantProtocol, *, warn: bool = True) -> ConversionReport:
     """Replace, in place, every ``nn.Linear`` and transformers ``Conv1D`` of ``model`` whose
     qualified name matches an ``include`` pattern of the protocol's config and no ``exclude``
     pattern, unless it would not quantize (then it is reported as not quantizable); quantize
@@ -264,6 +437,10 @@ def convert_model(model: nn.Module, protocol: QuantProtocol) -> ConversionReport
     ``k_proj`` / ``v_proj`` with separate weights) and ``out_proj`` by the same patterns; reroute
     ``nn.TransformerEncoderLayer`` / ``nn.TransformerEncoder`` holding converted layers off torch's
     eval fast path (module by module).
+
+    On a LightningModule a name matches a pattern with or without its first component (the
+    attribute holding the model: ``exclude=["lm_head"]`` excludes ``model.lm_head``). peft's LoRA
+    adapters stay in high precision unless an include pattern naming LoRA matches them.
 
     Parameters are shared, not copied: an optimizer built before conversion keeps working.
     Layers this protocol converted already are left alone (converting twice is a no-op); a layer
@@ -274,44 +451,96 @@ def convert_model(model: nn.Module, protocol: QuantProtocol) -> ConversionReport
     an attention quantizer is opted into by placing it in the model). One bound to another
     state is left alone and reported as skipped.
 
+    Args:
+        warn: issue the report's :attr:`~ConversionReport.warnings` (a pattern that matched no
+            module, a conversion that converted nothing) as :class:`ConversionWarning`; ``False``
+            leaves that to the caller (``Fp8State.convert`` says each once).
+
     Returns:
         A :class:`ConversionReport` of every candidate.
     """
     protocol = getattr(protocol, "protocol", protocol)  # an Fp8State: its protocol
     selection = protocol.config.selection  # the include/exclude patterns: all conversion reads
+    patterns = _Patterns(tuple(selection.include), tuple(selection.exclude), _is_lightning_module(model))
     report = ConversionReport()
-    targets, attentions = _survey(model, protocol, selection, report)
+    targets, attentions, before = _survey(model, protocol, patterns, report)
     for name, module, kind in targets:
         _swap_linear(model, protocol, report, name, module, kind)
     for name, module, chosen, entries in attentions:
         _convert_attention(protocol, report, name, module, chosen, entries)
     _reroute_fast_paths(dict(model.named_modules()), report)
+    report.warnings = _conversion_warnings(model, protocol, patterns, report, before)
+    for message in report.warnings if warn else ():
+        warnings.warn(message, ConversionWarning, stacklevel=2)
     return report
 
 
-def _survey(model: nn.Module, protocol: QuantProtocol, selection, report: ConversionReport) -> tuple[list, list]:
+def _conversion_warnings(
+    model: nn.Module, protocol: QuantProtocol, patterns: _Patterns, report: ConversionReport, before: list[str]
+) -> list[str]:
+    """What a conversion says out loud: each pattern that matched no Linear-like name (with
+    the 3 nearest names, ``before`` being the ones converted already), and a conversion that
+    converted nothing in a model holding nothing converted (with each candidate's reason)."""
+    names = list(dict.fromkeys([*before, *report.converted, *report.skipped, *report.not_quantizable]))
+    model_name = type(model).__name__
+    prefix = " (with or without the LightningModule's attribute prefix)" if patterns.unprefixed else ""
+    out = [
+        f"lightning_fp8state: the {kind} pattern {pattern!r} matches no Linear-like module of {model_name}; the "
+        f"nearest names: {difflib.get_close_matches(pattern, names, n=3, cutoff=0)}. A pattern matches a "
+        f"module's whole dotted name{prefix}, fnmatch style ('*' for any parents): fix it, or the layers it was "
+        "meant for are converted (exclude) or left out (include) unseen"
+        for kind, pattern in patterns.unmatched(names)
+    ]
+    if report.converted or report.attention or before or _holds_bound_quantizer(model, protocol):
+        return out
+    left = [*report.not_quantizable.items(), *report.skipped.items()]
+    if not left:
+        out.append(
+            f"lightning_fp8state: {model_name} has no Linear-like module (nn.Linear, transformers Conv1D, "
+            "nn.MultiheadAttention) and no FP4 attention quantizer: nothing was converted, nothing will be quantized"
+        )
+        return out
+    shown = "; ".join(f"{n or '<root>'}: {why}" for n, why in left[:8])
+    more = f"; ... and {len(left) - 8} more" if len(left) > 8 else ""
+    out.append(
+        f"lightning_fp8state: nothing of {model_name} was converted: its {len(left)} Linear-like candidate(s) were "
+        f"all left alone ({shown}{more}). Nothing will be quantized; the report (state.last_conversion) has each "
+        "reason"
+    )
+    return out
+
+
+def _holds_bound_quantizer(model: nn.Module, protocol: QuantProtocol) -> bool:
+    return any(isinstance(m, Fp4AttentionQuantizer) and m.protocol is protocol for m in model.modules())
+
+
+def _survey(model: nn.Module, protocol: QuantProtocol, patterns: _Patterns, report: ConversionReport) -> tuple:
     """Walk ``model`` once, before anything is swapped: bind its unbound FP4 attention
     quantizers, refuse a layer converted by another protocol, report every candidate left
-    alone (skipped or not quantizable), and return what to convert: ``(targets, attentions)``,
-    the Linear-likes as ``(name, module, kind)`` and the ``nn.MultiheadAttention`` modules as
-    ``(name, module, in-projection entries to quantize, every entry's layer names)``."""
+    alone (skipped or not quantizable), and return what to convert: ``(targets, attentions,
+    before)``, the Linear-likes as ``(name, module, kind)``, the ``nn.MultiheadAttention`` modules
+    as ``(name, module, in-projection entries to quantize, every entry's layer names)``, and the
+    Linear-likes this protocol converted already."""
     modules = dict(model.named_modules())
-    targets = []
-    attentions = []
+    targets, attentions, before = [], [], []
     for name, module in modules.items():
         if isinstance(module, Fp4AttentionQuantizer):
             _bind_attention_quantizer(model, protocol, report, name, module)
         elif isinstance(module, nn.MultiheadAttention) and not isinstance(module, Fp8MultiheadAttention):
-            attention = _survey_mha(selection, report, name, module)
+            attention = _survey_mha(patterns, report, name, module)
             if attention is not None:
                 attentions.append(attention)
         elif isinstance(module, (Fp8Linear, Fp8Conv1D, Fp8MultiheadAttention)):  # an MHA: its in-projection
             _refuse_another_protocol(model, protocol, name, module)
+            if isinstance(module, Fp8MultiheadAttention):
+                before += [f"{name}.{e}" if name else e for e in mha_projections(module)]
+            else:
+                before.append(name)
         else:
-            target = _survey_linear(modules, selection, report, name, module)
+            target = _survey_linear(modules, patterns, report, name, module)
             if target is not None:
                 targets.append(target)
-    return targets, attentions
+    return targets, attentions, before
 
 
 def _bind_attention_quantizer(
@@ -325,7 +554,9 @@ def _bind_attention_quantizer(
         report.skipped[name] = "an FP4 attention quantizer already bound to another state"
 
 
-def _survey_mha(selection, report: ConversionReport, name: str, module: nn.MultiheadAttention) -> tuple | None:
+def _survey_mha(
+    patterns: _Patterns, report: ConversionReport, name: str, module: nn.MultiheadAttention
+) -> tuple | None:
     """``(name, module, chosen entries, entries)`` when some projection of ``module`` is to be
     quantized (its in-projection entries chosen by the patterns, or ``out_proj``), else None;
     every entry left alone is reported with its reason."""
@@ -333,11 +564,11 @@ def _survey_mha(selection, report: ConversionReport, name: str, module: nn.Multi
     why_not = _mha_not_convertible(module)
     chosen = []
     for entry in entries:
-        why = why_not or _selection(entry, selection)
+        why = why_not or patterns.why_skipped(entry)
         (report.not_quantizable if why_not else report.skipped).update({entry: why} if why else {})
         if why is None:
             chosen.append(entry)
-    out_chosen = _selection(f"{name}.out_proj" if name else "out_proj", selection) is None
+    out_chosen = patterns.why_skipped(f"{name}.out_proj" if name else "out_proj") is None
     if why_not is None and (chosen or out_chosen):
         return name, module, chosen, entries
     return None
@@ -355,10 +586,12 @@ def _refuse_another_protocol(model: nn.Module, protocol: QuantProtocol, name: st
 
 
 def _survey_linear(
-    modules: dict[str, nn.Module], selection, report: ConversionReport, name: str, module: nn.Module
+    modules: dict[str, nn.Module], patterns: _Patterns, report: ConversionReport, name: str, module: nn.Module
 ) -> tuple[str, nn.Module, str] | None:
     """``(name, module, kind)`` when ``module`` is a Linear-like to swap, else None: not a
-    candidate, or one reported as not quantizable or skipped (with its reason)."""
+    candidate, or one reported as not quantizable or skipped (with its reason). A module doing
+    a Linear's work that is no candidate (3-D expert weights, ``F.linear`` on its own parameter)
+    is reported as not quantizable."""
     if isinstance(module, nn.Linear):
         kind = "nn.Linear" if type(module) is nn.Linear else f"nn.Linear subclass {type(module).__name__}"
         if type(module).forward is not nn.Linear.forward:
@@ -369,6 +602,9 @@ def _survey_linear(
     elif is_hf_conv1d(module):
         kind = "transformers Conv1D"
     else:
+        why_not = _not_a_linear_module(module)
+        if why_not is not None:
+            report.not_quantizable[name] = why_not
         return None
     if not name:
         report.not_quantizable[""] = f"the root module itself is a {kind}: wrap it in a container to convert it"
@@ -377,7 +613,7 @@ def _survey_linear(
     if why_not is not None:
         report.not_quantizable[name] = why_not
         return None
-    why = _selection(name, selection)
+    why = patterns.why_skipped(name)
     if why is not None:
         report.skipped[name] = why
         return None

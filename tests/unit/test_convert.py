@@ -166,7 +166,9 @@ def test_multihead_attention_projections_are_converted_and_really_quantize():
 
 
 class _ReadsWeightOutside(nn.Module):
-    """A parent that uses its child's weight directly: the child's forward never runs."""
+    """A parent that uses its child's weight directly: the child's forward never runs. It reads
+    it in a method its forward calls, which conversion's scan of forward sources does not see
+    (tests/unit/test_convert_edges.py has the read in forward itself, caught at conversion)."""
 
     def __init__(self):
         super().__init__()
@@ -174,7 +176,10 @@ class _ReadsWeightOutside(nn.Module):
         self.tied = nn.Linear(32, 32)
 
     def forward(self, x):
-        return F.linear(self.used(x), self.tied.weight)
+        return self._project_tied(self.used(x))
+
+    def _project_tied(self, h):
+        return F.linear(h, self.tied.weight)
 
 
 def test_unowned_converted_layer_warns_once_after_the_first_event():

@@ -52,10 +52,10 @@ import torch
 import torch.utils.checkpoint
 
 from lightning_fp8state.audit import DeviceRecomputeAuditor, RecomputeAuditor
-from lightning_fp8state.cli.audit import model_config
 from lightning_fp8state.cli.config import load_config, quant_config
+from lightning_fp8state.cli.models import build_model
 from lightning_fp8state.fp8state import Fp8State
-from lightning_fp8state.models import GPT, make_dataset
+from lightning_fp8state.models import make_dataset
 from lightning_fp8state.telemetry import gradient_norms
 
 __all__ = ["PRESETS", "RUNS", "main"]
@@ -194,7 +194,7 @@ def train_run(
     steps = x.shape[0]
     torch.manual_seed(cfg.trainer.seed)  # the same initial weights in every run
     state = Fp8State(quant_config(cfg))
-    model = state.convert(GPT(model_config(cfg))).to(device)
+    model = state.convert(build_model(cfg)).to(device)  # model.arch's model (gpt, llama)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
     warmup = max(1, cfg.trainer.warmup_steps)

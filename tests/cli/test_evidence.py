@@ -123,14 +123,12 @@ def test_eval_loss_reads_no_state_and_matches_the_training_loss_of_the_same_weig
     gives the loss that the model's forward computes on those batches."""
     from lightning_fp8state import Fp8State
     from lightning_fp8state.cli.config import load_config
-    from lightning_fp8state.models import GPT
-
     module = _load()
     cfg = load_config(module.PRESETS["tiny"][0], [*module.PRESETS["tiny"][1], "model.n_layers=1"])
     x, y = module._batches(cfg, 2, torch.device("cpu"))
     torch.manual_seed(0)
     state = Fp8State(module.quant_config(cfg))
-    model = state.convert(GPT(module.model_config(cfg)))
+    model = state.convert(module.build_model(cfg))
     with state.step(0):  # one training step, so the bank holds state to be left alone
         loss = model.loss(x[0], y[0])
         state.commit_forward()

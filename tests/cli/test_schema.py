@@ -30,10 +30,15 @@ def test_the_quant_schema_defaults_are_quantconfigs():
     assert f8s.QuantConfig.from_dict(OmegaConf.to_container(node)) == f8s.QuantConfig()
 
 
-def test_the_model_schema_is_the_model_config():
-    assert _section("model") is GPTConfig
-    schema = [(f.name, f.default) for f in dataclasses.fields(_section("model"))]
-    assert schema == [(f.name, f.default) for f in dataclasses.fields(GPTConfig)]
+def test_the_model_schema_is_every_architectures_config_with_arch_and_init_from():
+    from lightning_fp8state.models import LlamaConfig
+
+    schema = {f.name: f.default for f in dataclasses.fields(_section("model"))}
+    assert (schema.pop("arch"), schema.pop("init_from")) == ("gpt", "")
+    for config in (GPTConfig, LlamaConfig):  # each architecture's keys, with its defaults
+        assert {f.name: f.default for f in dataclasses.fields(config)}.items() <= schema.items()
+    names = {f.name for cfg in (GPTConfig, LlamaConfig) for f in dataclasses.fields(cfg)}
+    assert set(schema) == names
 
 
 def test_a_recipe_states_the_defaults_it_wants_and_a_bare_one_gets_the_librarys(tmp_path):

@@ -462,8 +462,3 @@ class QuantConfig:
         """How ``role``'s amax is reduced across data-parallel ranks: ``none`` or ``data_parallel``."""
         table = dict(self.amax_reduction)
         return table.get(role, table.get("*", "none"))
-
-    @property
-    def quantized(self) -> bool:
-        """Whether any tensor is quantized (False for the bf16 control)."""
-        return self.recipe != "bf16"

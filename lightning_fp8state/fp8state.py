@@ -249,7 +249,7 @@ class Fp8State:
         their forward, so they are not quantized at all). Returns their names. Checked once
         after the first event following :meth:`convert`; under the bf16 recipe or the per_model
         scope (no per-layer owners) nothing is checked."""
-        if not self.config.quantized or self.config.ownership == "per_model":
+        if not self.protocol.recipe.quantized or self.config.ownership == "per_model":
             return []
         unowned = self.conversion.unowned(self)
         if unowned:

@@ -64,7 +64,7 @@ def run_audit(cfg: DictConfig, steps: int) -> AuditOutcome:
     loader = torch.utils.data.DataLoader(data, batch_size=cfg.data.batch_size, shuffle=False, drop_last=True)
     batches = iter(loader)
     grad_norms = []
-    mode = "bf16" if not qcfg.quantized else qcfg.mode
+    mode = "bf16" if not state.protocol.recipe.quantized else qcfg.mode
     with RecomputeAuditor(state, model=model) as auditor:
         for step in range(steps):
             try:

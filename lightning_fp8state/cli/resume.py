@@ -198,7 +198,7 @@ def _check_weights(path: Path, expected: dict[str, tuple], weights: dict) -> Non
 
 def _check_owners(path: Path, layers: set[str], ranks: dict, state: Fp8State) -> None:
     """The quantizer state of every rank belongs to exactly the layers this configuration converts."""
-    if not state.config.quantized or state.config.ownership == "per_model":
+    if not state.protocol.recipe.quantized or state.config.ownership == "per_model":
         return
     for rank, sd in ranks.items():
         try:

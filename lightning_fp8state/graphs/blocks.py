@@ -201,7 +201,7 @@ class GraphedBlocks:
                 f"GraphedBlocks: {len(protocol.bank.fresh)} owner(s) have no delayed scale yet (e.g. {first}): "
                 "their first event calibrates on the host's decision, which a replay cannot repeat; raise warmup"
             )
-        if protocol is not None and protocol.config.quantized:
+        if protocol is not None and protocol.recipe.quantized:
             protocol.freeze_event(x.device)  # eagerly, outside the graphs' memory: they read it
         version = None if protocol is None else protocol.bank.version
         before = None if protocol is None else protocol.graph_template()  # what eager calls did first

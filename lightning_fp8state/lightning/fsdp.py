@@ -47,6 +47,7 @@ from ..nn.fsdp import (
     plain_shard,
     step_on_local_shards,
 )
+from ..quant_recipes import recipe_class
 from ..state.checkpoint_files import check_checkpoint, load_checkpoint_file, safe_dcp_load
 from .callback import CHECKPOINT_KEY, Fp8StateCallback, check_resume_world_size
 from .checkpoint_io import (
@@ -212,7 +213,7 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
     def check_config(self, config) -> None:
         """Refuse a quantizer configuration this strategy cannot serve (before anything is
         sharded): with ``fp8_all_gather``, see :func:`~lightning_fp8state.nn.fsdp.fp8_all_gather_problem`."""
-        if self.fp8_all_gather and config.quantized:
+        if self.fp8_all_gather and recipe_class(config.recipe).quantized:
             problem = fp8_all_gather_problem(config)
             if problem is not None:
                 raise MisconfigurationException(
@@ -247,7 +248,7 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
     def _check_presharded(self, model: nn.Module, config) -> None:
         """A model sharded in ``configure_model``: with FP8 all-gather on, every converted
         weight must have been prepared before ``fully_shard``."""
-        if not (self.fp8_all_gather and config.quantized):
+        if not (self.fp8_all_gather and recipe_class(config.recipe).quantized):
             return
         converted = {m.layer_name for m in model.modules() if isinstance(m, Fp8Linear)}
         missing = sorted(converted - set(gathered_layers(model)))

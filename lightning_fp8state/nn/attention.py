@@ -166,7 +166,7 @@ class Fp4AttentionQuantizer(nn.Module):
             )
         config = protocol.config
         roles: tuple[str, ...] = ()
-        if config.quantized:
+        if protocol.recipe.quantized:
             roles = ("attn_q", "attn_k") + (("attn_v",) if config.attn_quantize_v and v is not None else ())
         tensors = dict(zip(_OPERANDS, (q, k, v), strict=True))
         if roles:

@@ -60,7 +60,7 @@ class Fp8Conv1D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # under torch.compile: Fp8Linear's op on the weight view (nn/linear_call.py), no graph break
         if torch.compiler.is_compiling():
-            if self.protocol.config.quantized and self.protocol.recipe.compiled_op:
+            if self.protocol.recipe.quantized and self.protocol.recipe.compiled_op:
                 return fp8_linear_op(self, x, self.weight.t(), self.bias, None, None)
             return self._forward_outside_graph(x)
         return self._forward(x)
@@ -68,10 +68,11 @@ class Fp8Conv1D(nn.Module):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         protocol = self.protocol
         config = protocol.config
-        roles = LINEAR_ROLES if config.quantized else ()
+        quantized = protocol.recipe.quantized
+        roles = LINEAR_ROLES if quantized else ()
         phase, record = protocol.enter_call(self.layer_name, roles, x.device)
         weight = self.weight.t()  # [out, in]: the Linear layout, a view (gradients flow back to W)
-        if not config.quantized:
+        if not quantized:
             out = F.linear(x, weight, self.bias)
             protocol.observe_output(record, phase, out, {})
             return out

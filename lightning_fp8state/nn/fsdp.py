@@ -240,7 +240,7 @@ def enable_fp8_all_gather(model: nn.Module) -> list[str]:
     """
     names = []
     for module in model.modules():
-        if not isinstance(module, Fp8Linear) or not module.protocol.config.quantized:
+        if not isinstance(module, Fp8Linear) or not module.protocol.recipe.quantized:
             continue
         problem = fp8_all_gather_problem(module.protocol.config)
         if problem is not None:

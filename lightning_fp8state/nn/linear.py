@@ -134,7 +134,7 @@ class Fp8Linear(nn.Linear):
     def _forward(self, x: torch.Tensor, prologue: str | None, norm: nn.LayerNorm | None) -> torch.Tensor:
         protocol = self.protocol
         config = protocol.config
-        quantized = config.quantized
+        quantized = protocol.recipe.quantized
         fused = None if prologue is None and norm is None else self._prologue(prologue, norm)
         if fused is not None and not (quantized and config.fuse_prologues and protocol.recipe.fuses_prologues):
             x = norm(x) if prologue == "layer_norm" else F.gelu(x)  # the same op, unfused
@@ -163,7 +163,7 @@ class Fp8Linear(nn.Linear):
         config = protocol.config
         kind = self._prologue_kind(prologue, norm)
         # (reads no per-module value but the key tensor: the blocks of a model share one graph)
-        if not (config.quantized and protocol.recipe.compiled_op) or protocol.gathered_layers:
+        if not (protocol.recipe.quantized and protocol.recipe.compiled_op) or protocol.gathered_layers:
             return self._forward_outside_graph(x, prologue, norm)
         if kind is not None and not (config.fuse_prologues and protocol.recipe.fuses_prologues):
             x = norm(x) if kind == "layer_norm" else F.gelu(x)  # the same op, unfused (as _forward does)

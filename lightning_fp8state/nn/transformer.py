@@ -59,7 +59,7 @@ class Fp8Projection:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            if self.protocol.config.quantized and self.protocol.recipe.compiled_op:
+            if self.protocol.recipe.quantized and self.protocol.recipe.compiled_op:
                 return fp8_linear_op(self, x, weight, bias, None, None)
             return self._call_outside_graph(x, weight, bias)
         return self._call(x, weight, bias)
@@ -67,8 +67,9 @@ class Fp8Projection:
     def _call(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         protocol = self.protocol
         config = protocol.config
-        phase, record = protocol.enter_call(self.layer_name, LINEAR_ROLES if config.quantized else (), x.device)
-        if not config.quantized:
+        quantized = protocol.recipe.quantized
+        phase, record = protocol.enter_call(self.layer_name, LINEAR_ROLES if quantized else (), x.device)
+        if not quantized:
             out = F.linear(x, weight, bias)
             protocol.observe_output(record, phase, out, {})
             return out

@@ -87,7 +87,7 @@ def data_parallel_reducer(
     roles = {r for r in FORWARD_ROLES | BACKWARD_ROLES if recipe.stateful(r)}  # stateless: nothing pends
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
         return None
-    if not config.quantized or not any(config.reduction_of(r) == "data_parallel" for r in roles):
+    if not recipe.quantized or not any(config.reduction_of(r) == "data_parallel" for r in roles):
         return None
     return AmaxReducer(config.reduction_of, group=group, device=device)
 
@@ -104,6 +104,7 @@ class Commits:
         """
         self._protocol = protocol
         self._config = protocol.config
+        self._recipe = protocol.recipe
         self._lock = protocol._lock
         self._guard = protocol.guard
         self._stream_order = protocol.stream_order
@@ -112,7 +113,7 @@ class Commits:
     def reduces(self, phases: set[str]) -> bool:
         """Whether a role of ``phases`` has its pending amax reduced across ranks before commit."""
         reducer = self._protocol.amax_reducer
-        if reducer is None or not self._rules or not self._config.quantized:
+        if reducer is None or not self._rules or not self._recipe.quantized:
             return False
         return any(reducer.reduces(r) for r in _roles_of(phases))
 

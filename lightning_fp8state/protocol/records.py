@@ -46,6 +46,7 @@ class CallRecords:
         """
         self._protocol = protocol
         self._config = protocol.config
+        self._recipe = protocol.recipe
         self._rank = protocol.rank
         self._lock = protocol._lock
         self._stash = protocol.stash
@@ -140,7 +141,7 @@ class CallRecords:
         if known is not None and known.version == bank.version:
             return known
         owners, indices = (
-            self.register(layer, roles, device, stream, site, channels) if self._config.quantized else ({}, {})
+            self.register(layer, roles, device, stream, site, channels) if self._recipe.quantized else ({}, {})
         )
         widths = {role: bank.center_width[i] for role, i in indices.items() if i >= 0}
         known = self._entrants[key] = _Entrant(bank.version, owners, indices, widths, bool(widths))
@@ -210,7 +211,7 @@ class CallRecords:
         """A call's record outside an event (evaluation): copies of the live state, not stashed."""
         ident = self._enter_stream(device)
         stream = self._stream_ordinal(ident)
-        quantized = self._config.quantized
+        quantized = self._recipe.quantized
         owners, indices = self.register(layer, roles, device, stream, 0, channels) if quantized else ({}, {})
         region = frame.key if frame is not None else None
         snapshots = {

@@ -78,7 +78,7 @@ class ShardedWeights:
         gets its scale at its gather instead, if it is gathered in this event at all.
 
         Does nothing without gathered layers, under the bf16 recipe or a quantize policy."""
-        if not (self.gathered_layers and self._config.quantized and self._rules):
+        if not (self.gathered_layers and self._recipe.quantized and self._rules):
             return
         device, banked, per_call = None, False, {}
         for layer, source_of in self.gathered_layers.items():

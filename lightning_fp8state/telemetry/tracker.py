@@ -186,7 +186,7 @@ class TrainingTelemetry:
         self.sink = FanOut([JsonlSink(self.jsonl_path), *sinks] if write else [])
         self.recorder = StepRecorder()
         self.probe = None
-        if saturation and self.protocol is not None and model is not None and self.protocol.config.quantized:
+        if saturation and self.protocol is not None and model is not None and self.protocol.recipe.quantized:
             self.probe = SaturationProbe(self.protocol, model)
         # cumulative counters (host)
         self.attempted = self.applied = self.skipped = 0

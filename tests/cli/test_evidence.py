@@ -123,6 +123,7 @@ def test_eval_loss_reads_no_state_and_matches_the_training_loss_of_the_same_weig
     gives the loss that the model's forward computes on those batches."""
     from lightning_fp8state import Fp8State
     from lightning_fp8state.cli.config import load_config
+
     module = _load()
     cfg = load_config(module.PRESETS["tiny"][0], [*module.PRESETS["tiny"][1], "model.n_layers=1"])
     x, y = module._batches(cfg, 2, torch.device("cpu"))

@@ -11,7 +11,8 @@ from torch import nn
 from ..config import require_bool, require_choice, require_int
 from ..errors import ConfigError
 from ..nn import Fp4AttentionQuantizer, linear_after
-from ..recompute import ENGINES, checkpoint
+from ..recompute import ENGINES
+from .blocks import next_token_loss, run_blocks
 
 __all__ = ["GPT", "GPTConfig"]
 
@@ -88,15 +89,7 @@ class GPT(nn.Module):
         x = self.tok(idx) + self.pos[: idx.shape[1]]
         if self.blocks_runner is not None and torch.is_grad_enabled():
             return self.head(self.ln(self.blocks_runner(x)))
-        for block in self.blocks:
-            if self.cfg.checkpoint and torch.is_grad_enabled():
-                engine = self.cfg.checkpoint_engine
-                kw = {"use_reentrant": self.cfg.use_reentrant} if engine == "torch" else {}
-                x = checkpoint(block, x, engine=engine, **kw)
-            else:
-                x = block(x)
-        return self.head(self.ln(x))
+        return self.head(self.ln(run_blocks(self.blocks, x, self.cfg)))
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(idx)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return next_token_loss(self(idx), targets)

@@ -20,7 +20,8 @@ from torch.torch_version import TorchVersion
 
 from ..config import require_bool, require_choice, require_int, require_number
 from ..errors import ConfigError
-from ..recompute import ENGINES, checkpoint
+from ..recompute import ENGINES
+from .blocks import next_token_loss, run_blocks
 
 __all__ = ["Llama", "LlamaConfig", "llama_ffn_hidden"]
 
@@ -277,18 +278,10 @@ class Llama(nn.Module):
         self.rotary_emb.prepare(t, x.device, x.dtype)
         if self.blocks_runner is not None and torch.is_grad_enabled():
             return self.lm_head(self.norm(self.blocks_runner(x)))
-        for block in self.layers:
-            if self.cfg.checkpoint and torch.is_grad_enabled():
-                engine = self.cfg.checkpoint_engine
-                kw = {"use_reentrant": self.cfg.use_reentrant} if engine == "torch" else {}
-                x = checkpoint(block, x, engine=engine, **kw)
-            else:
-                x = block(x)
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(run_blocks(self.layers, x, self.cfg)))
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(idx)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return next_token_loss(self(idx), targets)
 
 
 def _init_weights(module: nn.Module) -> None:

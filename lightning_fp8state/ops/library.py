@@ -100,36 +100,34 @@ def _check_pending(amax_pending: torch.Tensor, slot: int, device: torch.device) 
     require_that(0 <= slot < amax_pending.numel(), "slot", slot, f"0 <= slot < {amax_pending.numel()}")
 
 
-def check_update_args(
-    amax_history: torch.Tensor,
-    scale: torch.Tensor,
-    descale: torch.Tensor,
-    amax_pending: torch.Tensor,
-    nonfinite_count: torch.Tensor,
-    commit_mask: torch.Tensor,
-    fmax: torch.Tensor,
-    amax_algo: str,
-    margin: int,
-) -> None:
-    """Validate the batched scale update's arguments (shapes, dtypes, devices, values)."""
-    require_that(amax_history.dim() == 2, "amax_history.dim()", amax_history.dim(), "2 ([history_len, owners])")
-    n = amax_history.shape[1]
-    device = amax_history.device
-    for name, t, dtype in (
-        ("amax_history", amax_history, torch.float32),
-        ("scale", scale, torch.float32),
-        ("descale", descale, torch.float32),
-        ("amax_pending", amax_pending, torch.float32),
-        ("nonfinite_count", nonfinite_count, torch.int32),
-        ("commit_mask", commit_mask, torch.bool),
-        ("fmax", fmax, torch.float32),
-    ):
+_UPDATE_SIGNATURE = inspect.signature(ref.update_scales_reference)
+# the state tensors (one column per owner) and the dtype each must have
+_UPDATE_TENSORS = (
+    ("amax_history", torch.float32),
+    ("scale", torch.float32),
+    ("descale", torch.float32),
+    ("amax_pending", torch.float32),
+    ("nonfinite_count", torch.int32),
+    ("commit_mask", torch.bool),
+    ("fmax", torch.float32),
+)
+
+
+def check_update_args(*args, **kwargs) -> None:
+    """Validate the batched scale update's arguments (shapes, dtypes, devices, values), bound by
+    name to the signature of its CPU reference (where the arguments are written once)."""
+    a = _UPDATE_SIGNATURE.bind(*args, **kwargs).arguments
+    history = a["amax_history"]
+    require_that(history.dim() == 2, "amax_history.dim()", history.dim(), "2 ([history_len, owners])")
+    n, device = history.shape[1], history.device
+    for name, dtype in _UPDATE_TENSORS:
+        t = a[name]
         require_that(t.dtype == dtype, f"{name}.dtype", t.dtype, str(dtype))
         require_that(t.device == device, f"{name}.device", t.device, str(device))
         if name != "amax_history":
             require_that(tuple(t.shape) == (n,), f"{name}.shape", tuple(t.shape), f"({n},)")
-    require_that(amax_algo in AMAX_ALGOS, "amax_algo", repr(amax_algo), f"one of {list(AMAX_ALGOS)}")
-    require_that(0 <= margin <= MARGIN_MAX, "margin", margin, f"an integer >= 0 and <= {MARGIN_MAX}")
+    require_that(a["amax_algo"] in AMAX_ALGOS, "amax_algo", repr(a["amax_algo"]), f"one of {list(AMAX_ALGOS)}")
+    require_that(0 <= a["margin"] <= MARGIN_MAX, "margin", a["margin"], f"an integer >= 0 and <= {MARGIN_MAX}")
 
 
 @torch.library.impl(LIB, "quantize_fp8", "CompositeExplicitAutograd")

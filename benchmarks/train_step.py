@@ -59,7 +59,7 @@ import torch.nn.functional as F
 
 import lightning_fp8state as f8s
 from lightning_fp8state.errors import ConfigError
-from lightning_fp8state.models import GPT, GPTConfig, MarkovTokens
+from lightning_fp8state.models import GPT, GPTConfig, Llama, LlamaConfig, MarkovTokens
 
 VARIANTS = ("bf16", "safe", "naive", "torchao")
 EXTRA_VARIANTS = (
@@ -86,7 +86,7 @@ def batches(cfg: GPTConfig, batch: int, n: int, device) -> list[tuple[torch.Tens
 
 def build(variant: str, cfg: GPTConfig, compile_blocks: bool, exclude: tuple[str, ...] = (), graphs: bool = False):
     torch.manual_seed(0)
-    model = GPT(cfg).cuda()
+    model = (Llama if isinstance(cfg, LlamaConfig) else GPT)(cfg).cuda()
     state = None
     if variant in ("safe", "naive", "safe_unfused", "safe_percall_w"):
         # naive mode violates the ledger on purpose (that is the defect): count, do not raise
@@ -389,6 +389,10 @@ def host_waits(step, n: int) -> None:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", choices=("gpt", "llama"), default="gpt", help="the model family (as model.arch)")
+    p.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads (grouped-query attention)")
+    p.add_argument("--ffn", type=int, default=None, help="llama: the SwiGLU hidden size (default: Llama's rule)")
+    p.add_argument("--rope-theta", type=float, default=500000.0, help="llama: the rotary base")
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--layers", type=int, default=20)
     p.add_argument("--heads", type=int, default=16)
@@ -462,15 +466,15 @@ def main(argv=None) -> list[dict]:
     )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    cfg = GPTConfig(
-        vocab_size=args.vocab,
-        seq_len=args.seq,
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        checkpoint=True,
-    )
-    n_params = 12 * args.layers * args.d_model**2 + 2 * args.vocab * args.d_model
+    shape = {"vocab_size": args.vocab, "seq_len": args.seq, "d_model": args.d_model}
+    shape.update(n_layers=args.layers, n_heads=args.heads, checkpoint=True)
+    if args.arch == "llama":
+        cfg = LlamaConfig(**shape, n_kv_heads=args.kv_heads, ffn_hidden=args.ffn, rope_theta=args.rope_theta)
+        with torch.device("meta"):
+            n_params = sum(p.numel() for p in Llama(cfg).parameters())
+    else:
+        cfg = GPTConfig(**shape)
+        n_params = 12 * args.layers * args.d_model**2 + 2 * args.vocab * args.d_model
     try:
         import torchao  # noqa: PLC0415
 
@@ -481,7 +485,7 @@ def main(argv=None) -> list[dict]:
     modes = args.modes or (["compile"] if args.compile else ["eager"])
     print(
         f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, torchao {ao_version}; "
-        f"GPT d={args.d_model} layers={args.layers} seq={args.seq} batch={args.batch} "
+        f"{args.arch} d={args.d_model} layers={args.layers} seq={args.seq} batch={args.batch} "
         f"(~{n_params / 1e9:.2f}B params), modes={modes}, FP8 head={not args.exclude_head}"
     )
     data = batches(cfg, args.batch, 4, "cuda")

@@ -11,7 +11,12 @@
 #include <cuda_fp8.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -32,14 +37,60 @@ constexpr int kUnroll = 4;
 // Error text is assembled from strings only: streaming an integer through an ostream from
 // this extension crashed on the H200 image (a libstdc++ num_put mismatch), so integers and
 // shapes go through std::to_string.
+//
+// Values are shown as the Python checks show them (config.require_that: str() of a dtype, a
+// device, a shape tuple), so that a bad call raises the same message on the CPU and on the GPU.
+inline std::string fp8s_dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kByte: return "torch.uint8";
+    case at::kChar: return "torch.int8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kBool: return "torch.bool";
+    case at::kFloat8_e4m3fn: return "torch.float8_e4m3fn";
+    case at::kFloat8_e5m2: return "torch.float8_e5m2";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+// Python's repr of a float: the shortest digits that read back to the same double, in fixed
+// notation for exponents in [-4, 16), else as d.ddde+XX.
+inline std::string fp8s_float_str(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  char buf[64];
+  int digits = 1;
+  for (; digits < 17; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*e", digits - 1, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  std::snprintf(buf, sizeof(buf), "%.*e", digits - 1, v);
+  const int exp10 = std::atoi(std::strchr(buf, 'e') + 1);
+  if (exp10 < -4 || exp10 >= 16) return buf;
+  std::snprintf(buf, sizeof(buf), "%.*f", std::max(digits - 1 - exp10, 0), v);
+  std::string s(buf);
+  return s.find('.') == std::string::npos ? s + ".0" : s;
+}
+
 template <typename X>
 std::string fp8s_str(const X& v) {
-  if constexpr (std::is_integral_v<X>) {
+  if constexpr (std::is_same_v<X, bool>) {
+    return v ? "True" : "False";
+  } else if constexpr (std::is_integral_v<X>) {
     return std::to_string(v);
+  } else if constexpr (std::is_floating_point_v<X>) {
+    return fp8s_float_str(double(v));
+  } else if constexpr (std::is_same_v<X, at::ScalarType>) {
+    return fp8s_dtype_name(v);
   } else if constexpr (std::is_same_v<X, c10::IntArrayRef>) {
     std::string s = "(";
     for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-    return s + ")";
+    return s + (v.size() == 1 ? ",)" : ")");
   } else {
     return c10::str(v);
   }
@@ -380,8 +431,8 @@ inline const float* ln_affine(const c10::optional<at::Tensor>& t, const char* na
                               at::Tensor& keep) {
   if (!t.has_value() || !t->defined()) return nullptr;
   FP8S_CHECK(t->scalar_type() == at::kFloat, std::string(name) + ".dtype", "torch.float32", t->scalar_type());
-  FP8S_CHECK(t->dim() == 1 && t->size(0) == d, std::string(name) + ".shape", "(" + std::to_string(d) + ",)",
-             t->sizes());
+  FP8S_CHECK(t->dim() == 1 && t->size(0) == d, std::string(name) + ".shape",
+             "(" + std::to_string(d) + ",) (one value per channel of x)", t->sizes());
   FP8S_CHECK(t->device() == x.device(), std::string(name) + ".device", x.device(), t->device());
   keep = contiguous16(*t);
   return keep.data_ptr<float>();

@@ -12,6 +12,10 @@
 // dy * xhat and dy of its columns over its group's rows; the CTA adds its groups in order
 // into a float32 partial row of dgamma and of dbeta. Stage two (ln_bwd_sum_kernel): per 32
 // columns, kSumWarps warps each sum partials w, w + kSumWarps, ... and the warps are added in order.
+//
+// The RMSNorm's backward (rms_norm_backward; schema: ops/library_rms.py, reference:
+// ops/reference_rms.py) is the same kernel without the mean (kRms): xhat = x * rstd, no s1 term
+// in dx, dgamma is the weight's gradient and no dbeta is summed.
 
 #include "fp8state_common.cuh"
 #include "fp8_encode.cuh"
@@ -79,7 +83,7 @@ template <typename T, int K>
 __device__ __forceinline__ void load_row(RowChunks<K>& r, const T* __restrict__ x, const T* __restrict__ dy,
                                          const float* __restrict__ mean, const float* __restrict__ rstd, int64_t row,
                                          bool valid, int t, int P, int nchunks, int n) {
-  r.mean = valid ? mean[row] : 0.0f;
+  r.mean = valid && mean != nullptr ? mean[row] : 0.0f;  // (the RMSNorm has none)
   r.rstd = valid ? rstd[row] : 0.0f;
   const uint4* xr = reinterpret_cast<const uint4*>(x + row * n);
   const uint4* dr = reinterpret_cast<const uint4*>(dy + row * n);
@@ -100,7 +104,14 @@ __device__ __forceinline__ float elem(const uint4& raw, int i) {
   return to_f32<T>(reinterpret_cast<const T*>(&raw)[i]);
 }
 
-template <typename T, int K>
+// The normalized element: (x - mean) * rstd for the LayerNorm, x * rstd for the RMSNorm.
+template <bool kRms>
+__device__ __forceinline__ float normalized(float x, float mean, float rstd) {
+  return kRms ? __fmul_rn(x, rstd) : __fmul_rn(__fsub_rn(x, mean), rstd);
+}
+
+// kRms: the RMSNorm's backward (no mean: no s1 term in dx, no dbeta; dgamma is dweight).
+template <typename T, int K, bool kRms>
 __global__ void __launch_bounds__(kBwdMaxThreads)
     ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean,
                   const float* __restrict__ rstd, const float* __restrict__ weight, T* __restrict__ dx,
@@ -153,12 +164,12 @@ __global__ void __launch_bounds__(kBwdMaxThreads)
 #pragma unroll
         for (int e = 0; e < V; ++e) {
           const float d = elem<T>(cur.dy[k], e);
-          const float xh = __fmul_rn(__fsub_rn(elem<T>(cur.x[k], e), cur.mean), cur.rstd);
+          const float xh = normalized<kRms>(elem<T>(cur.x[k], e), cur.mean, cur.rstd);
           const float g = __fmul_rn(d, wv[k][e]);
-          s1 = __fadd_rn(s1, g);
+          if (!kRms) s1 = __fadd_rn(s1, g);
           s2 = __fadd_rn(s2, __fmul_rn(g, xh));
           dg[k][e] = __fadd_rn(dg[k][e], __fmul_rn(d, xh));
-          db[k][e] = __fadd_rn(db[k][e], d);
+          if (!kRms) db[k][e] = __fadd_rn(db[k][e], d);
         }
       }
     }
@@ -175,9 +186,10 @@ __global__ void __launch_bounds__(kBwdMaxThreads)
 #pragma unroll
         for (int e = 0; e < V; ++e) {
           const float d = elem<T>(cur.dy[k], e);
-          const float xh = __fmul_rn(__fsub_rn(elem<T>(cur.x[k], e), cur.mean), cur.rstd);
+          const float xh = normalized<kRms>(elem<T>(cur.x[k], e), cur.mean, cur.rstd);
           const float g = __fmul_rn(d, wv[k][e]);
-          o[e] = from_f32<T>(__fmul_rn(__fsub_rn(__fsub_rn(g, a), __fmul_rn(xh, b)), cur.rstd));
+          const float centered = kRms ? g : __fsub_rn(g, a);
+          o[e] = from_f32<T>(__fmul_rn(__fsub_rn(centered, __fmul_rn(xh, b)), cur.rstd));
         }
         __stcs(out + c, raw);
       }
@@ -254,103 +266,153 @@ __global__ void __launch_bounds__(kSumWarps * 32)
   if (dbeta != nullptr) dbeta[col] = from_f32<float>(b);
 }
 
-template <typename T, int K>
-void launch_ln_bwd(const BwdGeometry& geo, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+// mean: nullptr for the RMSNorm (kRms).
+template <typename T, int K, bool kRms>
+void launch_ln_bwd(const BwdGeometry& geo, const at::Tensor& dy, const at::Tensor& x, const float* mean,
                    const at::Tensor& rstd, const float* w, T* dx, float* partial, int64_t m, int n,
                    cudaStream_t stream) {
   const size_t smem = geo.groups > 1 && partial != nullptr ? size_t(2) * n * sizeof(float) : 0;
-  ln_bwd_kernel<T, K><<<unsigned(geo.tiles), geo.groups * geo.threads, smem, stream>>>(
-      reinterpret_cast<const T*>(dy.data_ptr()), reinterpret_cast<const T*>(x.data_ptr()), mean.data_ptr<float>(),
+  ln_bwd_kernel<T, K, kRms><<<unsigned(geo.tiles), geo.groups * geo.threads, smem, stream>>>(
+      reinterpret_cast<const T*>(dy.data_ptr()), reinterpret_cast<const T*>(x.data_ptr()), mean,
       rstd.data_ptr<float>(), w, dx, partial, m, n, geo.threads, geo.groups, geo.rows);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename T>
-void launch_ln_bwd_rounds(const BwdGeometry& geo, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+template <typename T, bool kRms>
+void launch_ln_bwd_rounds(const BwdGeometry& geo, const at::Tensor& dy, const at::Tensor& x, const float* mean,
                           const at::Tensor& rstd, const float* w, const at::Tensor& dx, float* partial, int64_t m,
                           int n, cudaStream_t stream) {
   T* out = dx.defined() ? reinterpret_cast<T*>(dx.data_ptr()) : nullptr;
   if (geo.rounds == 1) {
-    launch_ln_bwd<T, 1>(geo, dy, x, mean, rstd, w, out, partial, m, n, stream);
+    launch_ln_bwd<T, 1, kRms>(geo, dy, x, mean, rstd, w, out, partial, m, n, stream);
   } else if (geo.rounds == 2) {
-    launch_ln_bwd<T, 2>(geo, dy, x, mean, rstd, w, out, partial, m, n, stream);
+    launch_ln_bwd<T, 2, kRms>(geo, dy, x, mean, rstd, w, out, partial, m, n, stream);
   } else {  // 3 or 4 (the chunks past 3 * P do not exist for 3)
-    launch_ln_bwd<T, 4>(geo, dy, x, mean, rstd, w, out, partial, m, n, stream);
+    launch_ln_bwd<T, 4, kRms>(geo, dy, x, mean, rstd, w, out, partial, m, n, stream);
+  }
+}
+
+template <bool kRms>
+void launch_ln_bwd_dtype(const BwdGeometry& geo, const at::Tensor& dy, const at::Tensor& x, const float* mean,
+                         const at::Tensor& rstd, const float* w, const at::Tensor& dx, float* partial, int64_t m,
+                         int n, cudaStream_t stream) {
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      launch_ln_bwd_rounds<float, kRms>(geo, dy, x, mean, rstd, w, dx, partial, m, n, stream);
+      break;
+    case at::kBFloat16:
+      launch_ln_bwd_rounds<__nv_bfloat16, kRms>(geo, dy, x, mean, rstd, w, dx, partial, m, n, stream);
+      break;
+    default:
+      launch_ln_bwd_rounds<__half, kRms>(geo, dy, x, mean, rstd, w, dx, partial, m, n, stream);
+      break;
   }
 }
 
 using OptTensor = c10::optional<at::Tensor>;
 
-std::tuple<OptTensor, OptTensor, OptTensor> layer_norm_backward_cuda(const at::Tensor& grad_y_in,
-                                                                     const at::Tensor& x_in,
-                                                                     const at::Tensor& mean_in,
-                                                                     const at::Tensor& rstd_in, const OptTensor& weight,
-                                                                     std::array<bool, 3> output_mask) {
-  FP8S_CHECK(x_in.is_cuda(), "x.device", "a CUDA tensor", x_in.device());
-  const auto st = x_in.scalar_type();
+// The checks of library_fused.check_layer_norm_backward_args (library_rms's, for the RMSNorm) on x
+// and grad_y, in the same order and message; returns the row width n.
+int64_t check_backward_input(const at::Tensor& grad_y, const at::Tensor& x) {
+  FP8S_CHECK(x.is_cuda(), "x.device", "a CUDA tensor", x.device());
+  const auto st = x.scalar_type();
   FP8S_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "x.dtype",
              "one of [torch.float32, torch.bfloat16, torch.float16]", st);
-  FP8S_CHECK(x_in.dim() >= 1, "x.dim()", ">= 1", x_in.dim());
-  const int64_t n = x_in.size(-1);
-  const int64_t V = 16 / x_in.element_size();
+  FP8S_CHECK(x.dim() >= 1, "x.dim()", ">= 1", x.dim());
+  const int64_t n = x.size(-1);
+  const int64_t V = 16 / x.element_size();
   const int64_t limit = kBwdMaxChunks * V;
   FP8S_CHECK(n > 0 && n % V == 0 && n <= limit, "x.shape[-1]",
-             "a positive multiple of " + std::to_string(V) + " up to " + std::to_string(limit), n);
-  FP8S_CHECK(grad_y_in.scalar_type() == st, "grad_y.dtype", c10::toString(st), grad_y_in.scalar_type());
-  FP8S_CHECK(grad_y_in.sizes() == x_in.sizes(), "grad_y.shape", x_in.sizes(), grad_y_in.sizes());
-  FP8S_CHECK(grad_y_in.device() == x_in.device(), "grad_y.device", x_in.device(), grad_y_in.device());
+             "a positive multiple of " + std::to_string(V) + " up to " + std::to_string(limit) + " for " +
+                 fp8s_dtype_name(st),
+             n);
+  FP8S_CHECK(grad_y.scalar_type() == st, "grad_y.dtype", st, grad_y.scalar_type());
+  FP8S_CHECK(grad_y.sizes() == x.sizes(), "grad_y.shape", x.sizes(), grad_y.sizes());
+  FP8S_CHECK(grad_y.device() == x.device(), "grad_y.device", x.device(), grad_y.device());
+  return n;
+}
+
+// A per-row statistic (mean, rstd): float32, one per row of x, on x's device.
+void check_stat(const char* name, const at::Tensor& t, int64_t m, const at::Tensor& x) {
+  FP8S_CHECK(t.scalar_type() == at::kFloat, std::string(name) + ".dtype", "torch.float32", t.scalar_type());
+  FP8S_CHECK(t.numel() == m, std::string(name) + ".numel()", std::to_string(m) + " (one per row of x)", t.numel());
+  FP8S_CHECK(t.device() == x.device(), std::string(name) + ".device", x.device(), t.device());
+}
+
+struct NormGrads {
+  at::Tensor dx, dgamma, dbeta;  // undefined where not asked for
+};
+
+// The backward of the LayerNorm (mean given) or of the RMSNorm (kRms: mean undefined, no dbeta),
+// after the checks. w: the checked float32 weight or nullptr.
+template <bool kRms>
+NormGrads norm_backward(const at::Tensor& grad_y_in, const at::Tensor& x_in, const at::Tensor& mean_in,
+                        const at::Tensor& rstd_in, const float* w, int64_t n, bool need_dx, bool need_dg,
+                        bool need_db) {
+  NormGrads r;
+  const bool need_cols = need_dg || need_db;
+  if (!need_dx && !need_cols) return r;
   const int64_t m = x_in.numel() / n;
-  const auto check_stat = [&](const char* name, const at::Tensor& t) {
-    FP8S_CHECK(t.scalar_type() == at::kFloat, std::string(name) + ".dtype", "torch.float32", t.scalar_type());
-    FP8S_CHECK(t.numel() == m, std::string(name) + ".numel()", m, t.numel());
-    FP8S_CHECK(t.device() == x_in.device(), std::string(name) + ".device", x_in.device(), t.device());
-  };
-  check_stat("mean", mean_in);
-  check_stat("rstd", rstd_in);
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  at::Tensor keep_w;
-  const float* w = ln_affine(weight, "weight", x_in, n, keep_w);
-  const bool need_dx = output_mask[0], need_cols = output_mask[1] || output_mask[2];
-  OptTensor dx, dgamma, dbeta;
-  if (!need_dx && !need_cols) return {dx, dgamma, dbeta};
   const auto f32 = x_in.options().dtype(at::kFloat);
-  at::Tensor dg = output_mask[1] ? at::empty({n}, f32) : at::Tensor();
-  at::Tensor db = output_mask[2] ? at::empty({n}, f32) : at::Tensor();
-  at::Tensor out = need_dx ? at::empty(x_in.sizes(), x_in.options()) : at::Tensor();
+  if (need_dg) r.dgamma = at::empty({n}, f32);
+  if (need_db) r.dbeta = at::empty({n}, f32);
+  if (need_dx) r.dx = at::empty(x_in.sizes(), x_in.options());
   if (m == 0) {
-    if (dg.defined()) dg.zero_();
-    if (db.defined()) db.zero_();
-  } else {
-    const at::Tensor x = contiguous16(x_in), dy = contiguous16(grad_y_in);
-    const at::Tensor mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
-    const BwdGeometry geo = ln_bwd_geometry(m, n, x.element_size());
-    at::Tensor partial = need_cols ? at::empty({2, geo.tiles, n}, f32) : at::Tensor();
-    float* pp = need_cols ? partial.data_ptr<float>() : nullptr;
-    auto stream = at::cuda::getCurrentCUDAStream();
-    switch (st) {
-      case at::kFloat:
-        launch_ln_bwd_rounds<float>(geo, dy, x, mean, rstd, w, out, pp, m, int(n), stream);
-        break;
-      case at::kBFloat16:
-        launch_ln_bwd_rounds<__nv_bfloat16>(geo, dy, x, mean, rstd, w, out, pp, m, int(n), stream);
-        break;
-      default:
-        launch_ln_bwd_rounds<__half>(geo, dy, x, mean, rstd, w, out, pp, m, int(n), stream);
-        break;
-    }
-    if (need_cols) {
-      ln_bwd_sum_kernel<<<unsigned(ceil_div(n, 32)), kSumWarps * 32, 0, stream>>>(
-          pp, geo.tiles, int(n), dg.defined() ? dg.data_ptr<float>() : nullptr,
-          db.defined() ? db.data_ptr<float>() : nullptr);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
+    if (need_dg) r.dgamma.zero_();
+    if (need_db) r.dbeta.zero_();
+    return r;
   }
-  if (need_dx) dx = out;
-  if (output_mask[1]) dgamma = dg;
-  if (output_mask[2]) dbeta = db;
-  return {dx, dgamma, dbeta};
+  const at::Tensor x = contiguous16(x_in), dy = contiguous16(grad_y_in);
+  const at::Tensor rstd = rstd_in.contiguous();
+  const at::Tensor mean = kRms ? at::Tensor() : mean_in.contiguous();
+  const float* mp = kRms ? nullptr : mean.data_ptr<float>();
+  const BwdGeometry geo = ln_bwd_geometry(m, n, x.element_size());
+  at::Tensor partial = need_cols ? at::empty({2, geo.tiles, n}, f32) : at::Tensor();
+  float* pp = need_cols ? partial.data_ptr<float>() : nullptr;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  launch_ln_bwd_dtype<kRms>(geo, dy, x, mp, rstd, w, r.dx, pp, m, int(n), stream);
+  if (need_cols) {
+    ln_bwd_sum_kernel<<<unsigned(ceil_div(n, 32)), kSumWarps * 32, 0, stream>>>(
+        pp, geo.tiles, int(n), need_dg ? r.dgamma.data_ptr<float>() : nullptr,
+        need_db ? r.dbeta.data_ptr<float>() : nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return r;
+}
+
+OptTensor defined_or_none(const at::Tensor& t) { return t.defined() ? OptTensor(t) : OptTensor(); }
+
+std::tuple<OptTensor, OptTensor, OptTensor> layer_norm_backward_cuda(const at::Tensor& grad_y,
+                                                                     const at::Tensor& x, const at::Tensor& mean,
+                                                                     const at::Tensor& rstd, const OptTensor& weight,
+                                                                     std::array<bool, 3> output_mask) {
+  const int64_t n = check_backward_input(grad_y, x);
+  const int64_t m = x.numel() / n;
+  check_stat("mean", mean, m, x);
+  check_stat("rstd", rstd, m, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor keep_w;
+  const float* w = ln_affine(weight, "weight", x, n, keep_w);
+  const NormGrads r =
+      norm_backward<false>(grad_y, x, mean, rstd, w, n, output_mask[0], output_mask[1], output_mask[2]);
+  return {defined_or_none(r.dx), defined_or_none(r.dgamma), defined_or_none(r.dbeta)};
+}
+
+std::tuple<OptTensor, OptTensor> rms_norm_backward_cuda(const at::Tensor& grad_y, const at::Tensor& x,
+                                                        const at::Tensor& rstd, const OptTensor& weight,
+                                                        std::array<bool, 2> output_mask) {
+  const int64_t n = check_backward_input(grad_y, x);
+  check_stat("rstd", rstd, x.numel() / n, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor keep_w;
+  const float* w = ln_affine(weight, "weight", x, n, keep_w);
+  const NormGrads r = norm_backward<true>(grad_y, x, at::Tensor(), rstd, w, n, output_mask[0], output_mask[1], false);
+  return {defined_or_none(r.dx), defined_or_none(r.dgamma)};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fp8state, CUDA, m) { m.impl("layer_norm_backward", &layer_norm_backward_cuda); }
+TORCH_LIBRARY_IMPL(fp8state, CUDA, m) {
+  m.impl("layer_norm_backward", &layer_norm_backward_cuda);
+  m.impl("rms_norm_backward", &rms_norm_backward_cuda);
+}

@@ -3,8 +3,9 @@
 One encoder per role format, between ``state/`` (the bank the records land in) and the
 protocol (which decides *which* snapshot a call uses and *whether* it records):
 
-- :class:`Fp8Encoder`: FP8 codes (E4M3 / E5M2); a :class:`Prologue` (the LayerNorm or GELU
-  that produces the tensor) is a stage of it, fused into the encode where a kernel takes it;
+- :class:`Fp8Encoder`: FP8 codes (E4M3 / E5M2); a :class:`Prologue` (the LayerNorm, RMSNorm,
+  GELU or SwiGLU that produces the tensor) is a stage of it, fused into the encode where a
+  kernel takes it;
 - :class:`Fp4Encoder`: packed E2M1 with block scales (NVFP4, MXFP4);
 - :class:`CenteredFp4Encoder`: the same after subtracting a running per-channel center,
   whose statistics are recorded too.
@@ -23,20 +24,37 @@ from . import ops
 from .config import QuantConfig, require_that
 from .formats import FP4_LAYOUTS, fp8_format
 from .ops.library_fused import layer_norm_width_ok
+from .ops.reference_rms import rms_norm_unfused, rms_norm_unfused_backward
+from .ops.reference_swiglu import swiglu_f32
 from .state import ATTENTION_ROLES, QuantSnapshot, StateBank, role_phase
 
 __all__ = [
     "ACTIVATIONS",
+    "NORMS",
     "CastTranspose",
     "CenteredFp4Encoder",
     "Fp4Encoder",
     "Fp8Encoder",
     "Prologue",
     "encoder_for",
+    "norm_kind",
+    "norm_operands",
+    "prologue_width",
+    "register_rms_norm",
+    "rms_norm_types",
     "role_format",
+    "run_unfused",
+    "swiglu",
 ]
 
-ACTIVATIONS = ("gelu",)
+ACTIVATIONS = ("gelu", "swiglu")  # swiglu halves the width: h [..., 2I] = [gate, up] gives [..., I]
+NORMS = ("layer_norm", "rms_norm")
+_NORM_WEIGHT_DTYPES = {  # a norm weight the fused kernel takes (an RMSNorm's is given to it as float32)
+    "layer_norm": (torch.float32,),
+    "rms_norm": (torch.float32, torch.bfloat16, torch.float16),
+}
+# the RMSNorm modules linear_after fuses (register_rms_norm adds one)
+_RMS_NORM_TYPES: list[type] = [nn.RMSNorm]
 
 
 def role_format(config: QuantConfig, role: str) -> str:
@@ -46,37 +64,111 @@ def role_format(config: QuantConfig, role: str) -> str:
     return config.backward_format if role_phase(role) == "backward" else config.forward_format
 
 
-class Prologue:
-    """One call's prologue: ``layer_norm`` (a module's affine and eps) or ``gelu``, the op
-    that produces an FP8 role's tensor, run as the first stage of its encode.
+def register_rms_norm(cls: type) -> type:
+    """Declare the module class ``cls`` an RMSNorm that ``linear_after`` may fuse into the next
+    Fp8Linear (``nn.RMSNorm`` is one already): its ``weight`` (``[d]`` or None) and ``eps`` are
+    read, and its forward must compute ``weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)``
+    (Hugging Face's LlamaRMSNorm), which the fused op reproduces up to ``rstd``'s last bits
+    (:mod:`lightning_fp8state.ops.reference_rms`). Returns ``cls`` (usable as a decorator)."""
+    require_that(isinstance(cls, type) and issubclass(cls, nn.Module), "cls", cls, "an nn.Module subclass")
+    if cls not in _RMS_NORM_TYPES:
+        _RMS_NORM_TYPES.append(cls)
+    return cls
 
-    ``stats`` holds the LayerNorm's ``(mean, rstd)`` after :meth:`encode` or :meth:`apply`
-    ran (the caller saves them for :meth:`backward`); ``fused`` says which ran last: the fused
-    kernel (our LayerNorm numerics, whose backward is ``ops.layer_norm_backward``) or torch's
-    LayerNorm (whose backward is torch's).
+
+def rms_norm_types() -> tuple[type, ...]:
+    """The RMSNorm module classes a fused ``rms_norm`` prologue takes."""
+    return tuple(_RMS_NORM_TYPES)
+
+
+def norm_kind(norm: nn.Module) -> str | None:
+    """The prologue kind of a norm module: ``layer_norm`` (``nn.LayerNorm``), ``rms_norm``
+    (:func:`rms_norm_types`; exact classes, not subclasses, whose forward may be another), else None."""
+    if type(norm) is nn.LayerNorm:
+        return "layer_norm"
+    return "rms_norm" if type(norm) in _RMS_NORM_TYPES else None
+
+
+def norm_operands(kind: str | None, norm: nn.Module | None) -> tuple:
+    """``(weight, bias, eps)`` of a norm module of prologue ``kind`` (``(None, None, 0.0)``
+    without one): an RMSNorm has no bias, and ``nn.RMSNorm(eps=None)`` adds float32's epsilon,
+    as torch does for every input dtype it takes."""
+    if norm is None:
+        return None, None, 0.0
+    if kind == "rms_norm":
+        eps = norm.eps
+        return norm.weight, None, float(torch.finfo(torch.float32).eps if eps is None else eps)
+    return norm.weight, norm.bias, float(norm.eps)
+
+
+def prologue_width(kind: str | None, width: int) -> int:
+    """The width of a prologue's output for an input of ``width``: half for ``swiglu``."""
+    return width // 2 if kind == "swiglu" else width
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` of ``h = [gate, up]`` (its last dim's halves): torch's ops in
+    ``h``'s dtype, with autograd, the unfused SwiGLU (what a Llama MLP computes). The fused op's
+    numerics are :mod:`lightning_fp8state.ops.reference_swiglu` (float32, one rounding)."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def run_unfused(kind: str, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+    """Prologue ``kind`` on ``x`` as the model runs it without fusion, with autograd: the norm
+    module itself, ``F.gelu`` or :func:`swiglu`."""
+    if kind in NORMS:
+        return norm(x)
+    return F.gelu(x) if kind == "gelu" else swiglu(x)
+
+
+def _float32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.dtype == torch.float32 else t.to(torch.float32)
+
+
+class Prologue:
+    """One call's prologue, the op that produces an FP8 role's tensor, run as the first stage of
+    its encode: ``layer_norm`` or ``rms_norm`` (a module's weight, bias and eps), ``gelu``, or
+    ``swiglu`` (``h [..., 2I]`` to ``silu(gate) * up [..., I]``).
+
+    ``stats`` holds the norm's statistics after :meth:`encode` or :meth:`apply` ran (the
+    LayerNorm's ``(mean, rstd)``, the RMSNorm's ``(rstd,)``; the caller saves them for
+    :meth:`backward`); ``fused`` says which ran last: the fused kernel (our numerics, whose
+    backward is ``ops.layer_norm_backward`` / ``ops.rms_norm_backward``) or torch's reductions
+    (torch's LayerNorm and its backward; :func:`~.ops.reference_rms.rms_norm_unfused`).
     """
 
     __slots__ = ("bias", "eps", "fused", "kind", "stats", "weight")
 
     def __init__(self, kind: str, weight=None, bias=None, eps: float = 0.0) -> None:
         self.kind, self.weight, self.bias, self.eps = kind, weight, bias, eps
-        self.stats: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.stats: tuple[torch.Tensor, ...] | None = None
         self.fused = False
 
     @classmethod
     def layer_norm(cls, norm: nn.LayerNorm) -> Prologue:
-        return cls("layer_norm", norm.weight, norm.bias, norm.eps)
+        return cls.for_norm("layer_norm", norm)
+
+    @classmethod
+    def rms_norm(cls, norm: nn.Module) -> Prologue:
+        return cls.for_norm("rms_norm", norm)
+
+    @classmethod
+    def for_norm(cls, kind: str, norm: nn.Module) -> Prologue:
+        """The prologue of norm module ``norm`` of ``kind`` (one of ``NORMS``)."""
+        return cls(kind, *norm_operands(kind, norm))
 
     def fusable(self, x: torch.Tensor) -> bool:
         """Whether a fused kernel takes ``x`` (else the stage runs on its own, then the encode)."""
-        if self.kind == "gelu":
+        if self.kind in ACTIVATIONS:
             return True
         w, b = self.weight, self.bias
-        affine_ok = (w is None or w.dtype == torch.float32) and (b is None or b.dtype == torch.float32)
+        affine_ok = (w is None or w.dtype in _NORM_WEIGHT_DTYPES[self.kind]) and (b is None or b.dtype == torch.float32)
         return affine_ok and layer_norm_width_ok(x.dtype, x.shape[-1])
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """The prologue's output as a tensor (no autograd): for paths without a fused kernel."""
+        """The prologue's output as a tensor (no autograd): for paths without a fused kernel. The
+        SwiGLU's is the fused op's float32 product (quantizing it gives the fused op's codes)."""
         if torch.is_grad_enabled():
             with torch.no_grad():
                 return self._apply(x)
@@ -96,6 +188,12 @@ class Prologue:
     def _apply(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "gelu":
             return F.gelu(x)
+        if self.kind == "swiglu":
+            return swiglu_f32(x)
+        if self.kind == "rms_norm":
+            y, rstd = rms_norm_unfused(x, self.weight, self.eps)
+            self.stats, self.fused = (rstd,), False
+            return y
         xc, w, b = self.torch_norm_operands(x)
         y, mean, rstd = torch.ops.aten.native_layer_norm(xc, [x.shape[-1]], w, b, self.eps)
         self.stats, self.fused = (mean, rstd), False
@@ -119,6 +217,12 @@ class Prologue:
             return ops.quantize_fp8_record_amax(y, scale, amax_pending, slot, dtype)
         if self.kind == "gelu":
             return ops.gelu_quantize_fp8(x, scale, dtype, amax_pending, slot)
+        if self.kind == "swiglu":
+            return ops.swiglu_quantize_fp8(x, scale, dtype, amax_pending, slot)
+        if self.kind == "rms_norm":
+            q, rstd = ops.rms_norm_quantize_fp8(x, _float32(self.weight), self.eps, scale, dtype, amax_pending, slot)
+            self.stats, self.fused = (rstd,), True
+            return q
         q, mean, rstd = ops.layer_norm_quantize_fp8(
             x, self.weight, self.bias, self.eps, scale, dtype, amax_pending, slot
         )
@@ -127,11 +231,16 @@ class Prologue:
 
     def backward(self, grad_y: torch.Tensor, x: torch.Tensor, stats: tuple, needs: tuple[bool, bool, bool]):
         """Gradients of ``(x, weight, bias)`` from the gradient of the prologue's output
-        (``stats``: the LayerNorm's saved ``(mean, rstd)``; empty for the GELU). The backward
-        of the LayerNorm that ran: ours after the fused kernel (one pass, deterministic),
-        torch's after torch's LayerNorm."""
+        (``stats``: the norm's saved statistics; empty for an activation), each in its operand's
+        dtype. The backward of the norm that ran: ours after the fused kernel (one pass,
+        deterministic), torch's after torch's LayerNorm (the unfused RMSNorm's formulas after
+        :func:`~.ops.reference_rms.rms_norm_unfused`)."""
         if self.kind == "gelu":
             return torch.ops.aten.gelu_backward(grad_y, x), None, None
+        if self.kind == "swiglu":
+            return ops.swiglu_backward(grad_y, x), None, None
+        if self.kind == "rms_norm":
+            return self._rms_norm_backward(grad_y, x, stats, needs)
         mean, rstd = stats
         if self.fused:
             return ops.layer_norm_backward(grad_y, x, mean, rstd, self.weight, needs)
@@ -144,6 +253,16 @@ class Prologue:
             g if g is None or g.dtype == t.dtype else g.to(t.dtype)
             for g, t in zip(grads, (x, self.weight, self.bias), strict=True)
         )
+
+    def _rms_norm_backward(self, grad_y: torch.Tensor, x: torch.Tensor, stats: tuple, needs: tuple):
+        (rstd,) = stats
+        w = self.weight
+        mask = (needs[0], needs[1] and w is not None)
+        if self.fused:
+            dx, dw = ops.rms_norm_backward(grad_y, x, rstd, _float32(w), mask)
+        else:
+            dx, dw = rms_norm_unfused_backward(grad_y, x, rstd, w, mask)
+        return dx, dw if dw is None or dw.dtype == w.dtype else dw.to(w.dtype), None
 
 
 class Fp8Encoder:

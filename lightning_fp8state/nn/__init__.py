@@ -5,7 +5,7 @@ from .conv1d import Fp8Conv1D, is_hf_conv1d
 from .convert import ConversionReport, convert_model
 from .gemm import scaled_matmul, scaled_mm_available
 from .linear import LINEAR_ROLES, Fp8Linear
-from .prologue import ACTIVATIONS, Prologue, linear_after
+from .prologue import ACTIVATIONS, Prologue, linear_after, register_rms_norm
 from .transformer import Fp8MultiheadAttention, Fp8TransformerEncoderLayer
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "convert_model",
     "is_hf_conv1d",
     "linear_after",
+    "register_rms_norm",
     "scaled_matmul",
     "scaled_mm_available",
 ]

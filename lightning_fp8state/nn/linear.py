@@ -8,13 +8,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import require_choice, require_type
-from ..encoders import ACTIVATIONS, Prologue
+from ..encoders import ACTIVATIONS, NORMS, Prologue, rms_norm_types, run_unfused
 from ..protocol import QuantProtocol
 from .linear_call import LINEAR_ROLES, _linear_backward, _linear_forward, fp8_linear_op, op_key
 
 __all__ = ["Fp8Linear", "LINEAR_ROLES"]
 
-_PROLOGUES = (None, "layer_norm", *ACTIVATIONS)  # what Fp8Linear.forward's prologue= takes
+_PROLOGUES = (None, *NORMS, *ACTIVATIONS)  # what Fp8Linear.forward's prologue= takes
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -119,11 +119,11 @@ class Fp8Linear(nn.Linear):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, layer={self.layer_name!r}, recipe={self.protocol.config.recipe}"
 
-    def forward(
-        self, x: torch.Tensor, *, prologue: str | None = None, norm: nn.LayerNorm | None = None
-    ) -> torch.Tensor:
-        """``self(x)``; with ``prologue="layer_norm"`` (and ``norm``) or ``prologue="gelu"``,
-        ``self(norm(x))`` or ``self(gelu(x))`` with that op fused into the input's quantize
+    def forward(self, x: torch.Tensor, *, prologue: str | None = None, norm: nn.Module | None = None) -> torch.Tensor:
+        """``self(x)``; with ``prologue="layer_norm"`` or ``"rms_norm"`` (and ``norm``, an
+        ``nn.LayerNorm`` or an RMSNorm), ``prologue="gelu"`` or ``prologue="swiglu"`` (``x`` is then
+        ``[gate, up]``, twice ``in_features`` wide), ``self(norm(x))``, ``self(gelu(x))`` or
+        ``self(silu(gate) * up)`` with that op fused into the input's quantize
         (:func:`~lightning_fp8state.nn.linear_after` is the caller's entry point)."""
         # Under torch.compile the whole call is one opaque op that runs the protocol at run time
         # (nn/linear_call.py): the graph around it does not break. Eagerly the call goes straight in.
@@ -131,13 +131,13 @@ class Fp8Linear(nn.Linear):
             return self._forward_compiled(x, prologue, norm)
         return self._forward(x, prologue, norm)
 
-    def _forward(self, x: torch.Tensor, prologue: str | None, norm: nn.LayerNorm | None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, prologue: str | None, norm: nn.Module | None) -> torch.Tensor:
         protocol = self.protocol
         config = protocol.config
         quantized = protocol.recipe.quantized
         fused = None if prologue is None and norm is None else self._prologue(prologue, norm)
         if fused is not None and not (quantized and config.fuse_prologues and protocol.recipe.fuses_prologues):
-            x = norm(x) if prologue == "layer_norm" else F.gelu(x)  # the same op, unfused
+            x = run_unfused(fused.kind, x, norm)  # the same op, unfused
             fused = None
         phase, record = protocol.enter_call(self.layer_name, LINEAR_ROLES if quantized else (), x.device)
         if not quantized:
@@ -147,7 +147,7 @@ class Fp8Linear(nn.Linear):
         if not x.is_contiguous():
             x = x.contiguous()
         # (the prologue holds norm's parameters, read once)
-        nw, nb = (fused.weight, fused.bias) if fused is not None and fused.kind == "layer_norm" else (None, None)
+        nw, nb = (fused.weight, fused.bias) if fused is not None and fused.kind in NORMS else (None, None)
         args = (x, self.weight, self.bias, nw, nb, protocol, record, phase)
         out = apply_linear_fn(args, x, config.gemm, fused)
         protocol.observe_output(record, phase, out, record.used)
@@ -158,7 +158,7 @@ class Fp8Linear(nn.Linear):
     # a graph break, the call run eagerly
     _forward_outside_graph = torch.compiler.disable(_forward)
 
-    def _forward_compiled(self, x: torch.Tensor, prologue: str | None, norm: nn.LayerNorm | None) -> torch.Tensor:
+    def _forward_compiled(self, x: torch.Tensor, prologue: str | None, norm: nn.Module | None) -> torch.Tensor:
         protocol = self.protocol
         config = protocol.config
         kind = self._prologue_kind(prologue, norm)
@@ -166,26 +166,37 @@ class Fp8Linear(nn.Linear):
         if not (protocol.recipe.quantized and protocol.recipe.compiled_op) or protocol.gathered_layers:
             return self._forward_outside_graph(x, prologue, norm)
         if kind is not None and not (config.fuse_prologues and protocol.recipe.fuses_prologues):
-            x = norm(x) if kind == "layer_norm" else F.gelu(x)  # the same op, unfused (as _forward does)
+            x = run_unfused(kind, x, norm)  # the same op, unfused (as _forward does)
             kind = None
-        return fp8_linear_op(self, x, self.weight, self.bias, norm if kind == "layer_norm" else None, kind)
+        return fp8_linear_op(self, x, self.weight, self.bias, norm if kind in NORMS else None, kind)
 
     @classmethod
-    def _prologue(cls, prologue: str | None, norm: nn.LayerNorm | None) -> Prologue | None:
+    def _prologue(cls, prologue: str | None, norm: nn.Module | None) -> Prologue | None:
         kind = cls._prologue_kind(prologue, norm)
         if kind is None:
             return None
-        return Prologue.layer_norm(norm) if kind == "layer_norm" else Prologue(kind)
+        return Prologue.for_norm(kind, norm) if kind in NORMS else Prologue(kind)
 
     @staticmethod
-    def _prologue_kind(prologue: str | None, norm: nn.LayerNorm | None) -> str | None:
+    def _prologue_kind(prologue: str | None, norm: nn.Module | None) -> str | None:
         """``prologue`` checked against ``norm``."""
         if prologue is None:
             if norm is not None:  # (checked only then: this is every plain call's path)
-                require_type("norm", norm, type(None), 'None: Fp8Linear takes norm with prologue="layer_norm" only')
+                require_type(
+                    "norm", norm, type(None), 'None: Fp8Linear takes norm with prologue="layer_norm" or "rms_norm" only'
+                )
             return None
         if prologue == "layer_norm":
             require_type("norm", norm, nn.LayerNorm, "an nn.LayerNorm", why='Fp8Linear with prologue="layer_norm"')
+            return prologue
+        if prologue == "rms_norm":
+            require_type(
+                "norm",
+                norm,
+                rms_norm_types(),
+                "an nn.RMSNorm (or a register_rms_norm class)",
+                why='prologue="rms_norm"',
+            )
             return prologue
         require_choice("prologue", prologue, _PROLOGUES)
         return prologue

@@ -9,7 +9,8 @@ graph calls two ops whose kernels run that Python at run time, the eager path's 
 
 - ``fp8state::fp8_linear``: enter the call (true forward or recompute, found at run time as
   eagerly), quantize input and weight, the GEMM. Its outputs are ``y`` and what the backward
-  reads: the codes and the LayerNorm prologue's statistics. The call's host-side state (its
+  reads: the codes and a norm prologue's statistics (the LayerNorm's mean and rstd, the
+  RMSNorm's rstd in the rstd slot). The call's host-side state (its
   record and snapshots) the protocol keeps under the address of the input codes until the
   backward takes it or the event ends (a freed address reused by a later call is that call's);
 - ``fp8state::fp8_linear_backward``: takes that state by its codes' address and runs the
@@ -29,7 +30,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..encoders import Prologue, role_format
+from ..encoders import NORMS, Prologue, norm_operands, prologue_width, role_format
 from ..formats import fp8_format
 from ..ops import transpose_fp8
 from ..ops.library import LIB, define_from, register_fake_from
@@ -174,8 +175,9 @@ def op_key(module) -> torch.Tensor:
 
 
 def fp8_linear_op(module, x, weight, bias, norm, prologue: str | None) -> torch.Tensor:
-    """``module(x)`` (an Fp8Linear, or Fp8Conv1D with its weight view) as the op, traced by dynamo."""
-    nw, nb, eps = (norm.weight, norm.bias, float(norm.eps)) if norm is not None else (None, None, 0.0)
+    """``module(x)`` (an Fp8Linear, or Fp8Conv1D with its weight view) as the op, traced by dynamo;
+    ``norm``: the norm module of a ``layer_norm`` / ``rms_norm`` prologue, else None."""
+    nw, nb, eps = norm_operands(prologue, norm)
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     protocol = module.protocol
@@ -238,7 +240,7 @@ def _fp8_linear(
     protocol = mod.protocol
     stage = None
     if prologue:
-        stage = Prologue(prologue, norm_weight, norm_bias, eps) if prologue == "layer_norm" else Prologue(prologue)
+        stage = Prologue(prologue, norm_weight, norm_bias, eps) if prologue in NORMS else Prologue(prologue)
     phase, record = protocol.enter_call(mod.layer_name, LINEAR_ROLES, x.device, grad_enabled=training)
     args = (x, weight, bias, protocol, record, phase, out_dtype, protocol.config.gemm, stage)
     device = x.device.type
@@ -247,8 +249,10 @@ def _fp8_linear(
     else:
         y, saved, call = _linear_forward(*args)
     protocol.observe_output(record, phase, y, record.used)
-    xq, wq, *rest = saved  # rest: the prologue's input, then the LayerNorm's (mean, rstd)
-    mean, rstd = rest[1:] if len(rest) == 3 else (_stats_empty(x), _stats_empty(x))
+    xq, wq, *rest = saved  # rest: the prologue's input, then the norm's (mean, rstd) or (rstd,)
+    stats = rest[1:]
+    mean = stats[0] if len(stats) == 2 else _stats_empty(x)
+    rstd = stats[-1] if stats else _stats_empty(x)
     if saves_inputs:  # saved: x (reshaped) and the weight themselves, which the Function saves
         xq, wq = _input_key(x), weight.new_empty((0, weight.shape[-1]))
     elif weight_t:  # the fake's layout: the transposed codes, [in, out] contiguous
@@ -267,21 +271,24 @@ torch.library.impl(LIB, "fp8_linear", "CompositeExplicitAutograd")(_fp8_linear)
 @register_fake_from("fp8_linear", _fp8_linear)
 def _fp8_linear_fake(a):
     x, weight, eps, prologue = a.x, a.weight, a.eps, a.prologue
-    k, n = x.shape[-1], weight.shape[0]
-    x2 = x.reshape(-1, k)
+    n = weight.shape[0]
+    x2 = x.reshape(-1, x.shape[-1])
+    k = prologue_width(prologue, x.shape[-1])  # the codes' width: the prologue's output's
     if a.saves_inputs:
         xq, wq = _input_key(x), weight.new_empty((0, k))
     else:
-        xq = x2.new_empty(x2.shape, dtype=a.input_dtype)
+        xq = x2.new_empty((x2.shape[0], k), dtype=a.input_dtype)
         wq = weight.new_empty((k, n) if a.weight_t else (n, k), dtype=a.weight_dtype)
-    if prologue == "layer_norm":
+    if prologue == "rms_norm":  # its rstd, from the kernel or from torch's reductions alike
+        mean, rstd = _stats_empty(x), x2.new_empty((x2.shape[0], 1), dtype=torch.float32)
+    elif prologue == "layer_norm":
         norm = Prologue(prologue, a.norm_weight, a.norm_bias, eps)
         if norm.fusable(x2):  # the fused kernel's statistics
             mean = x2.new_empty((x2.shape[0], 1), dtype=torch.float32)
             rstd = torch.empty_like(mean)
         else:  # torch's LayerNorm ran, on the operands the real call gives it
             xc, w, b = norm.torch_norm_operands(x2)
-            _, mean, rstd = torch.ops.aten.native_layer_norm(xc, [k], w, b, eps)
+            _, mean, rstd = torch.ops.aten.native_layer_norm(xc, [x.shape[-1]], w, b, eps)
     else:
         mean, rstd = _stats_empty(x), _stats_empty(x)
     y = x.new_empty((*x.shape[:-1], n), dtype=a.out_dtype)
@@ -310,7 +317,14 @@ def _fp8_linear_backward(
     if call.protocol.recipe.saves_inputs:  # xq is the key, wq the weight, x the call's input
         saved = (x.reshape(-1, x.shape[-1]), wq)
     if call.prologue is not None:
-        saved = (xq, wq, x, mean, rstd) if call.prologue.kind == "layer_norm" else (xq, wq, x)
+        kind = call.prologue.kind
+        saved = (
+            (xq, wq, x, mean, rstd)
+            if kind == "layer_norm"
+            else (xq, wq, x, rstd)
+            if kind == "rms_norm"
+            else (xq, wq, x)
+        )
     device = grad.device.type
     if torch.is_autocast_enabled(device):
         return _autocast_off(device, _linear_backward, grad, saved, call, needs)
@@ -327,8 +341,9 @@ def _fp8_linear_backward_fake(a):
     grad, needs, norm_dtype = a.grad, a.needs, a.norm_dtype
     k, n = a.xq.shape[-1], grad.shape[-1]
     column = (k,)
+    width = k if a.x is None else a.x.shape[-1]  # the input's: a SwiGLU's is twice the codes'
     return (
-        grad.new_empty((*grad.shape[:-1], k), dtype=a.x_dtype) if needs[0] else None,
+        grad.new_empty((*grad.shape[:-1], width), dtype=a.x_dtype) if needs[0] else None,
         grad.new_empty((n, k), dtype=a.w_dtype) if needs[1] else None,
         grad.new_empty((n,), dtype=a.bias_dtype) if needs[2] and a.bias_dtype is not None else None,
         grad.new_empty(column, dtype=norm_dtype) if needs[3] else None,
@@ -354,9 +369,9 @@ class _CompiledFp8LinearFn(torch.autograd.Function):
         ctx.weight_t = weight_t
         if saves_inputs:  # what the eager Function saves: the input and the weight (no prologue: run before)
             ctx.save_for_backward(xq, weight, x, None, None)
-        else:  # the codes; with a prologue its input (and the LayerNorm's statistics)
-            ln = prologue == "layer_norm"
-            ctx.save_for_backward(xq, wq, x if prologue else None, mean if ln else None, rstd if ln else None)
+        else:  # the codes; with a prologue its input (and a norm's statistics)
+            ln, norm = prologue == "layer_norm", prologue in NORMS
+            ctx.save_for_backward(xq, wq, x if prologue else None, mean if ln else None, rstd if norm else None)
         norm = norm_weight if norm_weight is not None else norm_bias
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype, None if norm is None else norm.dtype)
         return y

@@ -14,6 +14,8 @@ from . import cuda
 from . import library as _library  # noqa: F401  (defines the schemas and kernels)
 from . import library_fp4 as _library_fp4  # noqa: F401  (the FP4 schemas and kernels)
 from . import library_fused as _library_fused  # noqa: F401  (the fused prologue + quantize ops)
+from . import library_rms as _library_rms  # noqa: F401  (the RMSNorm prologue and its backward)
+from . import library_swiglu as _library_swiglu  # noqa: F401  (the SwiGLU prologue and its backward)
 from .reference import (
     amax_reference,
     column_sum_reference,
@@ -62,6 +64,10 @@ __all__ = [
     "quantize_fp8_record_amax",
     "quantize_fp8_reference",
     "quantize_fp8_t_record_amax",
+    "rms_norm_backward",
+    "rms_norm_quantize_fp8",
+    "swiglu_backward",
+    "swiglu_quantize_fp8",
     "transpose_fp8",
     "transpose_fp8_reference",
     "unpack_fp4_reference",
@@ -123,6 +129,61 @@ def layer_norm_quantize_fp8(
     if amax_pending is None:
         return _ops.layer_norm_quantize_fp8(x, weight, bias, eps, scale, dtype)
     return _ops.layer_norm_quantize_fp8_record_amax(x, weight, bias, eps, scale, amax_pending, slot, dtype)
+
+
+def rms_norm_quantize_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    amax_pending: torch.Tensor | None = None,
+    slot: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim (numerics: :mod:`.reference_rms`; ``weight`` float32 or None)
+    written straight as FP8 codes: ``(codes, rstd)``; with ``amax_pending``, ``max|y|`` is folded
+    into ``amax_pending[slot]``."""
+    _on_cuda(x)
+    if amax_pending is None:
+        return _ops.rms_norm_quantize_fp8(x, weight, eps, scale, dtype)
+    return _ops.rms_norm_quantize_fp8_record_amax(x, weight, eps, scale, amax_pending, slot, dtype)
+
+
+def rms_norm_backward(
+    grad_y: torch.Tensor,
+    x: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    output_mask: tuple[bool, bool] | list[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gradients ``(dx, dweight)`` of the RMSNorm over the last dim of ``x`` (numerics:
+    :mod:`.reference_rms`) from its ``rstd`` and the output's gradient ``grad_y``; an output whose
+    ``output_mask`` entry is False is None. ``dweight`` is float32."""
+    _on_cuda(x)
+    return _ops.rms_norm_backward(grad_y, x, rstd, weight, list(output_mask))
+
+
+def swiglu_quantize_fp8(
+    h: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    amax_pending: torch.Tensor | None = None,
+    slot: int = 0,
+) -> torch.Tensor:
+    """FP8 codes of ``silu(gate) * up`` (``[..., I]``) from ``h = [gate, up]`` (``[..., 2I]``),
+    computed in float32 (numerics: :mod:`.reference_swiglu`) and rounded once; with
+    ``amax_pending``, the product's ``max|y|`` is folded into ``amax_pending[slot]``."""
+    _on_cuda(h)
+    if amax_pending is None:
+        return _ops.swiglu_quantize_fp8(h, scale, dtype)
+    return _ops.swiglu_quantize_fp8_record_amax(h, scale, amax_pending, slot, dtype)
+
+
+def swiglu_backward(grad_y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``h`` (``[..., 2I]``, ``h``'s dtype) from that of ``silu(gate) * up``
+    (``grad_y [..., I]``, ``h``'s dtype); numerics: :mod:`.reference_swiglu`."""
+    _on_cuda(h)
+    return _ops.swiglu_backward(grad_y, h)
 
 
 def quantize_fp8_t_record_amax(

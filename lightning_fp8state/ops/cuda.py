@@ -67,9 +67,11 @@ __all__ = [
 ]
 
 _NAME = "fp8state_cuda"
-# compiled: FP8, fused prologues, FP4, the LayerNorm backward, the stateless scalings (as ops/ splits them)
-SOURCES = ("fp8_ops.cu", "fused_ops.cu", "fp4_ops.cu", "ln_ops.cu", "dynamic_ops.cu")
-HEADERS = ("fp8state_common.cuh", "fp8_encode.cuh")  # included by the sources; not compiled on their own
+# compiled: FP8, fused prologues (LayerNorm, GELU, RMSNorm), FP4, the LayerNorm and RMSNorm backward,
+# the stateless scalings, the SwiGLU prologue and its backward (as ops/ splits them)
+SOURCES = ("fp8_ops.cu", "fused_ops.cu", "fp4_ops.cu", "ln_ops.cu", "dynamic_ops.cu", "swiglu_ops.cu")
+# included by the sources; not compiled on their own
+HEADERS = ("fp8state_common.cuh", "fp8_encode.cuh", "swiglu_math.cuh")
 _HASHED_SUFFIXES = (".cu", ".cuh", ".h")
 _lock = threading.Lock()
 _state: dict = {"tried": False, "loaded": False, "error": None, "library": None}
@@ -200,7 +202,14 @@ def build(verbose: bool = False) -> Path:
 def _schema_hash() -> str:
     """Hash of the Python files defining the ops' schemas (the other side of registration)."""
     h = hashlib.sha256()
-    for name in ("library.py", "library_fp4.py", "library_fused.py"):
+    for name in (
+        "library.py",
+        "library_dynamic.py",
+        "library_fp4.py",
+        "library_fused.py",
+        "library_rms.py",
+        "library_swiglu.py",
+    ):
         h.update((Path(__file__).resolve().parent / name).read_bytes())
     return h.hexdigest()[:16]
 

@@ -194,7 +194,7 @@ def test_arguments_are_checked_with_names():
     x = torch.randn(2, 16)
     with pytest.raises(ConfigError, match=r"activation='gelu' is not allowed: .*takes norm or activation, not both"):
         linear_after(lin, x, norm=model["norm"], activation="gelu")
-    with pytest.raises(ConfigError, match=r"activation='relu' is not allowed: expected one of \['gelu'\]"):
+    with pytest.raises(ConfigError, match=r"activation='relu' is not allowed: expected one of \['gelu', 'swiglu'\]"):
         linear_after(lin, x, activation="relu")
     with pytest.raises(ConfigError, match=r"prologue='tanh' is not allowed: expected one of \[None, 'layer_norm'"):
         lin(x, prologue="tanh")

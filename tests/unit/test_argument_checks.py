@@ -93,11 +93,11 @@ CASES = {
     ),
     "linear_after activation": (
         lambda tmp: linear_after(nn.Linear(4, 4), torch.ones(4), activation="relu"),
-        r"activation='relu' is not allowed: expected one of \['gelu'\]",
+        r"activation='relu' is not allowed: expected one of \['gelu', 'swiglu'\]",
     ),
     "Fp8Linear prologue": (
         lambda tmp: _linear()[1]["lin"](torch.ones(2, 16), prologue="tanh"),
-        r"prologue='tanh' is not allowed: expected one of \[None, 'layer_norm', 'gelu'\]",
+        r"prologue='tanh' is not allowed: expected one of \[None, 'layer_norm', 'rms_norm', 'gelu', 'swiglu'\]",
     ),
     "Fp8Linear norm": (
         lambda tmp: _linear()[1]["lin"](torch.ones(2, 16), prologue="layer_norm", norm=nn.Identity()),

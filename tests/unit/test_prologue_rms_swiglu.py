@@ -72,7 +72,9 @@ def test_rms_norm_reference_close_to_float64(dtype):
     torch.testing.assert_close(y.double(), xd * want_rstd * w.double(), rtol=tol, atol=tol * 1e-3)
 
 
-@pytest.mark.parametrize("d,dtype", [(4, torch.float32), (260, torch.float32), (2052, torch.float32), (264, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "d,dtype", [(4, torch.float32), (260, torch.float32), (2052, torch.float32), (264, torch.bfloat16)]
+)
 def test_rms_norm_rstd_is_the_kernels_row_sum_order(d, dtype):
     """rstd = 1 / sqrt(sum(x*x) / d + eps), the sum walked thread by thread as the kernel sums."""
     x = rows(3, d, dtype, seed=d)

@@ -20,8 +20,12 @@ operation (no fused multiply-add):
   weight (so it may differ in the last bit of a 16-bit ``y``), and a float32 weight beside a
   16-bit ``x`` makes Hugging Face's result float32 where ``y`` is rounded to ``x``'s dtype.
   ``rstd`` itself differs from torch's ``rsqrt(mean(x * x) + eps)`` in the last bits (another
-  summation order; a division rather than ``rsqrt``): ``tests/unit/test_prologue_rms_swiglu.py``
-  measures both differences.
+  summation order; a division rather than ``rsqrt``). Measured (``tests/unit/
+  test_prologue_rms_swiglu.py``, d = 2048): ``rstd`` within 2 ulp of torch's; a float32 ``y``
+  within about 3 ulp of Hugging Face's (a fifth of the elements differ); a 16-bit ``y`` with a
+  weight in its dtype equal to Hugging Face's but on a few elements in ten thousand, by one or
+  two units in the last place; against ``nn.RMSNorm`` in 16 bits, a quarter of the elements one
+  unit apart (its single rounding).
 
 The fused op returns ``rstd`` (float32, shape ``x.shape[:-1] + (1,)``; the canonical NaN for a
 row holding a NaN, 0 for a row whose squares overflow) for the backward, which is the LayerNorm

@@ -320,6 +320,19 @@ def test_linear_after_rms_norm_is_the_composition_bitwise():
     torch.testing.assert_close(dw.double(), wd.grad, rtol=1e-5, atol=1e-6 * wd.grad.abs().max().item())
 
 
+def test_rms_norm_default_eps_and_no_weight():
+    """``nn.RMSNorm(d)`` (eps None: float32's epsilon, as torch adds for every dtype it takes;
+    no affine): the fused call is the composition with that eps, bit for bit."""
+    x = rows(5, 32, seed=16) * 1e-4  # small: the epsilon shows
+    state, model = make_model(32, 8, initial_scale="one")
+    model["norm"] = nn.RMSNorm(32, elementwise_affine=False)
+    fused = run(state, model, x, norm=model["norm"])
+    state_c, model_c = make_model(32, 8, initial_scale="one")
+    comp = run(state_c, model_c, rms_ref.rms_norm_reference(x, None, EPS32)[0])
+    assert bitwise_equal(fused[0], comp[0]) and bitwise_equal(fused[3], comp[3])
+    assert "norm.weight" not in fused[2]
+
+
 def test_linear_after_swiglu_is_the_composition_bitwise():
     h = torch.randn(2, 3, 2 * 40, generator=torch.Generator().manual_seed(12)) * 2
     state, model = make_model(40, 16)

@@ -393,6 +393,11 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads (grouped-query attention)")
     p.add_argument("--ffn", type=int, default=None, help="llama: the SwiGLU hidden size (default: Llama's rule)")
     p.add_argument("--rope-theta", type=float, default=500000.0, help="llama: the rotary base")
+    p.add_argument(
+        "--fused",
+        action="store_true",
+        help="llama: fused q/k/v and gate/up projections (every variant), as the recipes",
+    )
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--layers", type=int, default=20)
     p.add_argument("--heads", type=int, default=16)
@@ -469,7 +474,13 @@ def main(argv=None) -> list[dict]:
     shape = {"vocab_size": args.vocab, "seq_len": args.seq, "d_model": args.d_model}
     shape.update(n_layers=args.layers, n_heads=args.heads, checkpoint=True)
     if args.arch == "llama":
-        cfg = LlamaConfig(**shape, n_kv_heads=args.kv_heads, ffn_hidden=args.ffn, rope_theta=args.rope_theta)
+        cfg = LlamaConfig(
+            **shape,
+            n_kv_heads=args.kv_heads,
+            ffn_hidden=args.ffn,
+            rope_theta=args.rope_theta,
+            fused_projections=args.fused,
+        )
         with torch.device("meta"):
             n_params = sum(p.numel() for p in Llama(cfg).parameters())
     else:
@@ -485,7 +496,8 @@ def main(argv=None) -> list[dict]:
     modes = args.modes or (["compile"] if args.compile else ["eager"])
     print(
         f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, torchao {ao_version}; "
-        f"{args.arch} d={args.d_model} layers={args.layers} seq={args.seq} batch={args.batch} "
+        f"{args.arch}{' (fused projections)' if args.fused else ''} d={args.d_model} layers={args.layers} "
+        f"seq={args.seq} batch={args.batch} "
         f"(~{n_params / 1e9:.2f}B params), modes={modes}, FP8 head={not args.exclude_head}"
     )
     data = batches(cfg, args.batch, 4, "cuda")

@@ -24,7 +24,7 @@ import torch
 
 from ..config import require_bool, require_choice, require_int, require_number, require_that, require_type
 from ..errors import ConfigError, StateLoadError, UntrustedCheckpointError
-from .llama import Llama, LlamaConfig
+from .llama import Llama, LlamaConfig, fuse_projections
 
 __all__ = ["HF_MODEL_TYPES", "TRAINING_KEYS", "llama_config_from_hf", "load_hf_llama", "read_hf_llama_config"]
 
@@ -59,8 +59,9 @@ def read_hf_llama_config(folder: str | os.PathLike) -> LlamaConfig:
 
 
 # what a run may choose for a checkpoint's model: how long its sequences are (up to the
-# checkpoint's max_position_embeddings) and how its blocks are checkpointed
-TRAINING_KEYS = ("seq_len", "checkpoint", "checkpoint_engine", "use_reentrant")
+# checkpoint's max_position_embeddings), how its blocks are checkpointed, and whether its
+# projections are fused (the checkpoint's separate ones concatenated at load)
+TRAINING_KEYS = ("seq_len", "checkpoint", "checkpoint_engine", "use_reentrant", "fused_projections")
 
 
 def load_hf_llama(
@@ -106,9 +107,10 @@ def load_hf_llama(
             f"{config_path}: num_hidden_layers={cfg.n_layers}, but the weight files hold only {len(stored)} "
             "tensors; the config does not belong to these weights"
         )
+    separate = dataclasses.replace(cfg, fused_projections=False)  # the checkpoint's own layout
     with torch.device("meta"):  # shapes and names only: no memory until the tensors are read
-        model = Llama(cfg)
-    wanted = _check_tensors(model, stored, cfg, root)
+        model = Llama(separate)
+    wanted = _check_tensors(model, stored, separate, root)
     state = _read_tensors(stored, wanted, dtype or _stored_dtype(stored, wanted))
     if cfg.tie_embeddings:
         head = state.pop("lm_head.weight", None)
@@ -118,6 +120,10 @@ def load_hf_llama(
                 "the checkpoint is inconsistent (set tie_word_embeddings to false to load both)"
             )
         state["lm_head.weight"] = state["embed_tokens.weight"]
+    if cfg.fused_projections:  # q/k/v and gate/up concatenated, the model built fused
+        state = fuse_projections(state, cfg)
+        with torch.device("meta"):
+            model = Llama(cfg)
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()  # assign made the head a parameter of its own
     return model, cfg

@@ -20,6 +20,7 @@ from torch.torch_version import TorchVersion
 
 from ..config import require_bool, require_choice, require_int, require_number
 from ..errors import ConfigError
+from ..nn import linear_after, register_rms_norm
 from ..recompute import ENGINES
 from .blocks import next_token_loss, run_blocks
 
@@ -68,6 +69,10 @@ class LlamaConfig:
     checkpoint: bool = True
     checkpoint_engine: str = "torch"  # torch | deepspeed
     use_reentrant: bool = False
+    # one q/k/v projection (qkv_proj) and one gate/up projection (gate_up_proj) per block, with the
+    # RMSNorms and SwiGLU fused into their FP8 input encodes (linear_after); False: transformers'
+    # separate projections, module for module (a Hugging Face checkpoint loads either way)
+    fused_projections: bool = False
 
     def __post_init__(self) -> None:
         require_int("vocab_size", self.vocab_size, 2)
@@ -80,7 +85,7 @@ class LlamaConfig:
         )
         self.rope_theta = require_number("rope_theta", self.rope_theta, 0, low_open=True)
         self.norm_eps = require_number("norm_eps", self.norm_eps, 0, low_open=True)
-        for key in ("tie_embeddings", "checkpoint", "use_reentrant"):
+        for key in ("tie_embeddings", "checkpoint", "use_reentrant", "fused_projections"):
             require_bool(key, getattr(self, key))
         require_choice("checkpoint_engine", self.checkpoint_engine, ENGINES)
         if self.d_model % self.n_heads:
@@ -105,6 +110,7 @@ class LlamaConfig:
         return self.d_model // self.n_heads
 
 
+@register_rms_norm  # its forward is the formula the fused rms_norm prologue computes
 class RMSNorm(nn.Module):
     """transformers' LlamaRMSNorm op for op: normalized in float32, cast back to the input's
     dtype, then scaled by the weight in that dtype. (``nn.RMSNorm`` equals it in float32 on the
@@ -186,16 +192,26 @@ class LlamaAttention(nn.Module):
         d, hd = cfg.d_model, cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
         self.scaling = hd**-0.5
-        self.q_proj = nn.Linear(d, cfg.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
+        self.widths = (cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd)
+        if cfg.fused_projections:
+            self.qkv_proj = nn.Linear(d, sum(self.widths), bias=False)
+        else:
+            self.q_proj = nn.Linear(d, cfg.n_heads * hd, bias=False)
+            self.k_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
+            self.v_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * hd, d, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _qkv(self, x: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, ...]:
+        """q, k, v of ``norm(x)``: one projection with the norm fused into its FP8 encode, or
+        transformers' three."""
+        if hasattr(self, "qkv_proj"):
+            return linear_after(self.qkv_proj, x, norm=norm).split(self.widths, dim=-1)
+        h = norm(x)
+        return self.q_proj(h), self.k_proj(h), self.v_proj(h)
+
+    def forward(self, x: torch.Tensor, norm: nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = (
-            proj(x).view(b, t, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)
-        )
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in self._qkv(x, norm))
         q = (q * cos) + (rotate_half(q) * sin)
         k = (k * cos) + (rotate_half(k) * sin)
         groups = self.n_heads // self.n_kv_heads
@@ -212,12 +228,18 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        if cfg.fused_projections:  # [gate; up]: the swiglu prologue's input layout
+            self.gate_up_proj = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)
+        else:
+            self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+            self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        if hasattr(self, "gate_up_proj"):  # the norm fused into gate_up's encode, SwiGLU into down's
+            return linear_after(self.down_proj, linear_after(self.gate_up_proj, x, norm=norm), activation="swiglu")
+        h = norm(x)
+        return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
 class LlamaBlock(nn.Module):
@@ -236,8 +258,8 @@ class LlamaBlock(nn.Module):
         object.__setattr__(self, "rotary", rotary)  # bypasses nn.Module's submodule registration
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), self.rotary.cos, self.rotary.sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(x, self.input_layernorm, self.rotary.cos, self.rotary.sin)
+        return x + self.mlp(x, self.post_attention_layernorm)
 
 
 class Llama(nn.Module):
@@ -287,3 +309,25 @@ class Llama(nn.Module):
 def _init_weights(module: nn.Module) -> None:
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+
+def fuse_projections(state: dict, cfg: LlamaConfig) -> dict:
+    """A state dict of transformers' separate projections as one of ``fused_projections``
+    (q, k, v concatenated into ``qkv_proj``; gate, up into ``gate_up_proj``), tensors shared
+    where nothing is concatenated."""
+    out = {}
+    for name, value in state.items():
+        prefix, _, leaf = name.rpartition(".self_attn.")
+        if leaf in ("q_proj.weight", "k_proj.weight", "v_proj.weight"):
+            if leaf.startswith("q_"):
+                parts = [state[f"{prefix}.self_attn.{p}_proj.weight"] for p in "qkv"]
+                out[f"{prefix}.self_attn.qkv_proj.weight"] = torch.cat(parts, 0)
+            continue
+        prefix, _, leaf = name.rpartition(".mlp.")
+        if leaf in ("gate_proj.weight", "up_proj.weight"):
+            if leaf.startswith("gate"):
+                parts = [state[f"{prefix}.mlp.{p}_proj.weight"] for p in ("gate", "up")]
+                out[f"{prefix}.mlp.gate_up_proj.weight"] = torch.cat(parts, 0)
+            continue
+        out[name] = value
+    return out

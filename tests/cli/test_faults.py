@@ -239,6 +239,9 @@ def test_a_two_rank_run_leaves_exactly_one_run_directory(run_root):
 # -- interrupts --------------------------------------------------------------------------
 STOP_AT = """
 import os, signal, sys
+# Ctrl-C as at a terminal, even where this child was started with SIGINT ignored (a shell's
+# background job): Python keeps an inherited SIG_IGN
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from lightning_fp8state.lightning import telemetry_callback as tc
 step_hook = tc.TelemetryCallback.on_train_batch_end
 def stop(self, trainer, *args):

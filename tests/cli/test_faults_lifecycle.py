@@ -65,6 +65,9 @@ def _child(code: str, *args: str, cwd, timeout: float = 300) -> subprocess.Compl
 
 CTRL_C_AT_STEP = """
 import os, signal, sys
+# Ctrl-C as at a terminal, even where this child was started with SIGINT ignored (a shell's
+# background job): Python keeps an inherited SIG_IGN
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from lightning_fp8state.lightning import telemetry_callback as tc
 hook = tc.TelemetryCallback.on_train_batch_end
 def stop(self, trainer, *args):

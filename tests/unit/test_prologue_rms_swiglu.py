@@ -384,30 +384,45 @@ def test_rms_norm_width_without_a_kernel_runs_torchs_reductions():
     torch.testing.assert_close(fused[2]["norm.weight"], unfused[2]["norm.weight"], rtol=1e-5, atol=1e-6)
 
 
+class _HfStyleRMSNorm(torch.nn.Module):
+    """A user's own Hugging Face style RMSNorm (LlamaRMSNorm's forward), unknown until registered."""
+
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
 def test_a_16_bit_weight_and_a_registered_rms_norm_class():
     """A bf16 model's RMSNorm weight is given to the kernel as float32 and its gradient comes
-    back in bf16; a Hugging Face style RMSNorm class fuses once registered, as nn.RMSNorm does."""
+    back in bf16; a Hugging Face style RMSNorm class fuses once registered, as nn.RMSNorm does
+    (the bundled Llama's registers itself)."""
     from lightning_fp8state.models.llama import RMSNorm  # noqa: PLC0415
 
+    assert encoders.norm_kind(RMSNorm(64, 1e-6)) == "rms_norm"
     x = rows(4, 64, torch.bfloat16, seed=15)
     state, model = make_model(64, 8)
     model.bfloat16()
     out, dx, grads, _ = run(state, model, x, norm=model["norm"])
     assert out.dtype == dx.dtype == grads["norm.weight"].dtype == torch.bfloat16
     w = model["norm"].weight
-    _, rstd = rms_ref.rms_norm_reference(x, w.float(), 1e-6)
     assert dx.shape == x.shape and torch.isfinite(dx).all()
-    llama_norm = RMSNorm(64, 1e-6).bfloat16()
+    user_norm = _HfStyleRMSNorm(64, 1e-6).bfloat16()
     with torch.no_grad():
-        llama_norm.weight.copy_(w)
-    assert encoders.norm_kind(llama_norm) is None  # unknown: unfused, its own forward
+        user_norm.weight.copy_(w)
+    assert encoders.norm_kind(user_norm) is None  # unknown: unfused, its own forward
     saved = list(encoders._RMS_NORM_TYPES)
     try:
-        assert register_rms_norm(RMSNorm) is RMSNorm and encoders.norm_kind(llama_norm) == "rms_norm"
+        assert register_rms_norm(_HfStyleRMSNorm) is _HfStyleRMSNorm and encoders.norm_kind(user_norm) == "rms_norm"
         state_l, model_l = make_model(64, 8)
         model_l.bfloat16()
-        model_l["norm"] = llama_norm
-        got = run(state_l, model_l, x, norm=llama_norm)
+        model_l["norm"] = user_norm
+        got = run(state_l, model_l, x, norm=user_norm)
         assert bitwise_equal(got[0], out) and bitwise_equal(got[1], dx)
         assert bitwise_equal(got[2]["norm.weight"], grads["norm.weight"])
     finally:

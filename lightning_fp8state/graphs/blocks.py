@@ -36,6 +36,7 @@ accumulates them, so gradient accumulation works as without graphs.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -45,9 +46,17 @@ from ..config import require_bool
 from ..errors import ConfigError, StateTransitionError
 from ..protocol import GraphTemplate, QuantProtocol
 from ..recompute import checkpoint
-from .capture import CudaGraphBackend, capture_chain, require_warmup
+from .capture import (
+    CudaGraphBackend,
+    autocast_cache_off,
+    capture_backwards,
+    capture_chain,
+    capture_forward,
+    require_warmup,
+)
 from .fsdp_units import _refuse_nested_units, _warn_unit_hooks, fsdp_unit
-from .replay import _BlockGraphs, _BlockReplay
+from .replay import _BlockGraphs, _BlockReplay, run_block
+from .side_inputs import SideInputs, argument_names
 
 __all__ = ["GraphedBlocks"]
 
@@ -60,6 +69,14 @@ class GraphedBlocks:
         model.blocks_runner = f8s.GraphedBlocks(model.blocks, warmup=3)
         # in the model's forward, while training:  x = self.blocks_runner(x)
         # under DDP / DeepSpeed, inside the events the Lightning callback opens
+        # blocks with side inputs (every block gets the same):  x = runner(x, cos, sin, mask=mask)
+        # a loop that calls each block itself:  x = runner.call_block(i, x, mask=mask)
+
+    Side inputs: the first positional tensor is the chained hidden state; every other argument
+    is a constant of the step's shape (see :mod:`.side_inputs`): tensors become static inputs
+    of the graphs, copied in before each replay; plain values must not change; tensors that
+    require grad are refused. A block may return a tuple whose first element is the hidden
+    state and whose others are None.
 
     Args:
         blocks: the blocks, in the order they run; each takes the previous one's output.
@@ -69,10 +86,14 @@ class GraphedBlocks:
             :func:`lightning_fp8state.checkpoint`, no RNG state); False runs them plainly.
         backend: what captures and replays (``CudaGraphBackend`` by default); a stand-in with
             its interface can run the same path on the CPU, for tests.
+        forwards: what runs each block (its module call by default): a layer whose own call
+            routes to this runner (:func:`~.hf_layers.graph_decoder_layers`) is run by its
+            original forward.
 
     Raises:
         ConfigError: no blocks, ``warmup < 1``, blocks that draw random numbers (at the
-            warm-up), an auditor attached to the blocks' state, inputs of another shape.
+            warm-up), an auditor attached to the blocks' state, inputs of another shape, side
+            inputs that changed shape or value, require grad or are not tensors or plain values.
         StateTransitionError: a training call outside an event, a second call in one event,
             the state bank reallocated after the capture.
     """
@@ -84,10 +105,14 @@ class GraphedBlocks:
         warmup: int = 3,
         checkpoint: bool = True,
         backend=None,
+        forwards: Sequence[Callable] | None = None,
     ) -> None:
         self.blocks = list(blocks)
         if not self.blocks or not all(isinstance(b, nn.Module) for b in self.blocks):
             raise ConfigError(f"blocks: expected a non-empty sequence of nn.Module, got {blocks!r}")
+        self.forwards = [None] * len(self.blocks) if forwards is None else list(forwards)
+        if len(self.forwards) != len(self.blocks) or not all(f is None or callable(f) for f in self.forwards):
+            raise ConfigError(f"forwards: expected one callable (or None) per block, got {forwards!r}")
         require_warmup(warmup)
         require_bool("checkpoint", checkpoint)
         self.warmup = warmup
@@ -102,6 +127,12 @@ class GraphedBlocks:
         self._captured_config = None
         self._captured_protocol: QuantProtocol | None = None
         self._input_spec: tuple | None = None
+        self._side_spec: tuple = ()  # the whole-stack call's side inputs, as captured
+        self._passes = 0  # training calls of the stack so far (a static side input's fill is per pass)
+        self._layer_pass: dict | None = None  # call_block's pass in progress
+        # per block the length of the tuple it returns (hidden state and Nones; absent: a tensor),
+        # seen in the warm-up: call_block returns the same
+        self._extra_outputs: dict[int, int] = {}
 
     # -- what the blocks belong to -----------------------------------------------------
     @property
@@ -155,15 +186,25 @@ class GraphedBlocks:
             raise StateTransitionError("GraphedBlocks: the state's config changed after the capture: capture again")
 
     # -- running -------------------------------------------------------------------------
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Run the stack on ``x``: eagerly without gradients (evaluation) and for the warm-up,
-        captured at the next training call, replayed after that."""
+    def _side_inputs(self, i: int, args: tuple, kwargs: dict) -> SideInputs:
+        forward = self.forwards[i] or self.blocks[i].forward
+        return SideInputs(args, kwargs, argument_names(forward, len(args)))
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """Run the stack on ``x`` (every block given the side inputs ``args``/``kwargs`` too):
+        eagerly without gradients (evaluation) and for the warm-up, captured at the next
+        training call, replayed after that."""
         if not torch.is_grad_enabled():
-            for block in self.blocks:
-                x = block(x)
+            for block, forward in zip(self.blocks, self.forwards, strict=True):
+                x = run_block(block, forward, args, kwargs, x=x)
             return x
+        side = self._side_inputs(0, args, kwargs)
         protocol = self.protocol
         self._check_call(protocol, x)
+        if self.graphs is not None:
+            side.check_against(self._side_spec, "the blocks")
+        self._passes += 1
+        self._layer_pass = None
         if self.backend is None:
             self.backend = CudaGraphBackend()
         if self._side is None:
@@ -171,20 +212,26 @@ class GraphedBlocks:
         if self.graphs is None:
             if self.eager_calls < self.warmup:
                 self.eager_calls += 1
-                return self._eager(x, protocol)
-            return self._capture(x, protocol)
+                return self._eager(x, protocol, side)
+            return self._capture(x, protocol, side)
         self._check_replayable(protocol)
         if protocol is not None:
             protocol.replay_template(self._template)
+        for g in self.graphs:
+            side.load(g.sides, self._passes)
         return self._replay(x)
 
-    def _eager(self, x: torch.Tensor, protocol: QuantProtocol | None) -> torch.Tensor:
+    def _eager(self, x: torch.Tensor, protocol: QuantProtocol | None, side: SideInputs) -> torch.Tensor:
         def run():
             y = x
-            for block in self.blocks:
-                y = self._region(block, y)
+            for block, forward in zip(self.blocks, self.forwards, strict=True):
+                y = self._region(functools.partial(run_block, block, forward, side.args, side.kwargs, None, 0), y)
             return y
 
+        return self._on_side_without_rng(x, protocol, run)
+
+    def _on_side_without_rng(self, x: torch.Tensor, protocol: QuantProtocol | None, run: Callable):
+        """``run()`` on the side stream; ConfigError if it drew random numbers."""
         before = self.backend.rng_state(x.device)
         out = self.backend.on_side(self._side, protocol, run)
         if not torch.equal(before, self.backend.rng_state(x.device)):
@@ -194,19 +241,19 @@ class GraphedBlocks:
             )
         return out
 
-    def _capture(self, x: torch.Tensor, protocol: QuantProtocol | None) -> torch.Tensor:
-        if protocol is not None and protocol.bank.fresh:
-            first = protocol.bank.owners[min(protocol.bank.fresh)]
-            raise StateTransitionError(
-                f"GraphedBlocks: {len(protocol.bank.fresh)} owner(s) have no delayed scale yet (e.g. {first}): "
-                "their first event calibrates on the host's decision, which a replay cannot repeat; raise warmup"
-            )
+    def _capture(self, x: torch.Tensor, protocol: QuantProtocol | None, side: SideInputs) -> torch.Tensor:
+        self._require_calibrated(protocol)
         if protocol is not None and protocol.recipe.quantized:
             protocol.freeze_event(x.device)  # eagerly, outside the graphs' memory: they read it
         version = None if protocol is None else protocol.bank.version
         before = None if protocol is None else protocol.graph_template()  # what eager calls did first
         pool = self.backend.new_pool()
         units = [block for block in self.blocks if fsdp_unit(block)]
+        if units and not side.empty:
+            raise ConfigError(
+                "GraphedBlocks: side inputs for FSDP2 units are not captured yet (FSDP2's hooks cast them); "
+                "call the blocks with their hidden state alone, or train without graphs"
+            )
         _refuse_nested_units(self.blocks)
         _warn_unit_hooks(units)
         # gathered for the capture, which reads copies of them, and left gathered: the event's
@@ -217,7 +264,7 @@ class GraphedBlocks:
             for block in units:
                 block.unshard()
                 gathered.append(block)
-            self._capture_gathered(x, protocol, units, version, before, pool)
+            self._capture_gathered(x, protocol, units, version, before, pool, side)
         except BaseException:  # a failed capture leaves no unit gathered (the first error is raised)
             for block in gathered:
                 with contextlib.suppress(Exception):
@@ -225,13 +272,32 @@ class GraphedBlocks:
             raise
         return self._replay(x)  # the capture recorded this event's work; run it
 
-    def _capture_gathered(self, x, protocol, units, version, before, pool) -> None:
+    def _require_calibrated(self, protocol: QuantProtocol | None) -> None:
+        if protocol is not None and protocol.bank.fresh:
+            first = protocol.bank.owners[min(protocol.bank.fresh)]
+            raise StateTransitionError(
+                f"GraphedBlocks: {len(protocol.bank.fresh)} owner(s) have no delayed scale yet (e.g. {first}): "
+                "their first event calibrates on the host's decision, which a replay cannot repeat; raise warmup"
+            )
+
+    def _capture_gathered(self, x, protocol, units, version, before, pool, side_inputs: SideInputs) -> None:
         """Capture every block's two graphs (FSDP2 units gathered by the caller)."""
         backend = self.backend
         shared: dict = {}  # the units' static parameters, one set per layout
-        graphs = [_BlockGraphs(block, copy_params=block in units, shared=shared) for block in self.blocks]
+        graphs = [
+            _BlockGraphs(block, copy_params=block in units, shared=shared, forward=forward)
+            for block, forward in zip(self.blocks, self.forwards, strict=True)
+        ]
+        statics: dict = {}  # one buffer per side-input tensor, shared by the blocks
+        for g in graphs:
+            g.sides, g.side_args, g.side_kwargs = side_inputs.static(statics, self._passes)
         side, region = self._side, self._region
         backend.on_side(side, protocol, lambda: capture_chain(graphs, x, backend, pool, side, region))
+        self._side_spec = side_inputs.spec()
+        self._finish_capture(protocol, version, before, graphs, x)
+
+    def _finish_capture(self, protocol, version, before, graphs, x) -> None:
+        """The template of what the captured calls did on the host; the graphs in place."""
         if protocol is not None:
             if protocol.bank.version != version:
                 raise StateTransitionError(
@@ -253,3 +319,135 @@ class GraphedBlocks:
                 x = _BlockReplay.apply(g, x, *g.params)
         self.replays += 1
         return x
+
+    # -- one block per call (a loop that calls each block itself) ------------------------
+    def call_block(self, i: int, x: torch.Tensor, *args, **kwargs):
+        """Run block ``i`` on ``x`` and its side inputs, as one step of a pass over the stack
+        that the caller drives (a Hugging Face model's loop over its decoder layers): block 0
+        opens the pass (the event's checks, warm-up, capture or replay decided there), the
+        blocks follow in order, each once. Returns what the block returns (a tensor, or a
+        tuple of the hidden state and Nones).
+
+        The capture's pass captures each block's forward graph at its call and, at the last
+        block's, every backward graph in reverse, then replays the forwards: the order and
+        the memory pool of the whole-stack capture. Until then the returned hidden states are
+        the graphs' static buffers, so block ``i`` must be given block ``i-1``'s output as is.
+
+        Raises:
+            ConfigError: as :class:`GraphedBlocks`; a block's input that is not the previous
+                block's output in the capture's pass; FSDP2 units (not captured per call yet).
+            StateTransitionError: blocks called out of order, or the checks of block 0.
+        """
+        block, forward = self.blocks[i], self.forwards[i]
+        if not torch.is_grad_enabled():
+            return (block if forward is None else forward)(x, *args, **kwargs)
+        side = self._side_inputs(i, args, kwargs)
+        p = self._begin_layer_pass(x) if i == 0 else self._layer_pass
+        if p is None or p["next"] != i:
+            expected = 0 if p is None else p["next"]
+            self._layer_pass = None
+            raise StateTransitionError(
+                f"GraphedBlocks: block {i} was called, block {expected} was expected: call_block runs the blocks "
+                "in order, each once per pass, starting from block 0"
+            )
+        out = None
+        try:
+            if p["mode"] == "eager":
+                call = functools.partial(run_block, block, forward, side.args, side.kwargs, self._extra_outputs, i)
+                out = self._on_side_without_rng(x, p["protocol"], lambda: self._region(call, x))
+            elif p["mode"] == "capture":
+                out = self._capture_layer(i, x, side, p)
+            else:
+                out = self._replay_layer(i, x, side)
+        finally:
+            if out is None:  # a refusal mid-pass: the pass is over (a capture's partial graphs dropped)
+                self._layer_pass = None
+        p["next"], p["out"] = i + 1, out
+        if i == len(self.blocks) - 1:
+            self._layer_pass = None
+            if p["mode"] == "replay":
+                self.replays += 1
+        extra = self._extra_outputs.get(i, 0)  # a tuple's Nones after the hidden state, as the block returned
+        return out if not extra else (out,) + (None,) * (extra - 1)
+
+    def _begin_layer_pass(self, x: torch.Tensor) -> dict:
+        protocol = self.protocol
+        self._check_call(protocol, x)
+        self._passes += 1
+        self._layer_pass = None
+        if self.backend is None:
+            self.backend = CudaGraphBackend()
+        if self._side is None:
+            self._side = self.backend.side_stream(x.device)
+        p = {"next": 0, "out": None, "protocol": protocol}
+        if self.graphs is None and self.eager_calls < self.warmup:
+            self.eager_calls += 1
+            p["mode"] = "eager"
+        elif self.graphs is None:
+            if any(fsdp_unit(block) for block in self.blocks):
+                raise ConfigError(
+                    "GraphedBlocks.call_block: FSDP2 units are not captured per call yet; call the whole stack "
+                    "(runner(x)), or train without graphs"
+                )
+            self._require_calibrated(protocol)
+            if protocol is not None and protocol.recipe.quantized:
+                protocol.freeze_event(x.device)  # eagerly, outside the graphs' memory: they read it
+            p.update(
+                mode="capture",
+                version=None if protocol is None else protocol.bank.version,
+                before=None if protocol is None else protocol.graph_template(),
+                pool=self.backend.new_pool(),
+                graphs=[_BlockGraphs(b, forward=f) for b, f in zip(self.blocks, self.forwards, strict=True)],
+                statics={},
+            )
+        else:
+            self._check_replayable(protocol)
+            if protocol is not None:
+                protocol.replay_template(self._template)
+            p["mode"] = "replay"
+        self._layer_pass = p
+        return p
+
+    def _capture_layer(self, i: int, x: torch.Tensor, side: SideInputs, p: dict) -> torch.Tensor:
+        graphs, backend = p["graphs"], self.backend
+        g = graphs[i]
+        if i == 0:
+            inp = x.detach().clone().requires_grad_(x.requires_grad)
+        elif x is not p["out"]:
+            raise ConfigError(
+                f"GraphedBlocks: block {i}'s input is not block {i - 1}'s output: in the capture's pass the blocks "
+                "must be chained directly (nothing may read or change the hidden state between them)"
+            )
+        else:
+            inp = graphs[i - 1].static_out.detach().requires_grad_(True)
+        g.sides, g.side_args, g.side_kwargs = side.static(p["statics"], self._passes)
+        g.side_spec = side.spec()
+
+        def capture():
+            with autocast_cache_off(x.device.type):
+                capture_forward(g, inp, backend, p["pool"], self._side, self._region)
+                if i == len(graphs) - 1:
+                    capture_backwards(graphs, backend, p["pool"], self._side)
+
+        backend.on_side(self._side, p["protocol"], capture)
+        g.defer_forward = True
+        out = _BlockReplay.apply(g, x, *g.params)
+        if i == len(graphs) - 1:
+            self._finish_capture(p["protocol"], p["version"], p["before"], graphs, graphs[0].static_in)
+            for h in graphs:  # every block captured: this pass's forwards run now, in order
+                h.fwd.replay()
+        return out
+
+    def _replay_layer(self, i: int, x: torch.Tensor, side: SideInputs) -> torch.Tensor:
+        g = self.graphs[i]
+        spec = (tuple(g.static_in.shape), g.static_in.dtype, g.static_in.device)
+        if (tuple(x.shape), x.dtype, x.device) != spec:
+            raise ConfigError(
+                f"GraphedBlocks: dynamic shapes are not captured: block {i}'s input changed from {spec[0]}, "
+                f"{spec[1]} on {spec[2]} to {tuple(x.shape)}, {x.dtype} on {x.device}: keep batch shapes fixed "
+                "(drop_last=True)"
+            )
+        side.check_against(g.side_spec, f"block {i}")
+        side.load(g.sides, self._passes)
+        g.check_addresses()
+        return _BlockReplay.apply(g, x, *g.params)

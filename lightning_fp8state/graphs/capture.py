@@ -25,7 +25,15 @@ from ..errors import ConfigError
 from ..protocol import QuantProtocol
 from .fsdp_units import _unit_input
 
-__all__ = ["CudaGraphBackend", "capture_chain", "on_side_stream", "require_warmup"]
+__all__ = [
+    "CudaGraphBackend",
+    "autocast_cache_off",
+    "capture_backwards",
+    "capture_chain",
+    "capture_forward",
+    "on_side_stream",
+    "require_warmup",
+]
 
 
 def on_side_stream(side: torch.cuda.Stream, protocol: QuantProtocol | None, fn):
@@ -75,6 +83,58 @@ class CudaGraphBackend:
         return torch.cuda.get_rng_state(device)
 
 
+def autocast_cache_off(device: str):
+    """The caller's autocast, its weight cache off: a cast cached in one graph would be read by
+    another."""
+    return torch.autocast(
+        device,
+        dtype=torch.get_autocast_dtype(device),
+        enabled=torch.is_autocast_enabled(device),
+        cache_enabled=False,
+    )
+
+
+def capture_forward(g, inp: torch.Tensor, backend: CudaGraphBackend, pool, side, region: Callable) -> torch.Tensor:
+    """Capture one block's forward graph (``region(block, input)``, the block read through its
+    aliases) reading ``inp`` as its static input; returns the next block's static input (this
+    one's static output, a leaf). Runs on the side stream, autocast's cache off."""
+    if g.copy_params:  # the replay's input is FSDP2's cast of it: capture with that
+        inp = _unit_input(g.block, inp)
+    g.static_in = inp
+    g.fwd = backend.new_graph()
+    with backend.capture(g.fwd, pool, side):
+        g.static_out = region(g.call_with_aliases, inp)
+    return g.static_out.detach().requires_grad_(True)
+
+
+def capture_backwards(graphs: Sequence, backend: CudaGraphBackend, pool, side) -> None:
+    """Capture each block's backward graph (the recompute inside) in reverse, chaining the
+    input gradients into the previous block's output gradient, after :func:`capture_forward`
+    captured every forward. Runs on the side stream, autocast's cache off.
+
+    Raises:
+        ConfigError: a block's output does not depend on its input (not a chain of blocks).
+    """
+    grad = torch.empty_like(graphs[-1].static_out)
+    for g in reversed(graphs):
+        aliases = [a for a in g.aliases.values() if a.requires_grad]
+        wanted = ([g.static_in] if g.static_in.requires_grad else []) + aliases
+        g.static_grad_out = grad
+        g.bwd = backend.new_graph()
+        with backend.capture(g.bwd, pool, side):
+            grads = torch.autograd.grad(g.static_out, wanted, grad_outputs=grad, allow_unused=True)
+        if g.static_in.requires_grad:
+            g.static_grad_in, grads = grads[0], grads[1:]
+        g.static_grad_params = tuple(grads)
+        g._grad_layout = None  # fresh_grads works its buffer out anew for these
+        g.static_out = g.static_out.detach()  # the captured autograd graph is not needed again
+        grad = g.static_grad_in
+        if grad is None and g is not graphs[0]:
+            raise ConfigError(
+                "GraphedBlocks: a block's output does not depend on its input, so the stack is not a chain of blocks"
+            )
+
+
 def capture_chain(
     graphs: Sequence,
     x: torch.Tensor,
@@ -83,49 +143,17 @@ def capture_chain(
     side,
     region: Callable[[Callable, torch.Tensor], torch.Tensor],
 ) -> None:
-    """Capture each block's forward graph (``region(block, input)``, the block read through its
-    aliases) in order, then each block's backward graph (the recompute inside) in reverse, into
-    ``graphs`` (one :class:`~.replay._BlockGraphs` per block): the forwards chain their static
-    outputs into the next block's static input, the backwards their input gradients into the
-    previous block's output gradient. Runs on the side stream, inside the caller's event.
+    """Capture each block's forward graph in order (:func:`capture_forward`), then each
+    block's backward graph in reverse (:func:`capture_backwards`), into ``graphs`` (one
+    :class:`~.replay._BlockGraphs` per block): the forwards chain their static outputs into the
+    next block's static input, the backwards their input gradients into the previous block's
+    output gradient. Runs on the side stream, inside the caller's event.
 
     Raises:
         ConfigError: a block's output does not depend on its input (not a chain of blocks).
     """
-    device = x.device.type
-    # the autocast weight cache off: a cast cached in one graph would be read by another
-    cache_off = torch.autocast(
-        device,
-        dtype=torch.get_autocast_dtype(device),
-        enabled=torch.is_autocast_enabled(device),
-        cache_enabled=False,
-    )
-    with cache_off:
+    with autocast_cache_off(x.device.type):
         inp = x.detach().clone().requires_grad_(x.requires_grad)
         for g in graphs:
-            if g.copy_params:  # the replay's input is FSDP2's cast of it: capture with that
-                inp = _unit_input(g.block, inp)
-            g.static_in = inp
-            g.fwd = backend.new_graph()
-            with backend.capture(g.fwd, pool, side):
-                g.static_out = region(g.call_with_aliases, inp)
-            inp = g.static_out.detach().requires_grad_(True)
-        grad = torch.empty_like(graphs[-1].static_out)
-        for g in reversed(graphs):
-            aliases = [a for a in g.aliases.values() if a.requires_grad]
-            wanted = ([g.static_in] if g.static_in.requires_grad else []) + aliases
-            g.static_grad_out = grad
-            g.bwd = backend.new_graph()
-            with backend.capture(g.bwd, pool, side):
-                grads = torch.autograd.grad(g.static_out, wanted, grad_outputs=grad, allow_unused=True)
-            if g.static_in.requires_grad:
-                g.static_grad_in, grads = grads[0], grads[1:]
-            g.static_grad_params = tuple(grads)
-            g._grad_layout = None  # fresh_grads works its buffer out anew for these
-            g.static_out = g.static_out.detach()  # the captured autograd graph is not needed again
-            grad = g.static_grad_in
-            if grad is None and g is not graphs[0]:
-                raise ConfigError(
-                    "GraphedBlocks: a block's output does not depend on its input, so the stack is not "
-                    "a chain of blocks"
-                )
+            inp = capture_forward(g, inp, backend, pool, side, region)
+        capture_backwards(graphs, backend, pool, side)

@@ -5,12 +5,12 @@ backward, the parameters' gradients handed back to autograd so a strategy's hook
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from ..errors import StateTransitionError
+from ..errors import ConfigError, StateTransitionError
 from ..nn.fsdp import Fp8GatheredWeight
 from .fsdp_units import _static_copies
 
@@ -38,6 +38,46 @@ def _flat_layout(grads: Sequence[torch.Tensor | None]):
     return live[0].dtype, live[0].device, sizes, picks
 
 
+def hidden_state(out, block: nn.Module) -> torch.Tensor:
+    """The hidden state a block returned: the tensor itself, or the first element of a tuple
+    whose other elements are None (a Hugging Face layer's ``(hidden, None)``). Another tensor
+    output would be a graph output nobody chains: refused."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        extra = [k for k, v in enumerate(out) if k and v is not None]
+        if not extra:
+            return out[0]
+        raise ConfigError(
+            f"GraphedBlocks: {type(block).__name__} returned a {type(out).__name__} with outputs besides the hidden "
+            f"state (at positions {extra}); per-block graphs chain the first and take no other output. Turn the "
+            "others off (output_attentions=False, use_cache=False), or train without graphs"
+        )
+    raise ConfigError(
+        f"GraphedBlocks: {type(block).__name__} returned a {type(out).__name__}; expected a tensor, or a tuple "
+        "whose first element is the hidden state"
+    )
+
+
+def run_block(
+    block: nn.Module,
+    forward: Callable | None,
+    args: tuple,
+    kwargs: dict,
+    lengths: dict | None = None,
+    index: int = 0,
+    x: torch.Tensor | None = None,
+):
+    """``block``'s hidden state for ``x`` and the side inputs (``forward``: what runs it, the
+    module's call by default); ``lengths[index]``: the length of the tuple it returned, if one.
+    A module in the arguments of a ``functools.partial`` of this is what a checkpoint's buffer
+    restore looks for."""
+    out = (block if forward is None else forward)(x, *args, **kwargs)
+    if lengths is not None and isinstance(out, (tuple, list)):
+        lengths[index] = len(out)
+    return hidden_state(out, block)
+
+
 class _BlockGraphs:
     """One block's two graphs and their static buffers.
 
@@ -46,9 +86,23 @@ class _BlockGraphs:
     frees the gathered memory after each use and allocates it again (at another address) at the
     next gather. Without it the graphs read the parameters' own memory through aliases."""
 
-    def __init__(self, block: nn.Module, copy_params: bool = False, shared: dict | None = None) -> None:
+    def __init__(
+        self,
+        block: nn.Module,
+        copy_params: bool = False,
+        shared: dict | None = None,
+        forward: Callable | None = None,
+    ) -> None:
         self.block = block
         self.copy_params = copy_params
+        self.forward = forward  # what runs the block (its module call by default)
+        # the side inputs as the capture calls the block with them (static buffers for the
+        # tensors), the buffers, and the captured spec a replay's call must match
+        self.side_args: tuple = ()
+        self.side_kwargs: dict = {}
+        self.sides: list = []
+        self.side_spec: tuple = ()
+        self.defer_forward = False  # a per-layer capture replays the forwards after the last block
         self.params = [p for p in block.parameters() if p.requires_grad]
         if copy_params:
             self.aliases = _static_copies(block, {} if shared is None else shared)
@@ -88,11 +142,15 @@ class _BlockGraphs:
                 )
 
     def call_with_aliases(self, x: torch.Tensor) -> torch.Tensor:
+        args, kwargs = self.side_args, self.side_kwargs
         if self.copy_params:
             # the unit's own forward, past FSDP2's hooks (they would gather inside the capture)
             with torch.nn.utils.stateless._reparametrize_module(self.block, self.aliases, tie_weights=True):
-                return type(self.block).forward(self.block, x)
-        return torch.func.functional_call(self.block, self.aliases, (x,))
+                return hidden_state(type(self.block).forward(self.block, x, *args, **kwargs), self.block)
+        if self.forward is not None:  # a layer whose own call routes here: its forward, under aliases
+            with torch.nn.utils.stateless._reparametrize_module(self.block, self.aliases, tie_weights=True):
+                return hidden_state(self.forward(x, *args, **kwargs), self.block)
+        return hidden_state(torch.func.functional_call(self.block, self.aliases, (x, *args), kwargs), self.block)
 
     def load_params(self, live: Sequence[torch.Tensor]) -> None:
         """Copy the live (gathered) parameters into the graphs' static ones. An FP8-gathered
@@ -181,7 +239,10 @@ class _BlockReplay(torch.autograd.Function):
             ctx.params = params  # not saved_tensors: the backward's gather rewrites them in place
         if x.data_ptr() != graphs.static_in.data_ptr():  # chained blocks read the last output in place
             graphs.static_in.copy_(x)
-        graphs.fwd.replay()
+        if graphs.defer_forward:  # the capture's pass: replayed once every block is captured
+            graphs.defer_forward = False
+        else:
+            graphs.fwd.replay()
         ctx.graphs = graphs
         return graphs.static_out.detach()
 

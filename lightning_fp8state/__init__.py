@@ -32,7 +32,7 @@ from .errors import (
 )
 from .formats import E4M3, E5M2, MXFP4, NVFP4, Fp4Layout, Fp8Format
 from .fp8state import STATE_FORMAT_VERSION, Fp8State
-from .graphs import GraphedBlocks, GraphedStep
+from .graphs import GraphedBlocks, GraphedStep, graph_decoder_layers
 from .nn import Fp4AttentionQuantizer, Fp8Linear, convert_model
 from .recompute import Phase, checkpoint
 from .sac import MATMUL_OPS, QUANTIZE_OPS, selective_checkpoint_context, selective_checkpoint_policy
@@ -56,6 +56,7 @@ __all__ = [
     "checkpoint",
     "GraphedStep",
     "GraphedBlocks",
+    "graph_decoder_layers",
     "ManagedCollector",
     "selective_checkpoint_context",
     "selective_checkpoint_policy",

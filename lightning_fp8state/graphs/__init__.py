@@ -11,11 +11,24 @@ Two ways to graph a step, one module each, on shared capture machinery:
 - :mod:`.replay`: one block's graphs, their static buffers and the autograd Function that
   replays them;
 - :mod:`.fsdp_units`: FSDP2 units inside per-block graphs (static parameter copies, their
-  input cast, what a capture refuses).
+  input cast, what a capture refuses);
+- :mod:`.side_inputs`: a block's arguments besides the chained hidden state (static buffers
+  for tensors, plain values held constant, what is refused);
+- :mod:`.hf_layers`: :func:`graph_decoder_layers`, a Hugging Face model's decoder layers run
+  through one :class:`GraphedBlocks` from its own forward loop.
 """
 
 from .blocks import GraphedBlocks
 from .capture import CudaGraphBackend, on_side_stream, require_warmup
+from .hf_layers import find_decoder_layers, graph_decoder_layers
 from .step import GraphedStep
 
-__all__ = ["CudaGraphBackend", "GraphedBlocks", "GraphedStep", "on_side_stream", "require_warmup"]
+__all__ = [
+    "CudaGraphBackend",
+    "GraphedBlocks",
+    "GraphedStep",
+    "find_decoder_layers",
+    "graph_decoder_layers",
+    "on_side_stream",
+    "require_warmup",
+]

@@ -365,7 +365,7 @@ class GraphedBlocks:
         p["next"], p["out"] = i + 1, out
         if i == len(self.blocks) - 1:
             self._layer_pass = None
-            if p["mode"] == "replay":
+            if p["mode"] != "eager":  # the capture's pass ran its graphs too (as the whole-stack call counts)
                 self.replays += 1
         extra = self._extra_outputs.get(i, 0)  # a tuple's Nones after the hidden state, as the block returned
         return out if not extra else (out,) + (None,) * (extra - 1)

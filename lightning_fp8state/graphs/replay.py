@@ -237,11 +237,14 @@ class _BlockReplay(torch.autograd.Function):
         if graphs.copy_params:  # an FSDP2 unit: every parameter, as gathered now
             graphs.load_params(params)
             ctx.params = params  # not saved_tensors: the backward's gather rewrites them in place
-        if x.data_ptr() != graphs.static_in.data_ptr():  # chained blocks read the last output in place
-            graphs.static_in.copy_(x)
-        if graphs.defer_forward:  # the capture's pass: replayed once every block is captured
+        if graphs.defer_forward:
+            # the capture's pass (call_block): static_in was cloned from x at the capture (a copy
+            # here would bump the version its checkpoint saved), the forwards are replayed once
+            # every block is captured
             graphs.defer_forward = False
         else:
+            if x.data_ptr() != graphs.static_in.data_ptr():  # chained blocks read the last output in place
+                graphs.static_in.copy_(x)
             graphs.fwd.replay()
         ctx.graphs = graphs
         return graphs.static_out.detach()

@@ -49,7 +49,8 @@ def _flatten(name: str, value: Any, out: list[tuple[str, Any]]) -> None:
     elif isinstance(value, _PLAIN):
         out.append((name, value))
     else:
-        hint = " (pass use_cache=False while training)" if "cache" in name else ""
+        cache = name.startswith("past_key_value") or "cache" in type(value).__name__.lower()
+        hint = " (a key-value cache: pass use_cache=False while training)" if cache else ""
         raise ConfigError(
             f"GraphedBlocks: argument '{name}' is a {type(value).__name__}: a graphed block's side inputs are "
             f"tensors, tuples of tensors or plain values (None, bool, int, float, str){hint}; train this model "

@@ -31,6 +31,7 @@ from ..audit import AuditReport, RecomputeAuditor
 from ..config import QuantConfig, require_bool, require_type
 from ..errors import StateLoadError, StateTransitionError
 from ..fp8state import Fp8State
+from ..graphs import graph_decoder_layers, require_warmup
 from ..nn import ConversionReport
 from .contract import contract_of
 
@@ -140,6 +141,15 @@ class Fp8StateCallback(Callback):
             reason) instead of the one summary line with counts.
         report_dir: write the full conversion report there as ``conversion.json`` (rank
             zero); the report is also :attr:`conversion`.
+        graph_blocks: train the decoder layers of a Hugging Face model the LightningModule
+            holds from per-layer CUDA graphs (:func:`lightning_fp8state.graph_decoder_layers`,
+            applied at fit start; each layer checkpointed by the graphs' runner). The layers
+            are the ModuleList at ``*.model.layers``, or at ``graph_layers_path``.
+        graph_layers_path: the decoder layers' attribute path in the LightningModule
+            (``"net.model.layers"``), where ``*.model.layers`` does not find them.
+        graph_warmup: eager training batches before the capture (``graph_blocks``).
+        graph_backend: what captures and replays (CUDA graphs by default; a stand-in with its
+            interface runs the same path on the CPU, for tests).
     """
 
     def __init__(
@@ -151,6 +161,10 @@ class Fp8StateCallback(Callback):
         log_metrics: bool = True,
         verbose: bool = False,
         report_dir: str | os.PathLike | None = None,
+        graph_blocks: bool = False,
+        graph_layers_path: str | None = None,
+        graph_warmup: int = 3,
+        graph_backend: Any = None,
     ) -> None:
         super().__init__()
         if config is None:
@@ -163,6 +177,19 @@ class Fp8StateCallback(Callback):
         require_bool("log_metrics", log_metrics)
         require_bool("verbose", verbose)
         require_type("report_dir", report_dir, (str, os.PathLike, type(None)), "a directory path or None")
+        require_bool("graph_blocks", graph_blocks)
+        require_type("graph_layers_path", graph_layers_path, (str, type(None)), "an attribute path or None")
+        require_warmup(graph_warmup)
+        if graph_blocks and audit:
+            raise MisconfigurationException(
+                "Fp8StateCallback(graph_blocks=True, audit=True): the audit compares every call in Python, which a "
+                "CUDA-graph replay does not run. Audit a run without graphs"
+            )
+        self.graph_blocks = graph_blocks
+        self.graph_layers_path = graph_layers_path
+        self.graph_warmup = graph_warmup
+        self.graph_backend = graph_backend
+        self.graph_runner = None  # the GraphedBlocks of the decoder layers (graph_blocks=True)
         self.verbose = verbose
         self.report_dir = report_dir
         self.config = config
@@ -237,6 +264,10 @@ class Fp8StateCallback(Callback):
             )
         self._close_after_backward = pl_module.automatic_optimization
         self._drives_events = bool(getattr(pl_module, DRIVES_EVENTS, False))
+        if self.graph_blocks and self.graph_runner is None:
+            self.graph_runner = graph_decoder_layers(
+                pl_module, warmup=self.graph_warmup, backend=self.graph_backend, layers_path=self.graph_layers_path
+            )
         if self.state.protocol.amax_reducer is None and trainer.world_size > 1:
             group = contract.fp8state_process_group
             self.state.enable_amax_reduction(group=group, device=trainer.strategy.root_device)

@@ -55,19 +55,21 @@ def batches(n=N_EVENTS):
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(n)]
 
 
-def train(graphed: bool, audit: bool = False):
+def train(graphed: bool, audit: bool = False, device: str = "cpu", backend=None):
+    """N events of the tiny Llama; ``backend``: the graphs' (the emulation on the CPU by default)."""
     state = f8s.Fp8State(f8s.QuantConfig(strict=False))
-    model = state.convert(make_model())
+    model = state.convert(make_model()).to(device)
     model.train()
     runner = None
     if graphed:
-        runner = graph_decoder_layers(model, warmup=WARMUP, backend=EmulatedGraphBackend())
+        runner = graph_decoder_layers(model, warmup=WARMUP, backend=backend or EmulatedGraphBackend())
     else:
         checkpoint_layers(model)
     auditor = f8s.RecomputeAuditor(state, model=model).__enter__() if audit else None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, grads = [], []
     for i, ids in enumerate(batches()):
+        ids = ids.to(device)
         with state.step(i):
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             state.commit_forward()

@@ -203,12 +203,7 @@ class GraphedBlocks:
         self._check_call(protocol, x)
         if self.graphs is not None:
             side.check_against(self._side_spec, "the blocks")
-        self._passes += 1
-        self._layer_pass = None
-        if self.backend is None:
-            self.backend = CudaGraphBackend()
-        if self._side is None:
-            self._side = self.backend.side_stream(x.device)
+        self._open_pass(x)
         if self.graphs is None:
             if self.eager_calls < self.warmup:
                 self.eager_calls += 1
@@ -370,15 +365,20 @@ class GraphedBlocks:
         extra = self._extra_outputs.get(i, 0)  # a tuple's Nones after the hidden state, as the block returned
         return out if not extra else (out,) + (None,) * (extra - 1)
 
-    def _begin_layer_pass(self, x: torch.Tensor) -> dict:
-        protocol = self.protocol
-        self._check_call(protocol, x)
+    def _open_pass(self, x: torch.Tensor) -> None:
+        """Count a training pass (whole stack or layer by layer) and make what a capture needs:
+        the graph backend and its side stream on ``x``'s device."""
         self._passes += 1
         self._layer_pass = None
         if self.backend is None:
             self.backend = CudaGraphBackend()
         if self._side is None:
             self._side = self.backend.side_stream(x.device)
+
+    def _begin_layer_pass(self, x: torch.Tensor) -> dict:
+        protocol = self.protocol
+        self._check_call(protocol, x)
+        self._open_pass(x)
         p = {"next": 0, "out": None, "protocol": protocol}
         if self.graphs is None and self.eager_calls < self.warmup:
             self.eager_calls += 1

@@ -16,6 +16,7 @@ from . import library_fp4 as _library_fp4  # noqa: F401  (the FP4 schemas and ke
 from . import library_fused as _library_fused  # noqa: F401  (the fused prologue + quantize ops)
 from . import library_rms as _library_rms  # noqa: F401  (the RMSNorm prologue and its backward)
 from . import library_swiglu as _library_swiglu  # noqa: F401  (the SwiGLU prologue and its backward)
+from . import reference_rms as _reference_rms
 from .reference import (
     amax_reference,
     column_sum_reference,
@@ -81,6 +82,20 @@ _ops = torch.ops.fp8state
 
 
 _on_cuda = cuda.load_for  # builds/loads the kernels on first CUDA use
+
+
+def _dispatching(name: str, reference):
+    """The public entry of op ``name``: its signature and documentation are its CPU
+    reference's (written once there); the call goes to the op, on the CUDA kernel once built."""
+    op = getattr(_ops, name)
+
+    @functools.wraps(reference)
+    def call(first, *args, **kwargs):
+        _on_cuda(first)
+        return op(first, *args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    return call
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -149,18 +164,8 @@ def rms_norm_quantize_fp8(
     return _ops.rms_norm_quantize_fp8_record_amax(x, weight, eps, scale, amax_pending, slot, dtype)
 
 
-def rms_norm_backward(
-    grad_y: torch.Tensor,
-    x: torch.Tensor,
-    rstd: torch.Tensor,
-    weight: torch.Tensor | None,
-    output_mask: tuple[bool, bool] | list[bool],
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Gradients ``(dx, dweight)`` of the RMSNorm over the last dim of ``x`` (numerics:
-    :mod:`.reference_rms`) from its ``rstd`` and the output's gradient ``grad_y``; an output whose
-    ``output_mask`` entry is False is None. ``dweight`` is float32."""
-    _on_cuda(x)
-    return _ops.rms_norm_backward(grad_y, x, rstd, weight, list(output_mask))
+# Gradients (dx, dweight) of the RMSNorm from its rstd: the reference's signature and numerics.
+rms_norm_backward = _dispatching("rms_norm_backward", _reference_rms.rms_norm_backward_reference)
 
 
 def swiglu_quantize_fp8(
@@ -222,20 +227,6 @@ def transpose_fp8(q: torch.Tensor) -> torch.Tensor:
     wants for the backward's operands), byte for byte."""
     _on_cuda(q)
     return _ops.transpose_fp8(q)
-
-
-def _dispatching(name: str, reference):
-    """The public entry of op ``name``: its signature and documentation are its CPU
-    reference's (written once there); the call goes to the op, on the CUDA kernel once built."""
-    op = getattr(_ops, name)
-
-    @functools.wraps(reference)
-    def call(first, *args, **kwargs):
-        _on_cuda(first)
-        return op(first, *args, **kwargs)
-
-    call.__name__ = call.__qualname__ = name
-    return call
 
 
 # Advance all owners selected by ``commit_mask`` in one batched update (in place).

@@ -1,4 +1,4 @@
-"""Evidence: naive vs safe delayed scaling on the project's GPT with activation checkpointing.
+"""Evidence: naive vs safe delayed scaling on the project's GPT or Llama with activation checkpointing.
 
 In one invocation, for the same seed, initial weights and data, trains the GPT of
 ``lightning_fp8state/models/gpt.py`` (every block through ``lightning_fp8state.checkpoint``)
@@ -29,6 +29,7 @@ per-step series.
     python benchmarks/evidence.py --preset gpu --json evidence.json   # GPT-2 small shape, H200
     python benchmarks/evidence.py --preset gpu_1b --runs bf16 fp8_safe --steps 300   # 1.2B, H200
     python benchmarks/evidence.py --preset gpu_1b --runs bf16 fp8_current fp8_rowwise --steps 300  # issue 28
+    python benchmarks/evidence.py --preset gpu_llama_1b --runs bf16 fp8_safe fp8_current fp8_rowwise --steps 300
     python benchmarks/evidence.py model.n_layers=2 --steps 50 --runs bf16 fp8_safe fp8_naive
 
 ``key=value`` arguments override the preset's recipe (as ``fp8state audit`` does); put them
@@ -96,6 +97,9 @@ PRESETS: dict[str, tuple[str, list[str]]] = {
             "trainer.lr=2.0e-4",
         ],
     ),
+    # Llama 3.2 1B's shape as llama_1b_h200 ships it (fused projections, bf16 head), batch 4: the
+    # loss check of the Llama issue (fp8_delayed, fp8_current, fp8_rowwise within 0.5 % of bf16)
+    "gpu_llama_1b": ("llama_1b_h200", ["data.batch_size=4"]),
 }
 AUDITS = ("auto", "host", "device", "both")
 

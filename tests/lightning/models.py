@@ -5,6 +5,7 @@ Shared by the in-process Lightning tests, the two-rank scenario script and the G
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
@@ -104,3 +105,45 @@ class ScaledDataset(Dataset):
     def __getitem__(self, i: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(1000 + i)
         return torch.randn(self.size, generator=g) * (self.loud if i % 2 else 1.0)
+
+
+class HfLlamaModule(pl.LightningModule):
+    """A tiny transformers LlamaForCausalLM (tests/unit/test_hf_decoder_graphs.py's) as a user
+    writes its LightningModule; ``checkpointed``: each decoder layer through
+    ``lightning_fp8state.checkpoint`` (the eager reference of ``Fp8StateCallback(graph_blocks=True)``,
+    whose runner checkpoints the layers itself)."""
+
+    frozen = None  # the scenarios' Perturb callback asks
+
+    def __init__(self, checkpointed: bool, lr: float = 0.05) -> None:
+        super().__init__()
+        from tests.unit.test_hf_decoder_graphs import checkpoint_layers, make_model  # noqa: PLC0415
+
+        self.net = make_model()
+        if checkpointed:
+            checkpoint_layers(self.net)
+        self.lr = lr
+        self.blocks_runner = None
+        self.losses: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.net(input_ids=batch, labels=batch, use_cache=False).loss
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class TokenRows(Dataset):
+    """Row i: fixed random tokens (seeded by i) below ``vocab``."""
+
+    def __init__(self, length: int, seq: int, vocab: int) -> None:
+        self.length, self.seq, self.vocab = length, seq, vocab
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(2000 + i)
+        return torch.randint(0, self.vocab, (self.seq,), generator=g)

@@ -21,7 +21,7 @@ from torch.utils.data import DistributedSampler
 import lightning_fp8state as f8s
 from lightning_fp8state.models import ResumableLoader
 from lightning_fp8state.nn.fsdp import gathered_layers
-from tests.lightning.models import CheckpointedBoring, ScaledDataset
+from tests.lightning.models import CheckpointedBoring, HfLlamaModule, ScaledDataset, TokenRows
 
 DEFAULTS = {
     "name": "run",
@@ -43,6 +43,10 @@ DEFAULTS = {
     "resume_from": None,  # file name of a checkpoint written by an earlier run
     "graphed": False,  # the blocks through GraphedBlocks, its graphs emulated (tests/graph_emulation.py)
     "optimizer": "sgd",  # or "adamw" (fused)
+    # "hf_llama": a tiny transformers Llama on token rows (models.HfLlamaModule), its decoder layers
+    # checkpointed eagerly, or graphed by Fp8StateCallback(graph_blocks=True) with "graph_blocks"
+    "model": "boring",
+    "graph_blocks": False,
 }
 
 
@@ -164,13 +168,18 @@ def _strategy(spec):
 def run(spec: dict, out: str) -> None:
     spec = {**DEFAULTS, **spec}
     pl.seed_everything(0, workers=True, verbose=False)
-    model = CheckpointedBoring(ckpt=spec["ckpt"], frozen=spec["frozen"], optimizer=spec["optimizer"])
+    from tests.graph_emulation import EmulatedGraphBackend
+
+    if spec["model"] == "hf_llama":
+        model = HfLlamaModule(checkpointed=not spec["graph_blocks"])
+        data = TokenRows(spec["samples"], seq=16, vocab=128)
+    else:
+        model = CheckpointedBoring(ckpt=spec["ckpt"], frozen=spec["frozen"], optimizer=spec["optimizer"])
+        data = ScaledDataset(spec["samples"])
     if spec["graphed"]:
         from lightning_fp8state.graphs import GraphedBlocks
-        from tests.graph_emulation import EmulatedGraphBackend
 
         model.blocks_runner = GraphedBlocks(model.blocks, warmup=2, backend=EmulatedGraphBackend())
-    data = ScaledDataset(spec["samples"])
 
     def train_dataloader():
         # Our own sampler without shuffling (Lightning's shuffles training data): rank 0 gets
@@ -180,7 +189,12 @@ def run(spec: dict, out: str) -> None:
         return ResumableLoader(data, batch_size=spec["batch_size"], sampler=sampler)
 
     model.train_dataloader = train_dataloader
-    cb = f8s.lightning.Fp8StateCallback(config=f8s.QuantConfig(**spec["config"]), audit=spec["audit"])
+    # CUDA graphs on a GPU (the callback's default backend), emulated on the CPU
+    backend = EmulatedGraphBackend() if spec["accelerator"] == "cpu" else None
+    graphs = {"graph_blocks": True, "graph_warmup": 2, "graph_backend": backend}
+    cb = f8s.lightning.Fp8StateCallback(
+        config=f8s.QuantConfig(**spec["config"]), audit=spec["audit"], **(graphs if spec["graph_blocks"] else {})
+    )
     callbacks = [cb, Perturb(), SaveAt(spec["save_at"], out, spec["stop_after_save"], cb)]
     trainer = pl.Trainer(
         accelerator=spec["accelerator"],
@@ -205,7 +219,9 @@ def run(spec: dict, out: str) -> None:
     bad = [k for k, v in result["params"].items() if not torch.isfinite(v).all()]
     if bad:  # two diverged runs compare equal as NaN: nothing the plan's tests assert would hold
         raise AssertionError(f"scenario {spec['name']!r}: non-finite weights after the fit: {bad}")
-    result["replays"] = None if model.blocks_runner is None else model.blocks_runner.replays
+    runner = model.blocks_runner or cb.graph_runner
+    result["replays"] = None if runner is None else runner.replays
+    result["losses"] = [t.float() for t in getattr(model, "losses", [])]
     folder = os.path.join(out, spec["name"])
     os.makedirs(folder, exist_ok=True)
     torch.save(result, os.path.join(folder, f"rank{trainer.global_rank}.pt"))

@@ -59,7 +59,7 @@ from lightning_fp8state.fp8state import Fp8State
 from lightning_fp8state.models import make_dataset
 from lightning_fp8state.telemetry import gradient_norms
 
-__all__ = ["PRESETS", "RUNS", "main"]
+__all__ = ["PRESETS", "RUNS", "main", "runs_for"]
 
 # run name -> recipe overrides (on top of the preset's recipe, which is FP8 delayed, safe)
 RUNS: dict[str, list[str]] = {
@@ -102,6 +102,11 @@ PRESETS: dict[str, tuple[str, list[str]]] = {
     "gpu_llama_1b": ("llama_1b_h200", ["data.batch_size=4"]),
 }
 AUDITS = ("auto", "host", "device", "both")
+
+
+def runs_for(arch: str) -> list[str]:
+    """The runs a model of ``arch`` has: the packed-FP4 attention runs are the GPT's only."""
+    return [name for name, extra in RUNS.items() if arch == "gpt" or not any("fp4_attention" in o for o in extra)]
 
 
 def _host_series(auditor: RecomputeAuditor, steps: int) -> tuple[list[int], list[int]]:
@@ -295,7 +300,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), metavar="RUN", help=f"{list(RUNS)}")
+    p.add_argument(
+        "--runs",
+        nargs="+",
+        choices=list(RUNS),
+        default=None,
+        metavar="RUN",
+        help=f"{list(RUNS)} (default: every run the preset's model has: the fp4 runs are the GPT's)",
+    )
     p.add_argument("--seed", type=int, default=0, help="model init and data seed (trainer.seed, data.seed)")
     p.add_argument(
         "--audit",
@@ -348,7 +360,8 @@ def _run(args) -> dict:
     recipe, preset_overrides = PRESETS[args.preset]
     common = [*preset_overrides, f"trainer.seed={args.seed}", f"data.seed={args.seed}", *args.overrides]
     common.append("quant.strict=false")  # naive modes must run to the end with their violations counted
-    runs = ["bf16", *[r for r in args.runs if r != "bf16"]] if "bf16" in args.runs else list(args.runs)
+    chosen = args.runs if args.runs is not None else runs_for(load_config(recipe, common).model.arch)
+    runs = ["bf16", *[r for r in chosen if r != "bf16"]] if "bf16" in chosen else list(chosen)
     cfgs = {name: load_config(recipe, common + RUNS[name]) for name in runs}  # validate all before running
     first = cfgs[runs[0]]
     x, y = _batches(first, args.steps, device)

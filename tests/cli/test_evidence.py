@@ -150,14 +150,28 @@ def test_every_preset_gives_a_valid_config_for_every_run():
     """The GPU presets never run in CI: their recipes and overrides must at least compose and
     validate (a wrong key fails here, not after a device machine has started)."""
     from lightning_fp8state.cli.config import load_config
+    from lightning_fp8state.errors import ConfigError
 
     module = _load()
     for preset, (recipe, overrides) in module.PRESETS.items():
+        arch = load_config(recipe, overrides).model.arch
         for run, extra in module.RUNS.items():
-            cfg = load_config(recipe, [*overrides, *extra])
-            assert cfg.model.d_model > 0, (preset, run)
+            if run in module.runs_for(arch):
+                cfg = load_config(recipe, [*overrides, *extra])
+                assert cfg.model.d_model > 0, (preset, run)
+            else:  # the packed-FP4 attention runs are the GPT's: refused by name for a Llama
+                with pytest.raises(ConfigError, match="fp4_attention=True is not allowed"):
+                    load_config(recipe, [*overrides, *extra])
     big = load_config(*module.PRESETS["gpu_1b"])
     assert (big.model.d_model, big.model.n_layers, big.model.seq_len) == (2048, 20, 2048)
+    llama = load_config(*module.PRESETS["gpu_llama_1b"])
+    assert (llama.model.arch, llama.model.d_model, llama.model.n_layers, llama.model.n_kv_heads) == (
+        "llama",
+        2048,
+        16,
+        8,
+    )
+    assert module.runs_for("llama") == [r for r in module.RUNS if not r.startswith("fp4")]
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,8 @@ cross-entropy; only the model and how it is quantized change:
     hf_bf16           transformers' LlamaForCausalLM, its own gradient checkpointing, no callback
     hf_fp8            + Fp8StateCallback (FP8 delayed scaling), its layers eager
     hf_fp8_graphs     + Fp8StateCallback(graph_blocks=True): each decoder layer from a CUDA graph
+    hf_fused_fp8      hf_fp8 after lightning_fp8state.fuse_decoder_projections (RMSNorm / SwiGLU fused)
+    hf_fused_fp8_graphs  hf_fp8_graphs after fuse_decoder_projections: a user's model on our fast path
     ours_fp8          our Llama (separate projections, as the Hugging Face layer has), callback
     ours_fp8_fused    our Llama with fused projections (RMSNorm / SwiGLU folded into the encodes)
     ours_bf16         our Llama without the callback
@@ -37,7 +39,16 @@ from lightning_fp8state.lightning import Fp8StateCallback
 from lightning_fp8state.models import Llama, LlamaConfig
 from lightning_fp8state.models.blocks import next_token_loss
 
-VARIANTS = ("hf_bf16", "hf_fp8", "hf_fp8_graphs", "ours_fp8", "ours_fp8_fused", "ours_bf16")
+VARIANTS = (
+    "hf_bf16",
+    "hf_fp8",
+    "hf_fp8_graphs",
+    "hf_fused_fp8",
+    "hf_fused_fp8_graphs",
+    "ours_fp8",
+    "ours_fp8_fused",
+    "ours_bf16",
+)
 
 
 def _hf_model(args) -> torch.nn.Module:
@@ -76,7 +87,9 @@ def _our_model(args, fused: bool) -> torch.nn.Module:
 def _module(variant: str, args):
     hf = variant.startswith("hf_")
     net = _hf_model(args) if hf else _our_model(args, fused=variant.endswith("_fused"))
-    if variant in ("hf_bf16", "hf_fp8"):  # hf_fp8_graphs: the graphs' runner checkpoints the layers
+    if hf and "fused" in variant:
+        f8s.fuse_decoder_projections(net)  # before the callback converts the model
+    if hf and not variant.endswith("_graphs"):  # with graphs, the graphs' runner checkpoints the layers
         net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     class Module(pl.LightningModule):

@@ -33,6 +33,7 @@ from .errors import (
 from .formats import E4M3, E5M2, MXFP4, NVFP4, Fp4Layout, Fp8Format
 from .fp8state import STATE_FORMAT_VERSION, Fp8State
 from .graphs import GraphedBlocks, GraphedStep, graph_decoder_layers
+from .models.hf_fuse import fuse_decoder_projections, unfuse_decoder_projections
 from .nn import Fp4AttentionQuantizer, Fp8Linear, convert_model
 from .recompute import Phase, checkpoint
 from .sac import MATMUL_OPS, QUANTIZE_OPS, selective_checkpoint_context, selective_checkpoint_policy
@@ -57,6 +58,8 @@ __all__ = [
     "GraphedStep",
     "GraphedBlocks",
     "graph_decoder_layers",
+    "fuse_decoder_projections",
+    "unfuse_decoder_projections",
     "ManagedCollector",
     "selective_checkpoint_context",
     "selective_checkpoint_policy",

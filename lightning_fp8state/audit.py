@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .encoders import norm_kind
 from .recompute import CallRecord, Phase, buffers_restored, in_backward
 from .sac import outside_selective_checkpoint
 from .state import role_phase
@@ -345,6 +346,11 @@ class RecomputeAuditor:
         self.protocol.auditors.append(self)
         if self.model is not None:
             for name, module in self.model.named_modules():
+                if norm_kind(module) is not None:
+                    # a norm the next Fp8Linear may fold into its encode: that fused prologue reads
+                    # the norm's weight without calling it, and refuses a norm with hooks (ZeRO-3's
+                    # gather), so a hook here would audit the unfused computation, not the run's
+                    continue
                 self._handles.append(module.register_forward_pre_hook(self._before_call))
                 self._handles.append(
                     module.register_forward_hook(functools.partial(self._after_call, name), always_call=True)

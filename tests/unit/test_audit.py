@@ -11,6 +11,8 @@ that auditor; it had no module-state report at all).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import lightning_fp8state as f8s
-from tests.conftest import event_inputs, make_stack, run_events
+from tests.conftest import bitwise_equal, event_inputs, make_stack, run_events
 
 N_EVENTS = 4
 NONREENTRANT = [("torch", False), ("plain", False)]
@@ -194,3 +196,38 @@ def test_engine_bookkeeping_attributes_are_not_model_state():
         run_events(state, model, event_inputs(2))
     names = {c.name for c in auditor.report().state_changes}
     assert names == {"calls"}
+
+
+def test_auditing_a_model_leaves_its_fused_norms_fused():
+    """RecomputeAuditor(model=...) hooks the model's modules; a hook on a norm would make the next
+    Fp8Linear run the norm unfused (its fused prologue refuses a norm with hooks), so the audited
+    run computed something else than the run it audits (gradients differed in the last bits)."""
+    from lightning_fp8state.models import Llama, LlamaConfig
+
+    def run(audit: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = Llama(
+            LlamaConfig(
+                vocab_size=97,
+                seq_len=16,
+                d_model=64,
+                n_layers=2,
+                n_heads=4,
+                n_kv_heads=2,
+                ffn_hidden=128,
+                fused_projections=True,
+            )
+        )
+        state = f8s.Fp8State(f8s.QuantConfig(strict=False, exclude=["*lm_head"]))
+        state.convert(model)
+        idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+        auditor = f8s.RecomputeAuditor(state, model=model) if audit else contextlib.nullcontext()
+        with auditor, state.step(0):
+            loss = model.loss(idx, idx.roll(-1, dims=1))
+            state.commit_forward()
+            loss.backward()
+        assert not audit or auditor.report().ok
+        return [p.grad for p in model.parameters()]
+
+    for a, b in zip(run(False), run(True), strict=True):
+        assert bitwise_equal(a, b)

@@ -144,6 +144,10 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
     optimizer_owns_parameters = False  # DeepSpeed's flat fp32 partitions; its device guard clips there
     writes_checkpoint_directory = True
     needs_cuda = True  # Lightning's DeepSpeedStrategy refuses any other accelerator
+    # DeepSpeed's ZeRO optimizer partitions are laid out for the saved number of ranks: a resume on
+    # another one needs DeepSpeed's universal checkpoint (ds_to_universal, then
+    # load_universal_checkpoint), which this strategy does not drive
+    resumes_on_another_world_size = False
 
     @classmethod
     def fused_optimizer(cls, strategy_cfg: Any) -> bool:

@@ -381,13 +381,17 @@ def carry_loader_position(checkpoint: dict, world: int, batch_size: int):
 
 
 def _resharded(report, loader) -> dict | None:
-    """What the mapping did, as ``provenance.json`` keeps it, said in one line (rank 0)."""
+    """What the mapping did, as ``provenance.json`` keeps it; the data position said in one line
+    (rank 0), beside the callback's line on the quantizer state."""
     if report is None:
         return None
     data = (
         loader.describe() if loader is not None else "the checkpoint holds no loader position: the epoch starts again"
     )
-    print(f"fp8state: {report.line().split(': ', 1)[1]}; {data}; the owners are named in provenance.json")
+    print(
+        f"fp8state: on {report.world} rank(s) (saved by {report.saved_world}), {data}; the quantizer owners copied "
+        "and merged are named in provenance.json"
+    )
     doc = report.to_dict()
     doc["data"] = {"continues_at_sample": loader.sample, "repeated_samples": loader.repeated} if loader else None
     return doc

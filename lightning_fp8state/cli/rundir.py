@@ -436,9 +436,14 @@ def run_files_callback(run_dir: Path, cfg: DictConfig, plan, fp8_callback):
 
         def on_fit_start(self, trainer, pl_module) -> None:
             if trainer.is_global_zero:
-                resharded = _resharded(fp8_callback.reshard_report, self.loader) if plan is not None else None
-                write_run_files(run_dir, cfg, plan, conversion=fp8_callback.conversion.to_dict(), resharded=resharded)
+                write_run_files(run_dir, cfg, plan, conversion=fp8_callback.conversion.to_dict())
                 if plan is not None:
                     _remove_stale_temporaries(run_dir)
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            # on another world size, what the load did (FSDP2 loads after on_fit_start, DDP before)
+            if trainer.is_global_zero and plan is not None and plan.reshard is not None:
+                resharded = _resharded(fp8_callback.reshard_report, self.loader)
+                write_run_files(run_dir, cfg, plan, conversion=fp8_callback.conversion.to_dict(), resharded=resharded)
 
     return RunFiles()

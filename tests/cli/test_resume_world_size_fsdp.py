@@ -37,7 +37,12 @@ def test_a_two_rank_fsdp_run_resumed_on_one_is_bitwise_the_hand_mapped_reference
         )
     )
     saved = tmp_path / "two" / "checkpoints" / "last.ckpt"
-    assert sorted(p.name for p in saved.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]  # no side file
+    assert sorted(p.name for p in saved.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "meta.pt",
+    ]  # no side file
     resumed, ref = tmp_path / "on_one", tmp_path / "reference"
     shutil.copytree(tmp_path / "two", resumed)
     shutil.copytree(tmp_path / "two", ref)

@@ -26,7 +26,7 @@ from typing_extensions import override
 from ..config import require_bool, require_choice, require_int
 from ..errors import StateLoadError
 from ..nn.fsdp import mark_sharded
-from ..state.checkpoint_files import check_checkpoint
+from ..state.checkpoint_files import check_checkpoint, zero_world_size
 from . import deepspeed_guard
 from .callback import Fp8StateCallback
 from .contract import Fp8StateStrategyContract
@@ -338,9 +338,16 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         check_checkpoint(checkpoint_path, deepspeed=True)  # DeepSpeed's engine unpickles: refuse foreign code first
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        saved_world = zero_world_size(checkpoint_path)
+        if fitting and saved_world not in (None, self.world_size):  # before the engine reads a partition
+            raise StateLoadError(
+                f"{checkpoint_path}: DeepSpeed's ZeRO optimizer partitions were saved by {saved_world} rank(s), this run "
+                f"has {self.world_size}: they reshard only through DeepSpeed's universal checkpoint, which "
+                f"{self.strategy_name} does not drive. Resume with devices x num_nodes = {saved_world}"
+            )
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         entry = checkpoint.get(ACCUMULATION_KEY)
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if entry is None or not fitting or (self.load_full_weights and self.zero_stage_3):
             return checkpoint
         check_format_version(entry.get("format_version"), f"checkpoint['{ACCUMULATION_KEY}']")

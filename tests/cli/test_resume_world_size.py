@@ -186,3 +186,35 @@ def test_deepspeed_on_another_world_size_is_refused_plainly(tmp_path, capsys):
         RunDirectoryError, match=r"cannot load it there: DeepSpeed's ZeRO optimizer partitions .*universal"
     ):
         _world_size_change(cfg, ckpt, tmp_path, str(tmp_path))
+
+
+def test_the_deepspeed_strategy_refuses_partitions_of_another_world_size_before_its_engine_reads_them(
+    tmp_path, monkeypatch
+):
+    """A library resume (``Trainer(strategy="fp8state_deepspeed", devices=1).fit(ckpt_path=...)``)
+    of ZeRO partitions saved by two ranks stops before DeepSpeed's engine opens one."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from lightning.pytorch.strategies import DeepSpeedStrategy  # noqa: PLC0415
+    from lightning.pytorch.trainer.states import TrainerFn  # noqa: PLC0415
+
+    from lightning_fp8state.errors import StateLoadError  # noqa: PLC0415
+    from lightning_fp8state.lightning import Fp8StateDeepSpeedStrategy  # noqa: PLC0415
+    from lightning_fp8state.state.checkpoint_files import zero_world_size  # noqa: PLC0415
+
+    ckpt = tmp_path / "last.ckpt"
+    (ckpt / "global_step4").mkdir(parents=True)
+    (ckpt / "latest").write_text("global_step4")
+    torch.save({"global_step": 4}, ckpt / "global_step4" / "mp_rank_00_model_states.pt")
+    for r in (0, 1):
+        torch.save({}, ckpt / "global_step4" / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+    assert zero_world_size(ckpt) == 2
+    strategy = Fp8StateDeepSpeedStrategy()
+    trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING))
+    monkeypatch.setattr(
+        Fp8StateDeepSpeedStrategy, "lightning_module", property(lambda s: SimpleNamespace(trainer=trainer))
+    )
+    monkeypatch.setattr(Fp8StateDeepSpeedStrategy, "world_size", property(lambda s: 1))
+    monkeypatch.setattr(DeepSpeedStrategy, "load_checkpoint", lambda *a, **k: pytest.fail("the engine was reached"))
+    with pytest.raises(StateLoadError, match=r"saved by 2 rank\(s\), this run has 1: .*universal checkpoint"):
+        strategy.load_checkpoint(ckpt)

@@ -340,11 +340,14 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
         check_checkpoint(checkpoint_path, deepspeed=True)  # DeepSpeed's engine unpickles: refuse foreign code first
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         saved_world = zero_world_size(checkpoint_path)
-        if fitting and saved_world not in (None, self.world_size):  # before the engine reads a partition
+        # DeepSpeed's universal checkpoint (its config's checkpoint.load_universal) reshards itself
+        universal = bool((self.config or {}).get("checkpoint", {}).get("load_universal"))
+        if fitting and not universal and saved_world not in (None, self.world_size):  # before the engine reads one
             raise StateLoadError(
                 f"{checkpoint_path}: DeepSpeed's ZeRO optimizer partitions were saved by {saved_world} rank(s), this run "
-                f"has {self.world_size}: they reshard only through DeepSpeed's universal checkpoint, which "
-                f"{self.strategy_name} does not drive. Resume with devices x num_nodes = {saved_world}"
+                f"has {self.world_size}: they reshard only through DeepSpeed's universal checkpoint (convert the "
+                "checkpoint with deepspeed.checkpoint.ds_to_universal, then pass a DeepSpeed config with "
+                f'"checkpoint": {{"load_universal": true}}), or resume with devices x num_nodes = {saved_world}'
             )
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         entry = checkpoint.get(ACCUMULATION_KEY)

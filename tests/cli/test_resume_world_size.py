@@ -218,3 +218,9 @@ def test_the_deepspeed_strategy_refuses_partitions_of_another_world_size_before_
     monkeypatch.setattr(DeepSpeedStrategy, "load_checkpoint", lambda *a, **k: pytest.fail("the engine was reached"))
     with pytest.raises(StateLoadError, match=r"saved by 2 rank\(s\), this run has 1: .*universal checkpoint"):
         strategy.load_checkpoint(ckpt)
+    # DeepSpeed's universal checkpoint reshards by itself: then the engine is left to load it
+    universal = Fp8StateDeepSpeedStrategy(
+        config={"checkpoint": {"load_universal": True}, "zero_optimization": {"stage": 2}}
+    )
+    monkeypatch.setattr(DeepSpeedStrategy, "load_checkpoint", lambda *a, **k: {"loaded": True})
+    assert universal.load_checkpoint(ckpt) == {"loaded": True}

@@ -54,6 +54,11 @@ def _name(identity: tuple) -> str:
     return f"{layer}#{site}.{role}" + (f"/stream{stream}" if stream else "")
 
 
+def _roles(names: tuple[str, ...]) -> str:
+    """The roles among owner names (``layer#site.role[/streamN]``), sorted: ``grad_output, input``."""
+    return ", ".join(sorted({n.split("/", 1)[0].rsplit(".", 1)[1] for n in names})) or "none"
+
+
 @dataclass(frozen=True)
 class ReshardReport:
     """What a mapping of ``saved_world`` ranks onto ``world`` did, owner by owner."""
@@ -65,16 +70,18 @@ class ReshardReport:
     merged: tuple[str, ...]
 
     def line(self) -> str:
-        """One line for the log: the world sizes, and how many owners were copied and merged."""
+        """One line for the log: the world sizes, and which owners (by role; every name is in
+        :meth:`to_dict`) were copied and merged."""
         merged = (
-            f"{len(self.merged)} merged by quant.world_size_merge={self.rule} (they differed per rank: elementwise "
-            "max of the amax histories)"
+            f"{len(self.merged)} merged by quant.world_size_merge={self.rule} (roles {_roles(self.merged)}: they "
+            "differed per rank; elementwise max of the amax histories)"
             if self.merged
             else "none merged"
         )
         return (
             f"lightning_fp8state: resuming the quantizer state of {self.saved_world} rank(s) on {self.world}: "
-            f"{len(self.copied)} owner(s) copied bitwise (the same on every saved rank), {merged}"
+            f"{len(self.copied)} owner(s) copied bitwise (roles {_roles(self.copied)}: the same on every saved rank), "
+            f"{merged}"
         )
 
     def to_dict(self) -> dict:

@@ -127,6 +127,7 @@ def test_the_report_names_world_sizes_and_counts_in_one_line():
     report = plan_reshard(saved, 1, "max")
     line = report.line()
     assert "\n" not in line and "of 2 rank(s) on 1" in line
-    assert f"{len(report.copied)} owner(s) copied bitwise" in line and f"{len(report.merged)} merged" in line
+    assert f"{len(report.copied)} owner(s) copied bitwise (roles weight:" in line
+    assert f"{len(report.merged)} merged by quant.world_size_merge=max (roles grad_output, input:" in line
     doc = report.to_dict()
     assert doc["saved_world_size"] == 2 and doc["world_size"] == 1 and doc["merged"] == list(report.merged)

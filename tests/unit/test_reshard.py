@@ -131,3 +131,33 @@ def test_the_report_names_world_sizes_and_counts_in_one_line():
     assert f"{len(report.merged)} merged by quant.world_size_merge=max (roles grad_output, input:" in line
     doc = report.to_dict()
     assert doc["saved_world_size"] == 2 and doc["world_size"] == 1 and doc["merged"] == list(report.merged)
+
+
+def with_stream_owner(sd: dict, layer: str, stream: int, amax: float) -> dict:
+    """``sd`` with one more owner: ``layer``'s input entered from CUDA stream ``stream``."""
+    bank = dict(sd["bank"])
+    i = next(i for i, o in enumerate(bank["owners"]) if o[0] == layer and o[1] == "input")
+    bank["owners"] = [*bank["owners"], [layer, "input", sd["rank"], stream, 0]]
+    bank["dtypes"] = [*bank["dtypes"], bank["dtypes"][i]]
+    bank["center_width"] = [*bank["center_width"], bank["center_width"][i]]
+    history = torch.full_like(bank["amax_history"][:, i : i + 1], amax)
+    bank["amax_history"] = torch.cat([bank["amax_history"], history], dim=1)
+    for key in ("scale", "descale", "amax_pending", "nonfinite_count", "center", "center_max", "center_min"):
+        bank[key] = torch.cat([bank[key], bank[key][i : i + 1]])
+    return dict(sd, bank=bank)
+
+
+def test_per_stream_owners_are_merged_across_the_ranks_that_hold_them():
+    saved = trained_ranks(2, ownership="per_layer_rank_stream")
+    layer = saved[0]["bank"]["owners"][0][0]
+    saved[0] = with_stream_owner(saved[0], layer, 1, 2.0)  # only rank 0 ran a second stream
+    with pytest.raises(WorldSizeMergeError, match=r"9 owner\(s\) differ per rank"):  # 8 + the stream owner
+        plan_reshard(saved, 1, "refuse")
+    state, report = reshard_state(saved, 1, 0, "max")
+    assert f"{layer}#0.input/stream1" in report.merged
+    bank = state["bank"]
+    i = bank["owners"].index([layer, "input", 0, 1, 0])
+    assert bitwise_equal(bank["amax_history"][:, i], torch.full_like(bank["amax_history"][:, i], 2.0))
+    fresh = f8s.Fp8State(f8s.QuantConfig(ownership="per_layer_rank_stream"), rank=0)
+    fresh.convert(make_stack(n=2, ckpt=("torch", False)))
+    fresh.load_state_dict(state)

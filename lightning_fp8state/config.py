@@ -29,6 +29,7 @@ __all__ = [
     "MARGIN_MAX",
     "MODES",
     "OWNERSHIP_SCOPES",
+    "WORLD_SIZE_MERGES",
     "GROUP_OF",
     "ConfigSection",
     "QuantConfig",
@@ -59,6 +60,10 @@ AMAX_REDUCTIONS = ("none", "data_parallel")
 # per commit. Inputs and gradients depend on each rank's data; a per-rank scale fits that
 # rank's data best, so reducing them is opt-in.
 DEFAULT_AMAX_REDUCTION = (("weight", "data_parallel"),)
+# A resume on another world size (state/reshard.py): owners whose state is the same on every
+# saved rank are copied; those that differ are merged (max: elementwise max of the amax
+# histories, the scale of the largest amax) or the resume is refused (refuse).
+WORLD_SIZE_MERGES = ("max", "refuse")
 FP4_LAYOUT_NAMES = tuple(FP4_LAYOUTS)  # ("nvfp4", "mxfp4")
 # scale = fmax / amax / 2**margin, margin in [0, MARGIN_MAX]. The CUDA update_scales takes
 # 2**margin as a float32 (ldexpf) and checks margin < MARGIN_MAX + 1 (csrc/fp8_ops.cu);
@@ -227,7 +232,7 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     # how a quantized linear call runs: the GEMM backend, fused prologues (no change to what is stored)
     "execution": ("gemm", "fuse_prologues", "weight_codes_once"),
     # who shares delayed state: the ownership scope (layers, ranks, streams) and the amax reduction across ranks
-    "sharing": ("ownership", "amax_reduction"),
+    "sharing": ("ownership", "amax_reduction", "world_size_merge"),
     # the protocol's policy towards violations: the rules or the seed's defects, raise or count, ledger detail
     "diagnostics": ("mode", "strict", "ledger_window"),
 }
@@ -297,8 +302,8 @@ class QuantConfig:
       packed-FP4 attention operands;
     - ``selection``: include, exclude — which modules are converted;
     - ``execution``: gemm, fuse_prologues, weight_codes_once — how a quantized call runs;
-    - ``sharing``: ownership, amax_reduction — who shares delayed state, across layers, ranks
-      and streams;
+    - ``sharing``: ownership, amax_reduction, world_size_merge — who shares delayed state,
+      across layers, ranks and streams, and how it maps onto another number of ranks;
     - ``diagnostics``: mode, strict, ledger_window — the protocol's policy on violations.
 
     Every field is validated on construction; a bad value raises ``ConfigError`` naming
@@ -366,6 +371,11 @@ class QuantConfig:
     # commit (see AMAX_REDUCTIONS): a mapping role -> mode ("*" = every other role) or one
     # mode for all roles. Roles not named are "none". Stored as sorted (role, mode) pairs.
     amax_reduction: tuple[tuple[str, str], ...] = DEFAULT_AMAX_REDUCTION
+    # A resume on another number of ranks (see WORLD_SIZE_MERGES): what happens to owners whose
+    # saved state differs per rank. max: every new rank takes their elementwise max of the amax
+    # histories (and the scale of the largest amax); refuse: the resume is refused, naming them.
+    # Owners equal on every rank (amax reduced each event) are copied bitwise either way.
+    world_size_merge: str = "max"
     # -- diagnostics ---------------------------------------------------------------------
     # safe: the protocol. naive: reproduces the seed's defects on purpose (advance before
     # consume, record in recompute) so the audit can prove it catches them. naive_snapshot:
@@ -408,6 +418,7 @@ class QuantConfig:
         # sharing
         require_choice("ownership", self.ownership, OWNERSHIP_SCOPES)
         object.__setattr__(self, "amax_reduction", _reduction_pairs(self.amax_reduction))
+        require_choice("world_size_merge", self.world_size_merge, WORLD_SIZE_MERGES)
         # diagnostics
         require_choice("mode", self.mode, MODES)
         require_bool("strict", self.strict)
@@ -450,7 +461,7 @@ class QuantConfig:
 
     @property
     def sharing(self) -> ConfigSection:
-        """ownership, amax_reduction (:meth:`reduction_of` reads the latter per role)."""
+        """ownership, amax_reduction (:meth:`reduction_of` reads it per role), world_size_merge."""
         return ConfigSection(self, "sharing")
 
     @property

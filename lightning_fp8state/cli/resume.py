@@ -6,6 +6,12 @@ newest good ``step=N.ckpt``, saying so), that checkpoint was made with this conf
 ``config.yaml`` says what the checkpoint records it was trained with. Every failure is a
 :class:`~lightning_fp8state.errors.RunDirectoryError` naming the file and what to do. The result
 is a :class:`ResumePlan`; nothing is written.
+
+Another world size (``trainer.devices`` / ``trainer.num_nodes``) is a resume too, where the
+strategy's checkpoint loads on another number of ranks: the quantizer state is mapped
+(``state/reshard.py``; a mapping ``quant.world_size_merge=refuse`` forbids is refused here, before
+anything runs) and the data loader's position is carried over in samples
+(:func:`map_loader_position`).
 """
 
 from __future__ import annotations
@@ -18,14 +24,15 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..errors import ConfigError, RunDirectoryError, UntrustedCheckpointError
+from ..errors import ConfigError, RunDirectoryError, StateLoadError, UntrustedCheckpointError
 from ..fp8state import Fp8State
 from ..state.checkpoint_files import DEEPSPEED_LATEST, check_checkpoint, deepspeed_safe_globals, load_checkpoint_file
+from ..state.reshard import ReshardReport, plan_reshard
 from .config import quant_config
 from .rundir import RUN_CONFIG_KEY, require_no_links, resume_command
 from .schema import strategy_facts
 
-__all__ = ["RESUMABLE_KEYS", "ResumePlan", "last_checkpoint", "plan_resume"]
+__all__ = ["RESUMABLE_KEYS", "LoaderPosition", "ResumePlan", "last_checkpoint", "map_loader_position", "plan_resume"]
 
 # What a resume may change: how long to train, how often to save and log, where W&B goes,
 # loader workers, CPU threads, garbage collection and strictness. Everything else defines what the checkpoint holds (or the
@@ -44,6 +51,11 @@ RESUMABLE_KEYS = (  # (not trainer.cpu_threads: another thread count changes CPU
     "quant.weight_codes_once",  # how a call runs, bitwise the same either way
     "trainer.cuda_graphs",  # how a step runs, bitwise the same either way: a resume warms up and captures again
     "trainer.cuda_graphs_warmup",
+    # another number of ranks, where the strategy's checkpoint loads on it (its contract's
+    # resumes_on_another_world_size): the quantizer state is mapped, the data position carried
+    "trainer.devices",
+    "trainer.num_nodes",
+    "quant.world_size_merge",
 )
 _STEP_CKPT = re.compile(r"^step=(\d+)\.ckpt$")
 
@@ -57,6 +69,8 @@ class ResumePlan:
     step: int
     notes: list[str] = field(default_factory=list)
     saved_cfg: DictConfig | None = None  # the run's config.yaml as it was (before the overrides)
+    # on another world size: what the quantizer state's mapping will do (checked before the run)
+    reshard: ReshardReport | None = None
 
     @property
     def complete(self) -> bool:
@@ -139,17 +153,11 @@ def _reason(exc: BaseException) -> str:
 
 
 def _check_against_checkpoint(cfg: DictConfig, ckpt: dict, path: Path) -> None:
-    """The checkpoint was made by a run of this configuration: same quantizer state layout and
-    world size, exactly the model's weights (none missing, none extra, each of its shape), and
+    """The checkpoint was made by a run of this configuration: same quantizer state layout,
+    exactly the model's weights (none missing, none extra, each of its shape), and
     quantizer owners of exactly the layers this configuration converts."""
     entry = ckpt.get("fp8state")
     if isinstance(entry, dict) and entry.get("ranks"):
-        world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
-        if entry.get("world_size") not in (None, world):
-            raise RunDirectoryError(
-                f"{path}: saved by {entry['world_size']} rank(s), but this configuration runs {world} "
-                f"(trainer.devices x trainer.num_nodes); resume with the run's own world size"
-            )
         saved = next(iter(entry["ranks"].values())).get("config", {})
         live = quant_config(cfg)
         diff = [
@@ -218,6 +226,76 @@ def _check_owners(path: Path, layers: set[str], ranks: dict, state: Fp8State) ->
                 f"{path}: the quantizer state of rank {rank} does not fit this configuration ({detail}); "
                 "resume with the model.* and quant.* settings the run was started with"
             )
+
+
+@dataclass(frozen=True)
+class LoaderPosition:
+    """Where the data continues on another world size: each rank's loader skips ``batches``
+    batches; ``sample`` is the first global sample the resumed run reads, ``done`` the samples the
+    saved run had read (``repeated = done - sample`` are read again)."""
+
+    batches: int
+    sample: int
+    done: int
+
+    @property
+    def repeated(self) -> int:
+        return self.done - self.sample
+
+    def describe(self) -> str:
+        if not self.repeated:
+            return f"the data continues at sample {self.sample} (none repeated or skipped)"
+        return (
+            f"the data cannot continue at sample {self.done} on this world size (it is not a whole number of "
+            f"batches per rank): it continues at sample {self.sample}, and {self.repeated} sample(s) are read again"
+        )
+
+
+def map_loader_position(consumed: int, saved_world: int, world: int, batch_size: int) -> LoaderPosition:
+    """The loader position on ``world`` ranks of one that had ``consumed`` batches on each of
+    ``saved_world`` ranks.
+
+    Every rank reads every ``world``-th sample of the epoch's order (Lightning's distributed
+    sampler), so after ``k`` batches of ``batch_size`` the ranks together have read exactly the
+    epoch's first ``k * batch_size * world`` samples. The saved run read ``consumed * batch_size *
+    saved_world``; the resumed ranks skip ``consumed * saved_world // world`` batches each, which
+    is that position exactly when it divides, else the whole batch before it (a few samples are
+    read again; none is skipped)."""
+    done = consumed * saved_world * batch_size
+    batches = consumed * saved_world // world
+    return LoaderPosition(batches=batches, sample=batches * world * batch_size, done=done)
+
+
+def loader_consumed(ckpt: dict) -> int | None:
+    """The batches each rank's loader had read (``ResumableLoader``'s state in Lightning's fit
+    loop), or None when the checkpoint holds no such state."""
+    try:
+        states = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+        return int(states[0]["consumed"]) if len(states) == 1 else None
+    except (KeyError, TypeError, IndexError, ValueError):
+        return None
+
+
+def _world_size_change(cfg: DictConfig, ckpt: dict, path: Path, resume: str) -> ReshardReport | None:
+    """None on the saved world size; else what mapping the quantizer state does, once the
+    strategy, the saved accumulation window and ``quant.world_size_merge`` allow it."""
+    entry = ckpt.get("fp8state")
+    if not isinstance(entry, dict) or not entry.get("ranks") or "world_size" not in entry:
+        return None
+    saved, world = int(entry["world_size"]), int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+    if saved == world:
+        return None
+    where = f"--resume {resume!r}: {path} was saved by {saved} rank(s), this configuration runs {world}"
+    if not strategy_facts(cfg.strategy).resumes_on_another_world_size:
+        raise RunDirectoryError(
+            f"{where}, and strategy.name={cfg.strategy.name!r} cannot load it there: DeepSpeed's ZeRO optimizer "
+            f"partitions are laid out for {saved} rank(s) and reshard only through DeepSpeed's universal checkpoint, "
+            f"which fp8state does not drive. Resume with trainer.devices x trainer.num_nodes = {saved}"
+        )
+    try:
+        return plan_reshard(entry["ranks"], world, quant_config(cfg).world_size_merge)
+    except StateLoadError as exc:
+        raise RunDirectoryError(f"{where}: {exc}") from None
 
 
 def _few(names: list[str], n: int = 3) -> str:
@@ -326,4 +404,6 @@ def plan_resume(resume: str, recipe: str | None, overrides: list[str]) -> Resume
         cfg.trainer.schedule_steps = int(saved.trainer.schedule_steps or saved.trainer.max_steps)
     path, ckpt, notes = _select_checkpoint(cfg, run_dir, resume)
     _check_recorded_config(saved_path, old, ckpt.get(RUN_CONFIG_KEY), path)
-    return ResumePlan(cfg=cfg, checkpoint=path, step=int(ckpt["global_step"]), notes=notes, saved_cfg=saved)
+    reshard = _world_size_change(cfg, ckpt, path, resume)
+    step = int(ckpt["global_step"])
+    return ResumePlan(cfg=cfg, checkpoint=path, step=step, notes=notes, saved_cfg=saved, reshard=reshard)

@@ -317,10 +317,14 @@ def provenance() -> dict:
     }
 
 
-def write_run_files(run_dir: Path, cfg: DictConfig, plan=None, conversion: dict | None = None) -> None:
+def write_run_files(
+    run_dir: Path, cfg: DictConfig, plan=None, conversion: dict | None = None, resharded: dict | None = None
+) -> None:
     """``config.yaml``, ``provenance.json`` (and ``conversion.json`` when given), each replaced
     in one rename. A resumed run's provenance keeps what started the run (``started_as``) and
-    says where it resumed (``plan``: its :class:`~lightning_fp8state.cli.resume.ResumePlan`)."""
+    says where it resumed (``plan``: its :class:`~lightning_fp8state.cli.resume.ResumePlan`) and,
+    on another world size, what was mapped (``resharded``: the world sizes, the owners copied
+    and merged, the data position)."""
     write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     if conversion is not None:
         write_text_atomic(run_dir / "conversion.json", json.dumps(conversion, indent=1))
@@ -334,6 +338,8 @@ def write_run_files(run_dir: Path, cfg: DictConfig, plan=None, conversion: dict 
             k: prior.get(k) for k in ("version", "git_commit", "torch", "gpu", "command")
         }
         resumed = prior.get("resumed_from") if plan is None else {"checkpoint": str(plan.checkpoint), "step": plan.step}
+        if plan is not None and resharded is not None:
+            resumed["world_size"] = resharded
         doc["resumed_from"] = resumed
     write_text_atomic(run_dir / "provenance.json", json.dumps(doc, indent=1, default=str))
 
@@ -356,6 +362,39 @@ def _remove_stale_temporaries(run_dir: Path) -> None:
 
     for tmp in (run_dir / "checkpoints").glob(f".*{TMP_SUFFIX}"):
         remove_temporary(tmp)
+
+
+# -- a resume on another world size ------------------------------------------------------------
+def carry_loader_position(checkpoint: dict, world: int, batch_size: int):
+    """Rewrite the saved loader position (batches per rank) for ``world`` ranks, in place, before
+    Lightning restores its loops; the :class:`~lightning_fp8state.cli.resume.LoaderPosition`, or
+    None where the checkpoint holds no loader position (the loader then starts the epoch again)."""
+    from .resume import loader_consumed, map_loader_position  # noqa: PLC0415  (resume imports this module)
+
+    consumed = loader_consumed(checkpoint)
+    saved_world = int(checkpoint["fp8state"]["world_size"])
+    if consumed is None:
+        return None
+    position = map_loader_position(consumed, saved_world, world, batch_size)
+    checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["consumed"] = position.batches
+    return position
+
+
+def _resharded(report, loader) -> dict | None:
+    """What the mapping did, as ``provenance.json`` keeps it; the data position said in one line
+    (rank 0), beside the callback's line on the quantizer state."""
+    if report is None:
+        return None
+    data = (
+        loader.describe() if loader is not None else "the checkpoint holds no loader position: the epoch starts again"
+    )
+    print(
+        f"fp8state: on {report.world} rank(s) (saved by {report.saved_world}), {data}; the quantizer owners copied "
+        "and merged are named in provenance.json"
+    )
+    doc = report.to_dict()
+    doc["data"] = {"continues_at_sample": loader.sample, "repeated_samples": loader.repeated} if loader else None
+    return doc
 
 
 # -- the callbacks that keep the run directory -------------------------------------------------
@@ -382,6 +421,14 @@ def run_files_callback(run_dir: Path, cfg: DictConfig, plan, fp8_callback):
     from lightning.pytorch.callbacks import Callback
 
     class RunFiles(Callback):
+        def __init__(self) -> None:
+            self.loader = None  # on another world size: the data position carried over
+
+        def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+            # before Lightning restores its loops: the loader's position, in samples, on this world size
+            if plan is not None and plan.reshard is not None:
+                self.loader = carry_loader_position(checkpoint, trainer.world_size, cfg.data.batch_size)
+
         def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
             # the configuration the checkpoint was trained with (plain values: weights_only loads
             # it): a resume compares config.yaml with it key by key
@@ -392,5 +439,11 @@ def run_files_callback(run_dir: Path, cfg: DictConfig, plan, fp8_callback):
                 write_run_files(run_dir, cfg, plan, conversion=fp8_callback.conversion.to_dict())
                 if plan is not None:
                     _remove_stale_temporaries(run_dir)
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            # on another world size, what the load did (FSDP2 loads after on_fit_start, DDP before)
+            if trainer.is_global_zero and plan is not None and plan.reshard is not None:
+                resharded = _resharded(fp8_callback.reshard_report, self.loader)
+                write_run_files(run_dir, cfg, plan, conversion=fp8_callback.conversion.to_dict(), resharded=resharded)
 
     return RunFiles()

@@ -5,7 +5,9 @@ One logical event per training batch (microbatch), opened in ``on_train_batch_st
 roles commit in ``on_before_backward``, the event closes in ``on_after_backward`` (backward
 roles commit, the ledger is checked, the snapshot stash is released). A batch whose
 backward never ran (skipped) or that raised is aborted: its amaxes are discarded.
-Every rank's state is gathered into the checkpoint and each rank restores its own.
+Every rank's state is gathered into the checkpoint and each rank restores its own; a resume on
+another number of ranks restores the saved ranks' state mapped onto the new ones
+(``state/reshard.py``, by ``QuantConfig.world_size_merge``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..errors import StateLoadError, StateTransitionError
 from ..fp8state import Fp8State
 from ..graphs import graph_decoder_layers, require_warmup
 from ..nn import ConversionReport
+from ..state.reshard import ReshardReport, plan_reshard, reshard_state
 from .contract import contract_of
 
 __all__ = [
@@ -55,27 +58,27 @@ CHECKPOINT_KEY = "fp8state"
 CHECKPOINT_FORMAT_VERSION = 1
 
 
-def check_resume_world_size(saved_world: int, world: int, fitting: bool, *, sharded: bool = False) -> None:
-    """Refuse to train on from a checkpoint of another world size (``StateLoadError``).
+def check_resume_world_size(entry: Mapping, world: int, fitting: bool, rule: str) -> ReshardReport | None:
+    """How a checkpoint's quantizer state maps onto ``world`` ranks, checked before anything is
+    loaded: ``None`` when nothing is mapped (the same world size, or an evaluation, which reads
+    saved rank ``r mod N``), else the report of :func:`~lightning_fp8state.state.reshard.plan_reshard`.
 
-    Each rank's delayed-scaling history belongs to its own data (and, under FSDP2, its own
-    weight shard), so the quantizer state cannot be resharded exactly; evaluation may.
+    Raises:
+        WorldSizeMergeError: owners differ per rank and ``rule`` (``QuantConfig.world_size_merge``)
+            is ``refuse``.
+        StateLoadError: the checkpoint holds each rank's accumulated gradients (saved inside an
+            accumulation window): they belong to each rank's data and are not mapped.
     """
+    saved_world = int(entry["world_size"])
     if saved_world == world or not fitting:
-        return
-    weights = (
-        " The sharded weights could be resharded, the per-rank quantizer state cannot: the resume is refused, "
-        "not resharded."
-        if sharded
-        else ""
-    )
-    raise StateLoadError(
-        f"the checkpoint holds the quantizer state of {saved_world} rank(s), this run has {world}: "
-        "each rank's delayed-scaling history belongs to its own data, so training cannot resume "
-        f"exactly with another world size.{weights} Resume with devices x num_nodes = {saved_world}, or "
-        "load only the weights (e.g. LightningModule.load_from_checkpoint) and train on from fresh "
-        "quantizer state"
-    )
+        return None
+    if entry.get("accumulated_grads") is not None:
+        raise StateLoadError(
+            f"the checkpoint of {saved_world} rank(s) was saved inside a gradient-accumulation window, with each "
+            f"rank's accumulated gradients: they cannot be mapped onto {world} rank(s). Resume with devices x "
+            f"num_nodes = {saved_world}, or from a checkpoint saved at an optimizer-step boundary"
+        )
+    return plan_reshard(entry["ranks"], world, rule)
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -207,6 +210,8 @@ class Fp8StateCallback(Callback):
         self._grads_to_restore: dict[str, torch.Tensor] | None = None
         self._close_after_backward = True
         self._drives_events = False
+        # a resume on another world size: what the mapping of the saved ranks' state did
+        self.reshard_report: ReshardReport | None = None
 
     # -- setup ---------------------------------------------------------------------
     @override
@@ -428,9 +433,12 @@ class Fp8StateCallback(Callback):
             )
         saved_world, world, rank = entry["world_size"], trainer.world_size, trainer.global_rank
         ranks = entry["ranks"]
-        if saved_world != world:
-            sharded = contract_of(trainer.strategy).fp8state_sharded
-            check_resume_world_size(saved_world, world, trainer.state.fn == TrainerFn.FITTING, sharded=sharded)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if saved_world != world and check_resume_world_size(entry, world, fitting, self.config.world_size_merge):
+            # training on: every rank takes the mapped state (state/reshard.py), copied or merged
+            sd, self.reshard_report = reshard_state(ranks, world, rank, self.config.world_size_merge)
+            rank_zero_info(self.reshard_report.line())
+        elif saved_world != world:
             # Read-only stages (validate/test/predict) may run on another world size: each rank
             # reads the state of saved rank (rank mod saved world size).
             source = rank % saved_world

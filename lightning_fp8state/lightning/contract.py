@@ -41,6 +41,9 @@ class Fp8StateStrategyContract:
     restores_optimizer_late: ClassVar[bool] = False
     #: runs on CUDA devices only, whatever ``trainer.accelerator`` says
     needs_cuda: ClassVar[bool] = False
+    #: its checkpoint's weights and optimizer state load on another number of ranks (replicated,
+    #: or resharded by DCP); the quantizer state is mapped by the callback (``state/reshard.py``)
+    resumes_on_another_world_size: ClassVar[bool] = True
 
     @classmethod
     def fused_optimizer(cls, strategy_cfg: Any) -> bool:

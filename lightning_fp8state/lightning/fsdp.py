@@ -10,8 +10,10 @@ shard group in the one all-reduce at ``commit_forward``, so every rank commits t
 
 Checkpoints are sharded (torch distributed checkpoint: a directory, one shard file per rank);
 the quantizer state of every rank travels in Lightning's metadata file of that directory, as
-under DDP. A resume on another world size is refused before anything is loaded (the weights
-could be resharded, the per-rank quantizer state cannot).
+under DDP. A resume on another world size reshards the weights and optimizer state through DCP
+(each tensor read by its global offsets) and maps the quantizer state from the same metadata
+file (``state/reshard.py``); a mapping ``QuantConfig.world_size_merge=refuse`` forbids is refused
+before anything is loaded.
 """
 
 from __future__ import annotations
@@ -313,7 +315,8 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Refuse another world size (before anything is loaded), then load the shards in place."""
+        """Refuse a mapping onto another world size that the config forbids (before anything is
+        loaded), then load the shards in place (DCP reshards them onto this world size)."""
         from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
             StateDictOptions,
             get_model_state_dict,
@@ -334,8 +337,14 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
         metadata = load_checkpoint_file(path / _METADATA_FILENAME, map_location="cpu")
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         entry = metadata.get(CHECKPOINT_KEY)
-        if isinstance(entry, dict) and "world_size" in entry:
-            check_resume_world_size(entry["world_size"], self.world_size, fitting, sharded=True)
+        if isinstance(entry, dict) and "world_size" in entry:  # a mapping the config forbids: before any load
+            rules = [
+                cb.config.world_size_merge
+                for cb in self.lightning_module.trainer.callbacks
+                if isinstance(cb, Fp8StateCallback)
+            ]
+            check_resume_world_size(entry, self.world_size, fitting, rules[0] if rules else "max")
+        # another world size: DCP reshards the weights and optimizer state by their global offsets
         # the plain shards alias the parameters' storage: the load fills them in place
         model_state = {"state_dict": {k: plain_shard(v) for k, v in get_model_state_dict(self.model).items()}}
         safe_dcp_load(model_state, path)

@@ -26,7 +26,7 @@ from typing_extensions import override
 from ..config import require_bool, require_choice, require_int
 from ..errors import StateLoadError
 from ..nn.fsdp import mark_sharded
-from ..state.checkpoint_files import check_checkpoint
+from ..state.checkpoint_files import check_checkpoint, zero_world_size
 from . import deepspeed_guard
 from .callback import Fp8StateCallback
 from .contract import Fp8StateStrategyContract
@@ -144,6 +144,10 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
     optimizer_owns_parameters = False  # DeepSpeed's flat fp32 partitions; its device guard clips there
     writes_checkpoint_directory = True
     needs_cuda = True  # Lightning's DeepSpeedStrategy refuses any other accelerator
+    # DeepSpeed's ZeRO optimizer partitions are laid out for the saved number of ranks: a resume on
+    # another one needs DeepSpeed's universal checkpoint (ds_to_universal, then
+    # load_universal_checkpoint), which this strategy does not drive
+    resumes_on_another_world_size = False
 
     @classmethod
     def fused_optimizer(cls, strategy_cfg: Any) -> bool:
@@ -334,9 +338,19 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         check_checkpoint(checkpoint_path, deepspeed=True)  # DeepSpeed's engine unpickles: refuse foreign code first
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        saved_world = zero_world_size(checkpoint_path)
+        # DeepSpeed's universal checkpoint (its config's checkpoint.load_universal) reshards itself
+        universal = bool((self.config or {}).get("checkpoint", {}).get("load_universal"))
+        if fitting and not universal and saved_world not in (None, self.world_size):  # before the engine reads one
+            raise StateLoadError(
+                f"{checkpoint_path}: DeepSpeed's ZeRO optimizer partitions were saved by {saved_world} rank(s), this run "
+                f"has {self.world_size}: they reshard only through DeepSpeed's universal checkpoint (convert the "
+                "checkpoint with deepspeed.checkpoint.ds_to_universal, then pass a DeepSpeed config with "
+                f'"checkpoint": {{"load_universal": true}}), or resume with devices x num_nodes = {saved_world}'
+            )
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         entry = checkpoint.get(ACCUMULATION_KEY)
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if entry is None or not fitting or (self.load_full_weights and self.zero_stage_3):
             return checkpoint
         check_format_version(entry.get("format_version"), f"checkpoint['{ACCUMULATION_KEY}']")

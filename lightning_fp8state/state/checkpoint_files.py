@@ -73,6 +73,7 @@ __all__ = [
     "deepspeed_safe_globals",
     "load_checkpoint_file",
     "load_dcp_metadata",
+    "zero_world_size",
     "safe_dcp_load",
 ]
 
@@ -445,6 +446,21 @@ def _check_deepspeed_latest(path: Path, name: str = DEEPSPEED_LATEST) -> None:
     folder = path / tag
     if not folder.is_dir() or folder.is_symlink():
         raise UntrustedCheckpointError(latest, f"the tag {tag!r}, which is not a folder inside the checkpoint")
+
+
+def zero_world_size(path: str | Path) -> int | None:
+    """How many data-parallel ranks wrote a DeepSpeed checkpoint directory: its ZeRO optimizer
+    partition files (``*zero_pp_rank_R_mp_rank_00_optim_states.pt``) in the folder its ``latest``
+    names (checked by :func:`check_checkpoint` first), or in the directory itself; None when it
+    holds none. Nothing is unpickled."""
+    path = Path(path)
+    latest = path / DEEPSPEED_LATEST
+    folder = path / latest.read_text(encoding="utf-8").strip() if latest.is_file() else path
+    ranks = {
+        p.name.split("zero_pp_rank_")[1].split("_")[0]
+        for p in folder.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt")
+    }
+    return len(ranks) or None
 
 
 def check_checkpoint(path: str | Path, *, deepspeed: bool | None = None) -> None:

@@ -224,12 +224,25 @@ def _model():
     return model
 
 
-def test_resuming_with_another_world_size_is_refused_with_a_clear_message(out):
-    cb = f8s.lightning.Fp8StateCallback()
-    trainer = _single_device_trainer(cb)
-    with pytest.raises(f8s.StateLoadError, match=r"quantizer state of 2 rank\(s\), this run has 1"):
-        trainer.fit(_model(), ckpt_path=out / "step.ckpt")
+def test_resuming_with_another_world_size_maps_the_state_or_refuses_as_configured(out):
+    """Training on from the two-rank checkpoint on one rank: the saved ranks' state mapped
+    (state/reshard.py), the weight owners (all-reduced) copied, the others merged; with
+    ``world_size_merge="refuse"`` the same resume is refused, naming the owners."""
+    cb = f8s.lightning.Fp8StateCallback(config=f8s.QuantConfig(world_size_merge="refuse"))
+    with pytest.raises(f8s.StateLoadError, match=r"2 rank\(s\) cannot be mapped onto 1: 12 owner\(s\) differ"):
+        _single_device_trainer(cb).fit(_model(), ckpt_path=out / "step.ckpt")
     assert cb.state.event is None
+    cb = f8s.lightning.Fp8StateCallback()
+    _single_device_trainer(cb).fit(_model(), ckpt_path=out / "step.ckpt")
+    report = cb.reshard_report
+    assert (report.saved_world, report.world, len(report.copied), len(report.merged)) == (2, 1, 6, 12)
+    assert {n.rsplit(".", 1)[1] for n in report.copied} == {"weight"}
+
+
+def test_a_checkpoint_with_accumulated_gradients_is_not_mapped_onto_another_world_size(out):
+    cb = f8s.lightning.Fp8StateCallback()
+    with pytest.raises(f8s.StateLoadError, match=r"inside a gradient-accumulation window.*cannot be mapped onto 1"):
+        _single_device_trainer(cb).fit(_model(), ckpt_path=out / "midacc.ckpt")
 
 
 def test_evaluating_a_checkpoint_of_another_world_size_reads_rank_zeros_state(out):

@@ -98,22 +98,34 @@ def test_checkpoint_is_sharded_and_holds_every_ranks_quantizer_state(out):
     assert meta["global_step"] == 5
 
 
-def test_resume_on_another_world_size_is_refused_with_a_clear_message():
-    with pytest.raises(f8s.StateLoadError, match=r"2 rank\(s\), this run has 1.*refused, not resharded"):
-        check_resume_world_size(2, 1, fitting=True, sharded=True)
-    check_resume_world_size(2, 1, fitting=False, sharded=True)  # evaluation may
-    check_resume_world_size(2, 2, fitting=True, sharded=True)
+def test_a_resume_on_another_world_size_is_checked_against_the_merge_rule_before_loading(out):
+    entry = torch.load(out / "fsdp_step.ckpt" / "meta.pt", weights_only=True)["fp8state"]
+    with pytest.raises(f8s.StateLoadError, match=r"2 rank\(s\) cannot be mapped onto 1: .*differ per rank"):
+        check_resume_world_size(entry, 1, True, "refuse")
+    report = check_resume_world_size(entry, 1, True, "max")
+    assert (report.saved_world, report.world) == (2, 1) and report.merged
+    assert {n.rsplit(".", 1)[1] for n in report.copied} == {"weight"}  # MAX-reduced over the shard group
+    assert check_resume_world_size(entry, 1, False, "refuse") is None  # evaluation reads rank r mod 2
+    assert check_resume_world_size(entry, 2, True, "refuse") is None
 
 
-def test_a_one_rank_resume_of_the_two_rank_checkpoint_is_refused_before_loading(out, tmp_path):
+def test_a_one_rank_resume_the_merge_rule_forbids_is_refused_before_loading(out, tmp_path):
     """The real path: ``Trainer(devices=1, strategy="fp8state_fsdp").fit(ckpt_path=<the two-rank
-    sharded checkpoint>)`` stops in the strategy's load_checkpoint with the message, before the
-    weights are loaded."""
-    plan = [{**FSDP, "name": "one_rank", "devices": 1, "resume_from": str(out / "fsdp_step.ckpt")}]
+    sharded checkpoint>)`` with ``world_size_merge="refuse"`` stops in the strategy's
+    load_checkpoint, before the weights are loaded (with ``max`` it trains on:
+    tests/cli/test_resume_world_size_fsdp.py)."""
+    plan = [
+        {
+            **FSDP,
+            "name": "one_rank",
+            "devices": 1,
+            "resume_from": str(out / "fsdp_step.ckpt"),
+            "config": {"world_size_merge": "refuse"},
+        }
+    ]
     done = run_plan(plan, tmp_path, check=False)
     assert done.returncode != 0
-    assert "StateLoadError" in done.stderr and "2 rank(s), this run has 1" in done.stderr, done.stderr[-3000:]
-    assert "refused, not resharded" in done.stderr
+    assert "WorldSizeMergeError" in done.stderr and "2 rank(s) cannot be mapped onto 1" in done.stderr
     assert "lightning/fsdp.py" in done.stderr  # raised by the strategy, before the DCP load
 
 

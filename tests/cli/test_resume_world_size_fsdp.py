@@ -1,0 +1,73 @@
+"""``fp8state train --resume DIR trainer.devices=1`` of a two-rank ``fp8state_fsdp`` run (FSDP2 over
+gloo on the CPU): the weights and the optimizer state resharded by torch distributed checkpoint,
+the quantizer state mapped from the same checkpoint folder (its ``meta.pt``, no side file). The
+reference is the same checkpoint with its quantizer state and loader position mapped by hand,
+resumed on one rank as a one-rank run: the two must match bit for bit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+
+from lightning_fp8state.telemetry.sinks import read_jsonl
+from tests.cli.test_resume_world_size import SMALL, Fp8Rank0, hand_mapped, ok, train
+from tests.conftest import bitwise_equal
+
+SAVED_STEPS, STEPS = 4, 6
+
+
+def test_a_two_rank_fsdp_run_resumed_on_one_is_bitwise_the_hand_mapped_reference(tmp_path):
+    ok(
+        train(
+            tmp_path,
+            *SMALL,
+            "strategy.name=fp8state_fsdp",
+            "trainer.devices=2",
+            "trainer.deterministic=true",
+            f"trainer.max_steps={SAVED_STEPS}",
+            f"trainer.schedule_steps={STEPS}",
+            f"trainer.checkpoint_every_n_steps={SAVED_STEPS}",
+            "telemetry.wandb=disabled",
+            "telemetry.log_every_n_steps=1",
+            "quant.strict=true",
+            f"out_dir={tmp_path}",
+            "name=two",
+        )
+    )
+    saved = tmp_path / "two" / "checkpoints" / "last.ckpt"
+    assert sorted(p.name for p in saved.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "meta.pt",
+    ]  # no side file
+    resumed, ref = tmp_path / "on_one", tmp_path / "reference"
+    shutil.copytree(tmp_path / "two", resumed)
+    shutil.copytree(tmp_path / "two", ref)
+
+    out = ok(train(tmp_path, "--resume", str(resumed), f"trainer.max_steps={STEPS}", "trainer.devices=1"))
+    assert "resuming the quantizer state of 2 rank(s) on 1: 8 owner(s) copied bitwise" in out
+    assert "the data continues at sample 32 (none repeated or skipped)" in out
+    prov = json.loads((resumed / "provenance.json").read_text())["resumed_from"]["world_size"]
+    assert (prov["saved_world_size"], prov["world_size"], len(prov["copied"]), len(prov["merged"])) == (2, 1, 8, 16)
+
+    meta_path = ref / "checkpoints" / "last.ckpt" / "meta.pt"
+    meta = torch.load(meta_path, weights_only=True)
+    mapped = Fp8Rank0(hand_mapped(meta["fp8state"]["ranks"]))
+    meta["fp8state"] = dict(meta["fp8state"], world_size=1, ranks={0: mapped})
+    meta["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["consumed"] *= 2
+    torch.save(meta, meta_path)
+    ok(train(tmp_path, "--resume", str(ref), f"trainer.max_steps={STEPS}", "trainer.devices=1"))
+
+    def logged(run):
+        rows = read_jsonl(run / "telemetry.jsonl")
+        return [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in rows if r["step"] > SAVED_STEPS]
+
+    assert [s for s, *_ in logged(resumed)] == list(range(SAVED_STEPS + 1, STEPS + 1))
+    assert logged(resumed) == logged(ref)
+    a = torch.load(resumed / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)["fp8state"]
+    b = torch.load(ref / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)["fp8state"]
+    assert a["world_size"] == 1 and a["ranks"][0]["clock"]["last"] == [STEPS - 1, 0]
+    assert all(bitwise_equal(a["ranks"][0]["bank"][k], b["ranks"][0]["bank"][k]) for k in ("amax_history", "scale"))

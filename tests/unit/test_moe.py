@@ -459,3 +459,47 @@ def test_the_aux_loss_gradient_reaches_the_router():
     assert not torch.equal(injected, plain)
     torch.testing.assert_close(injected, explicit, rtol=1e-5, atol=1e-8)
     assert block.mlp.last_aux_loss is not None and block.mlp.last_aux_loss.requires_grad is False
+
+
+# --- the Llama with MoE blocks: engines, autocast ----------------------------------------------
+
+TINY_MOE = dict(
+    vocab_size=61, seq_len=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, moe_experts=4
+)
+
+
+def llama_run(autocast: bool = False, steps: int = 2, **kw):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**TINY_MOE, moe_shared_expert=True, **kw))
+    state = convert(model, exclude=["lm_head"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], []
+    with f8s.RecomputeAuditor(state) as auditor:
+        for step in range(steps):
+            idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(step))
+            with state.step(step), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                loss = model.loss(idx, idx.roll(-1, dims=1))
+                state.commit_forward()
+                loss.backward()
+            losses.append(loss.detach())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return state, auditor.report(), losses, grads
+
+
+@pytest.mark.parametrize(
+    "engine, reentrant, autocast",
+    [("torch", True, True), ("torch", False, True), ("deepspeed", False, False)],
+    ids=["torch-reentrant-bf16-autocast", "torch-nonreentrant-bf16-autocast", "deepspeed"],
+)
+def test_a_moe_llama_trains_bitwise_its_uncheckpointed_run(engine, reentrant, autocast):
+    state, report, losses, grads = llama_run(autocast, checkpoint_engine=engine, use_reentrant=reentrant)
+    assert report.ok, report.format_table()
+    assert any(".experts." in r.layer and r.recomputed for r in report.rows)
+    plain, _, losses_p, grads_p = llama_run(autocast, checkpoint=False)
+    for step in range(2):
+        assert bitwise_equal(losses[step], losses_p[step]), step
+        for name, g in grads_p[step].items():
+            assert bitwise_equal(grads[step][name], g), (step, name)
+    assert bitwise_equal(state.bank.scale, plain.bank.scale)

@@ -331,8 +331,8 @@ def _init_weights(module: nn.Module) -> None:
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
     elif isinstance(module, GroupedExperts):
-        nn.init.normal_(module.gate_up_proj, mean=0.0, std=0.02)
-        nn.init.normal_(module.down_proj, mean=0.0, std=0.02)
+        for name in module.projections:
+            nn.init.normal_(getattr(module, name), mean=0.0, std=0.02)
 
 
 def fuse_projections(state: dict, cfg: LlamaConfig) -> dict:

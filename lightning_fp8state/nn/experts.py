@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import require_int, require_that
+from ..config import require_bool, require_int, require_that
 from ..errors import StateTransitionError
 from ..protocol import QuantProtocol, release_weight_codes
 from ..recompute import Phase
@@ -40,6 +40,7 @@ from .linear_call import LINEAR_ROLES
 
 __all__ = [
     "EXPERT_PROJECTIONS",
+    "SEPARATE_PROJECTIONS",
     "Fp8Experts",
     "GroupedExperts",
     "Routing",
@@ -50,7 +51,8 @@ __all__ = [
     "route",
 ]
 
-EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")
+EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")  # the fused layout (transformers'); separate: gate, up, down
+SEPARATE_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # conversion leaves a module carrying this attribute alone, reporting its value (a router)
 KEEP_ATTRIBUTE = "_fp8state_keep"
 # CallRecord.derived's key: the per-expert token counts of the true forward of a call
@@ -248,7 +250,9 @@ class _ExpertsProjectionFn(torch.autograd.Function):
 
 class GroupedExperts(nn.Module):
     """``E`` gated experts in 3-D parameters, in high precision: ``down(act(gate(x)) * up(x))``
-    per expert, ``gate_up_proj [E, 2F, D]`` (gate rows first), ``down_proj [E, D, F]``, no biases.
+    per expert, ``gate_up_proj [E, 2F, D]`` (gate rows first), ``down_proj [E, D, F]``, no biases;
+    with ``fused_gate_up=False`` ``gate_proj`` and ``up_proj [E, F, D]`` instead (each its own
+    projection, its own owners once converted).
 
     ``forward(hidden_states [T, D], top_k_index [T, k], top_k_weights [T, k])`` is transformers 5's
     experts call (``MixtralExperts``, ``Qwen2MoeExperts``, ...) and gives its result bit for bit;
@@ -262,6 +266,7 @@ class GroupedExperts(nn.Module):
         ffn_hidden: int,
         *,
         act_fn: nn.Module | None = None,
+        fused_gate_up: bool = True,
         device=None,
         dtype=None,
     ) -> None:
@@ -269,14 +274,21 @@ class GroupedExperts(nn.Module):
         require_int("num_experts", num_experts, 1)
         require_int("hidden", hidden, 1)
         require_int("ffn_hidden", ffn_hidden, 1)
+        require_bool("fused_gate_up", fused_gate_up)
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden, ffn_hidden
+        self.projections = EXPERT_PROJECTIONS if fused_gate_up else SEPARATE_PROJECTIONS
         kw = {"device": device, "dtype": dtype}
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden, hidden, **kw))
+        if fused_gate_up:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden, hidden, **kw))
+        else:
+            self.gate_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden, **kw))
+            self.up_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden, **kw))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden, **kw))
         self.act_fn = act_fn if act_fn is not None else nn.SiLU()
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, hidden={self.hidden_dim}, ffn_hidden={self.intermediate_dim}"
+        fused = "" if self.projections is EXPERT_PROJECTIONS else ", fused_gate_up=False"
+        return f"experts={self.num_experts}, hidden={self.hidden_dim}, ffn_hidden={self.intermediate_dim}{fused}"
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         routing = route(top_k_index, self.num_experts)
@@ -288,9 +300,13 @@ class GroupedExperts(nn.Module):
         """The experts on rows grouped by expert (``counts[e]`` rows of expert ``e``, in order)."""
         parts = []
         for e, x_e in zip(range(self.num_experts), x_sorted.split(list(counts)), strict=True):
-            if counts[e]:
+            if not counts[e]:
+                continue
+            if self.projections is EXPERT_PROJECTIONS:
                 gate, up = F.linear(x_e, self.gate_up_proj[e]).chunk(2, dim=-1)
-                parts.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
+            else:
+                gate, up = F.linear(x_e, self.gate_proj[e]), F.linear(x_e, self.up_proj[e])
+            parts.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
         return torch.cat(parts) if parts else x_sorted.new_empty((0, self.hidden_dim))
 
 
@@ -305,34 +321,44 @@ class Fp8Experts(GroupedExperts):
         self.protocol = getattr(protocol, "protocol", protocol)  # an Fp8State's protocol
         self.layer_name = layer_name
         self.expert_layers = {
-            p: tuple(expert_layer(layer_name, p, e) for e in range(num_experts)) for p in EXPERT_PROJECTIONS
+            p: tuple(expert_layer(layer_name, p, e) for e in range(num_experts)) for p in self.projections
         }
 
     @classmethod
     def from_experts(cls, experts: nn.Module, *, protocol, layer_name: str) -> Fp8Experts:
         """Wrap ``experts`` (a :class:`GroupedExperts` or transformers' experts module of that
         layout), sharing its parameters and activation."""
-        e, f2, d = experts.gate_up_proj.shape
-        new = cls(e, d, f2 // 2, protocol=protocol, layer_name=layer_name, act_fn=experts.act_fn, device="meta")
-        new.gate_up_proj = experts.gate_up_proj
-        new.down_proj = experts.down_proj
+        fused = not isinstance(getattr(experts, "gate_proj", None), nn.Parameter)
+        e, d, f = experts.down_proj.shape
+        new = cls(
+            e, d, f, protocol=protocol, layer_name=layer_name, act_fn=experts.act_fn, fused_gate_up=fused, device="meta"
+        )
+        for name in new.projections:
+            setattr(new, name, getattr(experts, name))
         new.train(experts.training)
         return new
 
     def owner_layers(self) -> tuple[str, ...]:
         """Every layer name its calls can own state under (all experts, both projections)."""
-        return tuple(name for p in EXPERT_PROJECTIONS for name in self.expert_layers[p])
+        return tuple(name for p in self.projections for name in self.expert_layers[p])
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, layer={self.layer_name!r}, recipe={self.protocol.config.recipe}"
 
     @torch.compiler.disable
     def grouped(self, x_sorted: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
-        h = self._projection("gate_up_proj", self.gate_up_proj, x_sorted, counts)
+        rows = [n for n in counts if n]
+        if self.projections is EXPERT_PROJECTIONS:
+            h = self._projection("gate_up_proj", self.gate_up_proj, x_sorted, counts)
+            pairs = (h_e.chunk(2, dim=-1) for h_e in h.split(rows))
+        else:
+            gate = self._projection("gate_proj", self.gate_proj, x_sorted, counts)
+            up = self._projection("up_proj", self.up_proj, x_sorted, counts)
+            pairs = zip(gate.split(rows), up.split(rows), strict=True)
         # the activation per expert, as the per-expert calls do (a vectorized op may round a
         # tensor's tail elements otherwise than its body: one tensor would differ in the last bit)
-        act = [self.act_fn(g) * u for g, u in (h_e.chunk(2, dim=-1) for h_e in h.split([n for n in counts if n]))]
-        a = torch.cat(act) if act else h.new_empty((0, self.intermediate_dim))
+        act = [self.act_fn(g) * u for g, u in pairs]
+        a = torch.cat(act) if act else x_sorted.new_empty((0, self.intermediate_dim))
         return self._projection("down_proj", self.down_proj, a, counts)
 
     def _enter(self, projection: str, counts: tuple[int, ...], roles: tuple, device) -> tuple[_Entry, ...]:

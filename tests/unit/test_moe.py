@@ -26,14 +26,14 @@ from tests.conftest import bitwise_equal
 E, D, FF, K = 4, 16, 24, 2
 
 
-def experts_model(seed: int = 0) -> nn.Module:
+def experts_model(seed: int = 0, fused: bool = True) -> nn.Module:
     """A container whose child ``experts`` conversion turns into an Fp8Experts."""
     torch.manual_seed(seed)
     model = nn.Module()
-    model.experts = GroupedExperts(E, D, FF)
+    model.experts = GroupedExperts(E, D, FF, fused_gate_up=fused)
     with torch.no_grad():
-        model.experts.gate_up_proj.normal_(0, 0.2)
-        model.experts.down_proj.normal_(0, 0.2)
+        for name in model.experts.projections:
+            getattr(model.experts, name).normal_(0, 0.2)
     return model
 
 
@@ -63,7 +63,7 @@ def run_experts(state, module, events):
             y = module(x, index, weights)
             state.commit_forward()
             y.float().pow(2).mean().backward()
-        out.append((y.detach(), x.grad, module.gate_up_proj.grad.clone(), module.down_proj.grad.clone()))
+        out.append((y.detach(), x.grad, *(getattr(module, p).grad.clone() for p in module.projections)))
     return out
 
 
@@ -82,8 +82,10 @@ class LinearLoop(nn.Module):
             lin.weight = nn.Parameter(weight.detach().clone())
             return lin
 
-        self.gate_up = nn.ModuleList(linear(experts.gate_up_proj[e], f"experts.gate_up_proj.{e}") for e in range(E))
-        self.down = nn.ModuleList(linear(experts.down_proj[e], f"experts.down_proj.{e}") for e in range(E))
+        self.projections = experts.projections
+        for p in self.projections:
+            weights = getattr(experts, p)
+            setattr(self, p, nn.ModuleList(linear(weights[e], f"experts.{p}.{e}") for e in range(E)))
 
     def forward(self, x, index, weights):
         out = torch.zeros_like(x)
@@ -91,14 +93,19 @@ class LinearLoop(nn.Module):
             slot, token = torch.where(index.t() == e)
             if not len(token):
                 continue
-            gate, up = self.gate_up[e](x[token]).chunk(2, dim=-1)
-            y = self.down[e](F.silu(gate) * up) * weights[token, slot, None]
+            x_e = x[token]
+            if "gate_up_proj" in self.projections:
+                gate, up = self.gate_up_proj[e](x_e).chunk(2, dim=-1)
+            else:
+                gate, up = self.gate_proj[e](x_e), self.up_proj[e](x_e)
+            y = self.down_proj[e](F.silu(gate) * up) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
 
 
-def test_fp8_experts_are_bitwise_a_loop_of_per_expert_fp8_linears():
-    model = experts_model()
+@pytest.mark.parametrize("fused", [True, False], ids=["gate_up_proj", "gate_proj-up_proj"])
+def test_fp8_experts_are_bitwise_a_loop_of_per_expert_fp8_linears(fused):
+    model = experts_model(fused=fused)
     state = convert(model)
     assert isinstance(model.experts, Fp8Experts)
     ref_state = f8s.Fp8State(f8s.QuantConfig())
@@ -112,14 +119,14 @@ def test_fp8_experts_are_bitwise_a_loop_of_per_expert_fp8_linears():
             y = loop(x, index, weights)
             ref_state.commit_forward()
             y.float().pow(2).mean().backward()
-        got_y, got_gx, got_gw1, got_gw2 = ours[step]
+        got_y, got_gx, *got_gw = ours[step]
         assert bitwise_equal(got_y, y.detach()), step
         assert bitwise_equal(got_gx, x.grad), step
-        for e in range(E):
-            assert bitwise_equal(got_gw1[e], _grad_or_zero(loop.gate_up[e].weight)), (step, e)
-            assert bitwise_equal(got_gw2[e], _grad_or_zero(loop.down[e].weight)), (step, e)
+        for p, grad in zip(loop.projections, got_gw, strict=True):
+            for e in range(E):
+                assert bitwise_equal(grad[e], _grad_or_zero(getattr(loop, p)[e].weight)), (step, p, e)
     assert set(state.bank.owners) == set(ref_state.bank.owners)
-    assert len(state.bank.owners) == 2 * E * 3  # layer x expert x role
+    assert len(state.bank.owners) == len(loop.projections) * E * 3  # projection x expert x role
     for owner in ref_state.bank.owners:
         assert bitwise_equal(state.scale_of(owner), ref_state.scale_of(owner)), owner
 
@@ -375,7 +382,7 @@ def run_experts_at_out(state, module, event, step):
     with state.step(step):
         y = module(x, index, weights)
         y.float().pow(2).mean().backward()
-    return y.detach(), x.grad, module.gate_up_proj.grad, module.down_proj.grad
+    return y.detach(), x.grad, *(getattr(module, p).grad for p in module.projections)
 
 
 def test_a_state_with_other_experts_is_refused():

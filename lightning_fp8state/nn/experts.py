@@ -12,7 +12,9 @@ group: their amax is that expert's alone.
 
 An expert that receives no token in a call is not entered: nothing of it is observed, so nothing
 commits in that event and its scale (and amax history) stay as they are, valid for the next event
-it is used in. Routing is deterministic (a stable sort by expert; ties by position), so a
+it is used in. (Under amax reduction across data-parallel ranks, "no token" means on every rank:
+the ranks agree on the active experts with one all-reduce, so their owners and weight scales
+stay aligned.) Routing is deterministic (a stable sort by expert; ties by position), so a
 recompute routes the same tokens to the same experts in the same order; each expert's call record
 keeps the true forward's token counts and a recompute that routes differently fails closed.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -348,20 +351,35 @@ class Fp8Experts(GroupedExperts):
     @torch.compiler.disable
     def grouped(self, x_sorted: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
         rows = [n for n in counts if n]
+        active = self._active(counts, x_sorted.device)
         if self.projections is EXPERT_PROJECTIONS:
-            h = self._projection("gate_up_proj", self.gate_up_proj, x_sorted, counts)
+            h = self._projection("gate_up_proj", self.gate_up_proj, x_sorted, counts, active)
             pairs = (h_e.chunk(2, dim=-1) for h_e in h.split(rows))
         else:
-            gate = self._projection("gate_proj", self.gate_proj, x_sorted, counts)
-            up = self._projection("up_proj", self.up_proj, x_sorted, counts)
+            gate = self._projection("gate_proj", self.gate_proj, x_sorted, counts, active)
+            up = self._projection("up_proj", self.up_proj, x_sorted, counts, active)
             pairs = zip(gate.split(rows), up.split(rows), strict=True)
         # the activation per expert, as the per-expert calls do (a vectorized op may round a
         # tensor's tail elements otherwise than its body: one tensor would differ in the last bit)
         act = [self.act_fn(g) * u for g, u in pairs]
         a = torch.cat(act) if act else x_sorted.new_empty((0, self.intermediate_dim))
-        return self._projection("down_proj", self.down_proj, a, counts)
+        return self._projection("down_proj", self.down_proj, a, counts, active)
 
-    def _enter(self, projection: str, counts: tuple[int, ...], roles: tuple, device) -> tuple[_Entry, ...]:
+    def _active(self, counts: tuple[int, ...], device: torch.device) -> tuple[bool, ...]:
+        """Which experts this call enters: those that received rows here, and, where pending
+        amaxes are reduced across data-parallel ranks, those that received rows on any rank (one
+        MAX all-reduce of the mask): every rank then registers the same owners in the same order
+        and commits the same experts, so the reduced weight scales stay identical across replicas;
+        an expert active elsewhere runs here on zero rows (its input amax 0)."""
+        local = tuple(n > 0 for n in counts)
+        reducer = self.protocol.amax_reducer
+        if reducer is None or not self.protocol.recipe.quantized:
+            return local
+        mask = torch.tensor(local, dtype=torch.int32, device=reducer.device or device)
+        dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=reducer.group)
+        return tuple(bool(v) for v in mask.tolist())
+
+    def _enter(self, projection: str, counts: tuple[int, ...], active: tuple[bool, ...], roles: tuple, device):
         """Enter the call of every active expert of ``projection`` (an idle one is not entered:
         it observes, records and commits nothing). A recompute must see the true forward's counts.
 
@@ -370,7 +388,7 @@ class Fp8Experts(GroupedExperts):
         """
         entries = []
         for e, rows in enumerate(counts):
-            if not rows:
+            if not active[e]:
                 continue
             layer = self.expert_layers[projection][e]
             phase, record = self.protocol.enter_call(layer, roles, device)
@@ -385,10 +403,10 @@ class Fp8Experts(GroupedExperts):
             entries.append(_Entry(e, rows, phase, record))
         return tuple(entries)
 
-    def _projection(self, projection: str, weight: torch.Tensor, x: torch.Tensor, counts) -> torch.Tensor:
+    def _projection(self, projection: str, weight: torch.Tensor, x: torch.Tensor, counts, active) -> torch.Tensor:
         protocol = self.protocol
         quantized = protocol.recipe.quantized
-        entries = self._enter(projection, counts, LINEAR_ROLES if quantized else (), x.device)
+        entries = self._enter(projection, counts, active, LINEAR_ROLES if quantized else (), x.device)
         if not x.is_contiguous():
             x = x.contiguous()
         if not quantized:

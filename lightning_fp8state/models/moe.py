@@ -53,6 +53,14 @@ class _AuxLossGradient(torch.autograd.Function):
         return grad, torch.full(shape, ctx.coef, dtype=dtype, device=device), None
 
 
+@torch.compiler.disable
+def _with_aux_gradient(y: torch.Tensor, aux: torch.Tensor, coef: float) -> torch.Tensor:
+    """``y``, with ``coef * d aux`` added in backward. Outside a compiled graph (a graph break):
+    traced by AOTAutograd, the Function's gradient for ``aux``, which no output depends on, is
+    dropped."""
+    return _AuxLossGradient.apply(y, aux, coef)
+
+
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -92,7 +100,7 @@ class MoEFeedForward(nn.Module):
         if self.aux_loss_coef > 0 and torch.is_grad_enabled():
             aux = load_balancing_loss(probs, index)
             self.last_aux_loss = aux.detach()
-            y = _AuxLossGradient.apply(y, aux, self.aux_loss_coef)
+            y = _with_aux_gradient(y, aux, self.aux_loss_coef)
         y = y.view_as(h)
         if self.shared_expert is not None:
             y = y + self.shared_expert(h, _identity)

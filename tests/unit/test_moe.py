@@ -510,3 +510,20 @@ def test_a_moe_llama_trains_bitwise_its_uncheckpointed_run(engine, reentrant, au
         for name, g in grads_p[step].items():
             assert bitwise_equal(grads[step][name], g), (step, name)
     assert bitwise_equal(state.bank.scale, plain.bank.scale)
+
+
+def test_the_aux_loss_gradient_survives_torch_compile():
+    def router_grad(coef: float, compiled: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(**{**TINY_MOE, "n_layers": 1}, checkpoint=False, moe_aux_loss_coef=coef))
+        state = convert(model, exclude=["lm_head"])
+        if compiled:
+            model.layers[0] = torch.compile(model.layers[0], backend="aot_eager")
+        idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(0))
+        with state.step(0):
+            model.loss(idx, idx.roll(-1, dims=1)).backward()
+        return next(p.grad for n, p in model.named_parameters() if n.endswith("mlp.gate.weight"))
+
+    eager, compiled, without = router_grad(0.5, False), router_grad(0.5, True), router_grad(0.0, False)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-6)
+    assert (compiled - without).abs().max() > 100 * (compiled - eager).abs().max()

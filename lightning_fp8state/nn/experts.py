@@ -94,7 +94,13 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
 
     Raises:
         ConfigError: an expert id outside ``[0, num_experts)``.
+        StateTransitionError: called during a CUDA graph capture.
     """
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise StateTransitionError(
+            "a mixture-of-experts layer ran inside a CUDA graph capture: which experts are active is read on the "
+            "host per call, which a graph cannot replay. Run MoE models without CUDA graphs (trainer.cuda_graphs=false)"
+        )
     t, k = top_k_index.shape
     flat = top_k_index.t().reshape(-1)
     order = torch.argsort(flat, stable=True)

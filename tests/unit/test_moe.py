@@ -19,6 +19,7 @@ from lightning_fp8state.models import Llama, LlamaConfig
 from lightning_fp8state.models.llama import LlamaMLP
 from lightning_fp8state.models.moe import MoEFeedForward, load_balancing_loss
 from lightning_fp8state.nn import Fp8Experts, Fp8Linear, GroupedExperts
+from lightning_fp8state.nn.experts import route
 from lightning_fp8state.recompute import Phase
 from lightning_fp8state.sac import selective_checkpoint_context
 from tests.conftest import bitwise_equal
@@ -527,3 +528,15 @@ def test_the_aux_loss_gradient_survives_torch_compile():
     eager, compiled, without = router_grad(0.5, False), router_grad(0.5, True), router_grad(0.0, False)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-6)
     assert (compiled - without).abs().max() > 100 * (compiled - eager).abs().max()
+
+
+def test_routing_inside_a_cuda_graph_capture_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(StateTransitionError, match=r"inside a CUDA graph capture.*trainer.cuda_graphs=false"):
+        route(torch.zeros(3, 2, dtype=torch.long), E)
+
+
+def test_an_expert_id_out_of_range_is_refused():
+    with pytest.raises(ConfigError, match=r"top_k_index=expert ids up to 4 is not allowed: expected ids in \[0, 4\)"):
+        route(torch.tensor([[0, 4]]), E)

@@ -77,14 +77,14 @@ def test_experts_blocks_convert_bitwise_under_bf16_and_close_under_fp8(family):
     assert (got - expected).abs().max() < 0.1 * expected.abs().max()
 
 
-@pytest.mark.parametrize("family", ["Mixtral", "Qwen2Moe"])
-def test_fp8_training_under_gradient_checkpointing_is_bitwise_the_plain_run(family):
+@pytest.mark.parametrize("family, reentrant", [("Mixtral", False), ("Qwen2Moe", False), ("Qwen3Moe", True)])
+def test_fp8_training_under_gradient_checkpointing_is_bitwise_the_plain_run(family, reentrant):
     runs = []
     for checkpointing in (True, False):
         model, state = converted(hf_model(family), "fp8_delayed")
         model.train()
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         losses, grads = [], []
         with f8s.RecomputeAuditor(state) as auditor:
             for step in range(2):

@@ -25,6 +25,9 @@ from lightning_fp8state.sac import selective_checkpoint_context
 from tests.conftest import bitwise_equal
 
 E, D, FF, K = 4, 16, 24, 2
+TINY_MOE = dict(
+    vocab_size=61, seq_len=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, moe_experts=4
+)
 
 
 def experts_model(seed: int = 0, fused: bool = True) -> nn.Module:
@@ -269,6 +272,23 @@ def test_the_naive_mode_is_caught_on_the_experts():
     assert any(".experts." in r.layer and r.max_abs_diff > 0 for r in report.mismatches)
 
 
+def test_the_naive_mode_on_a_moe_llama_diverts_the_recompute_routing_and_is_refused():
+    """Under the naive mode the recompute's activations differ, so its router may send tokens
+    elsewhere: the experts refuse that recompute (fail closed) and the audit has the mismatches."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**TINY_MOE))
+    state = convert(model, mode="naive", strict=False, exclude=["lm_head"])
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(0))
+    with f8s.RecomputeAuditor(state) as auditor:
+        with pytest.raises(StateTransitionError, match=r"experts\..*the recompute routed .* its true forward"):
+            with state.step(0):
+                loss = model.loss(idx, idx.roll(-1, dims=1))
+                state.commit_forward()
+                loss.backward()
+    report = auditor.report()
+    assert not report.ok and report.mismatches and state.event is None  # the event was aborted
+
+
 # --- (d) (e) idle experts and the ledger ------------------------------------------------------
 
 
@@ -470,10 +490,6 @@ def test_the_aux_loss_gradient_reaches_the_router():
 
 
 # --- the Llama with MoE blocks: engines, autocast ----------------------------------------------
-
-TINY_MOE = dict(
-    vocab_size=61, seq_len=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, moe_experts=4
-)
 
 
 def llama_run(autocast: bool = False, steps: int = 2, **kw):

@@ -200,9 +200,9 @@ def record_routes(model, log: list) -> None:
         block.mlp.route = noted
 
 
-def stack_run(how, mode="safe", steps=3, audit=False):
+def stack_run(how, mode="safe", steps=3, audit=False, recipe="fp8_delayed"):
     model = MoEStack(how)
-    state = convert(model, mode=mode, strict=mode == "safe")
+    state = convert(model, mode=mode, strict=mode == "safe", recipe=recipe)
     losses, grads, routes = [], [], []
     record_routes(model, routes)
     auditor = f8s.RecomputeAuditor(state) if audit else None
@@ -232,10 +232,18 @@ def routes_by_call(routes) -> dict:
     return out
 
 
-@pytest.mark.parametrize("how", ["nonreentrant", "reentrant", "sac"])
-def test_checkpointed_moe_is_bitwise_the_plain_run_and_routes_identically(how):
-    state, losses, grads, routes, report = stack_run(how, audit=True)
-    plain, losses_p, grads_p, routes_p, _ = stack_run(None)
+@pytest.mark.parametrize(
+    "how, recipe",
+    [
+        ("nonreentrant", "fp8_delayed"),
+        ("reentrant", "fp8_delayed"),
+        ("sac", "fp8_delayed"),
+        ("reentrant", "fp8_current"),
+    ],
+)
+def test_checkpointed_moe_is_bitwise_the_plain_run_and_routes_identically(how, recipe):
+    state, losses, grads, routes, report = stack_run(how, audit=True, recipe=recipe)
+    plain, losses_p, grads_p, routes_p, _ = stack_run(None, recipe=recipe)
     assert report.ok, report.format_table()
     expert_rows = [r for r in report.rows if ".experts." in r.layer]
     assert expert_rows and sum(r.recomputed for r in expert_rows) > 0

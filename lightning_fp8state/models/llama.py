@@ -11,7 +11,7 @@ the logits equal its logits bitwise in float32 on the CPU (``tests/unit/test_lla
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +20,10 @@ from torch.torch_version import TorchVersion
 
 from ..config import require_bool, require_choice, require_int, require_number
 from ..errors import ConfigError
-from ..nn import linear_after, register_rms_norm
+from ..nn import GroupedExperts, linear_after, register_rms_norm
 from ..recompute import ENGINES
 from .blocks import next_token_loss, run_blocks
+from .moe import MoEFeedForward
 
 __all__ = ["Llama", "LlamaConfig", "llama_ffn_hidden"]
 
@@ -73,6 +74,16 @@ class LlamaConfig:
     # RMSNorms and SwiGLU fused into their FP8 input encodes (linear_after); False: transformers'
     # separate projections, module for module (a Hugging Face checkpoint loads either way)
     fused_projections: bool = False
+    # mixture of experts (models/moe.py): the number of experts of every block's feed-forward, each a
+    # SwiGLU of ffn_hidden; 0: the dense feed-forward. The experts' projections are not fused (the
+    # attention's still are with fused_projections)
+    moe_experts: int = 0
+    # the experts each token is routed to (top-k of the router's softmax, renormalized)
+    moe_top_k: int = 2
+    # a dense SwiGLU expert of ffn_hidden that every token also goes through (its output added)
+    moe_shared_expert: bool = False
+    # the weight of the load-balancing auxiliary loss (its gradient added in backward); 0: none
+    moe_aux_loss_coef: float = 0.01
 
     def __post_init__(self) -> None:
         require_int("vocab_size", self.vocab_size, 2)
@@ -85,8 +96,12 @@ class LlamaConfig:
         )
         self.rope_theta = require_number("rope_theta", self.rope_theta, 0, low_open=True)
         self.norm_eps = require_number("norm_eps", self.norm_eps, 0, low_open=True)
-        for key in ("tie_embeddings", "checkpoint", "use_reentrant", "fused_projections"):
+        for key in ("tie_embeddings", "checkpoint", "use_reentrant", "fused_projections", "moe_shared_expert"):
             require_bool(key, getattr(self, key))
+        require_int("moe_experts", self.moe_experts, 0)
+        bound = f"moe_experts={self.moe_experts}: a token goes to distinct experts" if self.moe_experts else ""
+        require_int("moe_top_k", self.moe_top_k, 1, self.moe_experts or None, why=bound)
+        self.moe_aux_loss_coef = require_number("moe_aux_loss_coef", self.moe_aux_loss_coef, 0)
         require_choice("checkpoint_engine", self.checkpoint_engine, ENGINES)
         if self.d_model % self.n_heads:
             raise ConfigError(f"d_model={self.d_model} is not allowed: expected a multiple of n_heads={self.n_heads}")
@@ -242,6 +257,12 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
+def moe_feed_forward(cfg: LlamaConfig) -> MoEFeedForward:
+    """The block's mixture-of-experts feed-forward (``cfg.moe_experts > 0``)."""
+    shared = LlamaMLP(replace(cfg, fused_projections=False)) if cfg.moe_shared_expert else None
+    return MoEFeedForward(cfg.d_model, cfg.ffn_hidden, cfg.moe_experts, cfg.moe_top_k, cfg.moe_aux_loss_coef, shared)
+
+
 class LlamaBlock(nn.Module):
     """Pre-norm decoder block mapping one tensor to one tensor (the checkpoint and graph
     contract of :class:`~.gpt.GPT`'s blocks): the rotary tables are read from the model's shared
@@ -254,7 +275,7 @@ class LlamaBlock(nn.Module):
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = moe_feed_forward(cfg) if cfg.moe_experts else LlamaMLP(cfg)
         object.__setattr__(self, "rotary", rotary)  # bypasses nn.Module's submodule registration
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -309,6 +330,9 @@ class Llama(nn.Module):
 def _init_weights(module: nn.Module) -> None:
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    elif isinstance(module, GroupedExperts):
+        for name in module.projections:
+            nn.init.normal_(getattr(module, name), mean=0.0, std=0.02)
 
 
 def fuse_projections(state: dict, cfg: LlamaConfig) -> dict:

@@ -3,6 +3,7 @@
 from .attention import Fp4AttentionQuantizer
 from .conv1d import Fp8Conv1D, is_hf_conv1d
 from .convert import ConversionReport, convert_model
+from .experts import Fp8Experts, GroupedExperts, keep_in_high_precision
 from .gemm import scaled_matmul, scaled_mm_available
 from .linear import LINEAR_ROLES, Fp8Linear
 from .prologue import ACTIVATIONS, Prologue, linear_after, register_rms_norm
@@ -14,12 +15,15 @@ __all__ = [
     "ConversionReport",
     "Fp4AttentionQuantizer",
     "Fp8Conv1D",
+    "Fp8Experts",
     "Fp8Linear",
     "Fp8MultiheadAttention",
     "Fp8TransformerEncoderLayer",
+    "GroupedExperts",
     "Prologue",
     "convert_model",
     "is_hf_conv1d",
+    "keep_in_high_precision",
     "linear_after",
     "register_rms_norm",
     "scaled_matmul",

@@ -45,6 +45,7 @@ from ..errors import AlreadyConvertedError, ConversionWarning
 from ..protocol import QuantProtocol
 from .attention import Fp4AttentionQuantizer
 from .conv1d import Fp8Conv1D, is_hf_conv1d
+from .experts import KEEP_ATTRIBUTE, Fp8Experts, GroupedExperts
 from .linear import Fp8Linear
 from .transformer import Fp8MultiheadAttention, Fp8TransformerEncoderLayer, mha_projections
 
@@ -320,7 +321,7 @@ def _not_a_linear_module(module: nn.Module) -> str | None:
     if experts:
         return (
             f"3-D expert weights {', '.join(experts)} [E, out, in] applied with batched/grouped matmuls: not "
-            "converted (experts: see the MoE issue)"
+            f"converted ({_EXPERTS_LAYOUT})"
         )
     flat = {n for n, p in own.items() if p.dim() == 2}
     source = _source_of_forward(module) if flat else None
@@ -332,6 +333,82 @@ def _not_a_linear_module(module: nn.Module) -> str | None:
                 "or exclude"
             )
     return None
+
+
+_EXPERTS_KINDS = ("GroupedExperts",)
+_HF_EXPERTS = "transformers experts "  # a recognised transformers experts module's kind: this + its class
+_EXPERTS_LAYOUT = (
+    "Fp8Experts takes gate_up_proj [E, 2F, D] and down_proj [E, D, F] with no biases, an act_fn, called as "
+    "forward(hidden_states, top_k_index, top_k_weights); convert by hand or exclude"
+)
+_EXPERTS_SIGNATURE = ("self", "hidden_states", "top_k_index", "top_k_weights")
+_ROUTER_WHY = (
+    "the MoE router of {experts}: kept in high precision (routing must be exact: the recompute routes the same "
+    "tokens to the same experts)"
+)
+
+
+def _is_experts_kind(kind: str) -> bool:
+    return kind in _EXPERTS_KINDS or kind.startswith(_HF_EXPERTS)
+
+
+def experts_kind(module: nn.Module) -> str | None:
+    """What ``module`` is as an experts block :class:`Fp8Experts` can take, or None: our
+    :class:`GroupedExperts`, or a transformers 5 experts module of its layout (``MixtralExperts``,
+    ``Qwen2MoeExperts``, ``Qwen3MoeExperts``: ``gate_up_proj [E, 2F, D]``, ``down_proj [E, D, F]``,
+    no bias, gate first, not transposed, an ``act_fn``, the eager call's signature)."""
+    if type(module) in (GroupedExperts,):
+        return type(module).__name__
+    if isinstance(module, GroupedExperts):  # Fp8Experts, or a subclass with its own behaviour
+        return None
+    own = dict(module.named_parameters(recurse=False))
+    if set(own) != {"gate_up_proj", "down_proj"} or not isinstance(getattr(module, "act_fn", None), nn.Module):
+        return None
+    gate_up, down = own["gate_up_proj"], own["down_proj"]
+    if gate_up.dim() != 3 or down.dim() != 3 or isinstance(gate_up, nn.parameter.UninitializedParameter):
+        return None
+    e, f2, d = gate_up.shape
+    if tuple(down.shape) != (e, d, f2 // 2) or f2 % 2 or any(name != "act_fn" for name, _ in module.named_children()):
+        return None
+    if getattr(module, "is_transposed", False) or getattr(module, "has_bias", False):
+        return None
+    if not getattr(module, "has_gate", True):
+        return None
+    try:
+        params = tuple(inspect.signature(type(module).forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return f"{_HF_EXPERTS}{type(module).__name__}" if params == _EXPERTS_SIGNATURE else None
+
+
+def _survey_experts(
+    modules: dict[str, nn.Module], patterns: _Patterns, report: ConversionReport, name: str, module: nn.Module
+) -> tuple[str, nn.Module, str] | None:
+    """``(name, module, kind)`` for an experts block to swap, else None (reported as skipped, or
+    as not quantizable when it is the root or its weights are read by its parent's forward)."""
+    kind = experts_kind(module)
+    if not name:
+        report.not_quantizable[""] = f"the root module itself is {kind}: wrap it in a container to convert it"
+        return None
+    why = patterns.why_skipped(name)
+    if why is not None:
+        report.skipped[name] = why
+        return None
+    return name, module, kind
+
+
+def _report_routers(modules: dict[str, nn.Module], targets: list, report: ConversionReport) -> None:
+    """Report the router (the sibling ``gate``) of each experts block to convert as kept in high
+    precision: a transformers router (its own ``weight`` under ``F.linear``, reported as not
+    quantizable by the generic rule) is what conversion leaves alone on purpose."""
+    for name, _, kind in targets:
+        if not _is_experts_kind(kind):
+            continue
+        parent = name.rpartition(".")[0]
+        router = f"{parent}.gate" if parent else "gate"
+        if router in modules and router not in report.skipped:
+            report.not_quantizable.pop(router, None)
+            report.skipped[router] = _ROUTER_WHY.format(experts=name)
 
 
 def _mha_not_convertible(mha: nn.MultiheadAttention) -> str | None:
@@ -530,16 +607,21 @@ def _survey(model: nn.Module, protocol: QuantProtocol, patterns: _Patterns, repo
             attention = _survey_mha(patterns, report, name, module)
             if attention is not None:
                 attentions.append(attention)
-        elif isinstance(module, (Fp8Linear, Fp8Conv1D, Fp8MultiheadAttention)):  # an MHA: its in-projection
+        elif isinstance(module, (Fp8Linear, Fp8Conv1D, Fp8MultiheadAttention, Fp8Experts)):  # an MHA: its in-projection
             _refuse_another_protocol(model, protocol, name, module)
             if isinstance(module, Fp8MultiheadAttention):
                 before += [f"{name}.{e}" if name else e for e in mha_projections(module)]
             else:
                 before.append(name)
+        elif experts_kind(module) is not None:
+            target = _survey_experts(modules, patterns, report, name, module)
+            if target is not None:
+                targets.append(target)
         else:
             target = _survey_linear(modules, patterns, report, name, module)
             if target is not None:
                 targets.append(target)
+    _report_routers(modules, targets, report)
     return targets, attentions, before
 
 
@@ -591,7 +673,12 @@ def _survey_linear(
     """``(name, module, kind)`` when ``module`` is a Linear-like to swap, else None: not a
     candidate, or one reported as not quantizable or skipped (with its reason). A module doing
     a Linear's work that is no candidate (3-D expert weights, ``F.linear`` on its own parameter)
-    is reported as not quantizable."""
+    is reported as not quantizable. A module marked ``keep_in_high_precision`` (a router) is
+    skipped with the reason it carries."""
+    kept = getattr(module, KEEP_ATTRIBUTE, None)
+    if kept is not None:
+        report.skipped[name] = kept
+        return None
     if isinstance(module, nn.Linear):
         kind = "nn.Linear" if type(module) is nn.Linear else f"nn.Linear subclass {type(module).__name__}"
         if type(module).forward is not nn.Linear.forward:
@@ -627,7 +714,11 @@ def _swap_linear(
     parameters) and report how."""
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    if kind == "transformers Conv1D":
+    if _is_experts_kind(kind):
+        new = Fp8Experts.from_experts(module, protocol=protocol, layer_name=name)
+        report.how[name] = f"{kind} -> Fp8Experts (each expert's gate_up_proj and down_proj its own FP8 owners)"
+        report.owner_layers[name] = new.owner_layers()
+    elif kind == "transformers Conv1D":
         new = Fp8Conv1D.from_conv1d(module, protocol=protocol, layer_name=name)
         report.how[name] = f"{kind} -> Fp8Conv1D (weight [in, out] used as its [out, in] view)"
     elif isinstance(parent, nn.MultiheadAttention):

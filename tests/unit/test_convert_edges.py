@@ -284,7 +284,8 @@ def test_three_d_expert_weights_are_reported_and_the_block_other_linears_convert
     assert report.converted == ["1.gate", "1.shared_expert"]
     assert report.not_quantizable == {
         "1.experts": "3-D expert weights gate_up_proj, down_proj [E, out, in] applied with batched/grouped "
-        "matmuls: not converted (experts: see the MoE issue)"
+        "matmuls: not converted (Fp8Experts takes gate_up_proj [E, 2F, D] and down_proj [E, D, F] with no biases, an "
+        "act_fn, called as forward(hidden_states, top_k_index, top_k_weights); convert by hand or exclude)"
     }
     state, _ = convert_quietly(model := nn.Sequential(PatchEmbeddings(), MoeBlock()))
     with quiet(), state.step(0):  # the block trains, its converted Linears quantized

@@ -1,0 +1,434 @@
+"""Mixture-of-experts feed-forwards whose experts live in 3-D parameters (transformers 5's
+layout: ``gate_up_proj [E, 2F, D]``, ``down_proj [E, D, F]``), with every expert of every
+projection its own owner.
+
+An expert's projection is quantized exactly as an :class:`~lightning_fp8state.nn.Fp8Linear`
+call of its own: layer ``<module>.<projection>.<expert>`` (e.g. ``layers.0.mlp.experts.
+gate_up_proj.3``), roles input, weight and grad_output, each an owner of the protocol (rule 1:
+layer x expert x role x rank x stream), entered through ``QuantProtocol.enter_call`` and quantized
+through ``QuantProtocol.quantize``: the snapshot, the commit, the ledger and the read-only
+recompute are the protocol's, not restated here. The tokens an expert receives are its input
+group: their amax is that expert's alone.
+
+An expert that receives no token in a call is not entered: nothing of it is observed, so nothing
+commits in that event and its scale (and amax history) stay as they are, valid for the next event
+it is used in. (Under amax reduction across data-parallel ranks, "no token" means on every rank:
+the ranks agree on the active experts with one all-reduce, so their owners and weight scales
+stay aligned.) Routing is deterministic (a stable sort by expert; ties by position), so a
+recompute routes the same tokens to the same experts in the same order; each expert's call record
+keeps the true forward's token counts and a recompute that routes differently fails closed.
+
+The GEMMs of one projection are one grouped GEMM: :func:`expert_gemms` is the single place a
+device path (``torch._scaled_grouped_mm``) plugs in; here it runs, per expert, the recipe's GEMM
+that an Fp8Linear call runs (on the CPU: the exact emulation), so the module is bitwise a loop of
+per-expert Fp8Linear calls. Knowing which experts are active takes the per-expert counts on the
+host: one device-to-host copy per MoE call.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import require_bool, require_int, require_that
+from ..errors import StateTransitionError
+from ..protocol import QuantProtocol, release_weight_codes
+from ..recompute import Phase
+from .linear import autocast_off
+from .linear_call import LINEAR_ROLES
+
+__all__ = [
+    "EXPERT_PROJECTIONS",
+    "SEPARATE_PROJECTIONS",
+    "Fp8Experts",
+    "GroupedExperts",
+    "Routing",
+    "combine",
+    "expert_gemms",
+    "expert_layer",
+    "keep_in_high_precision",
+    "route",
+]
+
+EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")  # the fused layout (transformers'); separate: gate, up, down
+SEPARATE_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# conversion leaves a module carrying this attribute alone, reporting its value (a router)
+KEEP_ATTRIBUTE = "_fp8state_keep"
+# CallRecord.derived's key: the per-expert token counts of the true forward of a call
+_ROWS = "expert_rows"
+
+
+def keep_in_high_precision(module: nn.Module, why: str) -> nn.Module:
+    """Mark ``module`` (an ``nn.Linear``: a router) to be left alone by conversion, which reports
+    it as skipped with ``why``. Returns the module."""
+    setattr(module, KEEP_ATTRIBUTE, why)
+    return module
+
+
+def expert_layer(layer: str, projection: str, expert: int) -> str:
+    """The layer name an expert's projection owns its state under."""
+    return f"{layer}.{projection}.{expert}"
+
+
+class Routing(NamedTuple):
+    """Where each routed (token, slot) row goes: ``order`` sorts the rows, slot-major
+    (``slot * T + token``), stably by expert; ``tokens`` is each sorted row's token; ``counts``
+    the rows per expert (host ints); ``slots`` the top-k shape ``(T, k)``."""
+
+    order: torch.Tensor
+    tokens: torch.Tensor
+    counts: tuple[int, ...]
+    slots: tuple[int, int]
+
+
+def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
+    """Group ``top_k_index [T, k]`` (expert ids) by expert, deterministically.
+
+    Rows are ordered slot-major within an expert (all first choices by token, then second
+    choices), the order transformers' eager experts loop takes them in, so per-expert GEMMs see
+    the same rows in the same order. The sort is stable: equal experts keep their positions.
+
+    Raises:
+        ConfigError: an expert id outside ``[0, num_experts)``.
+        StateTransitionError: called during a CUDA graph capture.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise StateTransitionError(
+            "a mixture-of-experts layer ran inside a CUDA graph capture: which experts are active is read on the "
+            "host per call, which a graph cannot replay. Run MoE models without CUDA graphs (trainer.cuda_graphs=false)"
+        )
+    t, k = top_k_index.shape
+    flat = top_k_index.t().reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    # the one host copy (bincount itself refuses a negative id)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    require_that(
+        len(counts) == num_experts, "top_k_index", f"expert ids up to {len(counts) - 1}", f"ids in [0, {num_experts})"
+    )
+    return Routing(order, order % t if t else order, tuple(counts), (t, k))
+
+
+def combine(
+    y_sorted: torch.Tensor, routing: Routing, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, dtype
+) -> torch.Tensor:
+    """``out[t] = sum over t's experts, in ascending expert order, of weight * y`` in ``dtype``.
+
+    Each contribution is weighted (in the weights' and outputs' promoted dtype), rounded to
+    ``dtype`` and added to a zero start in ascending expert order: transformers' eager experts
+    loop bit for bit, and deterministic on every device (no scatter-add)."""
+    t, k = routing.slots
+    w_sorted = top_k_weights.t().reshape(-1)[routing.order]
+    contrib = (y_sorted * w_sorted[:, None]).to(dtype)
+    inverse = torch.argsort(routing.order)
+    contrib = contrib[inverse].view(k, t, -1)  # [slot, token, D]
+    rank = torch.argsort(top_k_index, dim=1, stable=True)  # each token's slots by expert id
+    tokens = torch.arange(t, device=contrib.device)
+    out = contrib.new_zeros((t, contrib.shape[-1]))
+    for j in range(k):
+        out = out + contrib[rank[:, j], tokens]
+    return out
+
+
+def expert_gemms(kind: str, recipe, left: list, right: list, left_snaps: list, right_snaps: list, out_dtype, backend):
+    """The grouped GEMM of one projection: one product per active expert, in expert order.
+
+    ``kind``: ``"forward"`` (``y = x @ W^T``: left the inputs' codes, right the weights'),
+    ``"grad_input"`` (``dX = g @ W``: grad_output's codes, the saved weights) or ``"grad_weight"``
+    (``dW = g^T @ x``: grad_output's weight-gradient operands, the saved inputs); the snapshots
+    pair with each side. Returns the products (a list).
+
+    This is the seam of the device path: a grouped GEMM over all experts at once (per-tensor FP8
+    scales per expert, the experts' row counts as offsets) replaces the loop where the device and
+    recipe allow it. Here: the recipe's GEMM per expert, exactly what an Fp8Linear call runs.
+    """
+    if kind == "forward":
+        gemm = recipe.linear_gemm
+        return [
+            gemm(a, b, sa, sb, out_dtype, backend, None)
+            for a, b, sa, sb in zip(left, right, left_snaps, right_snaps, strict=True)
+        ]
+    gemm = recipe.grad_input if kind == "grad_input" else recipe.grad_weight
+    return [
+        gemm(a, b, sa, sb, out_dtype, backend)
+        for a, b, sa, sb in zip(left, right, left_snaps, right_snaps, strict=True)
+    ]
+
+
+class _Entry(NamedTuple):
+    """One active expert of one projection call: its index, rows, phase and call record."""
+
+    expert: int
+    rows: int
+    phase: Phase
+    record: object
+
+
+class _Call(NamedTuple):
+    """What a projection's backward needs besides its saved tensors."""
+
+    protocol: QuantProtocol
+    entries: tuple
+    snaps: tuple  # per entry: (input, weight) snapshots
+    backend: str
+    x_dtype: torch.dtype
+    w_dtype: torch.dtype
+    w_shape: torch.Size
+
+
+def _projection_forward(x, weight, protocol: QuantProtocol, entries: tuple, out_dtype, backend):
+    """Quantize each active expert's input rows and weight (its own owners), then the grouped
+    GEMM: ``(y [rows, out], saved tensors, _Call)``."""
+    recipe = protocol.recipe
+    xqs, wqs, sxs, sws, saved = [], [], [], [], []
+    for entry, x_e in zip(entries, x.split([e.rows for e in entries]), strict=True):
+        record, phase = entry.record, entry.phase
+        w_e = weight[entry.expert]
+        xq, sx = protocol.quantize(record, "input", x_e, phase)
+        stage = None if phase is Phase.INFERENCE else recipe.weight_stage(w_e)
+        wq, sw = protocol.quantize(record, "weight", w_e, phase, stage)
+        if phase is not Phase.INFERENCE:
+            protocol.check_consumer(record, "input", sx)
+            protocol.check_consumer(record, "weight", sw)
+        xqs.append(xq)
+        wqs.append(wq)
+        sxs.append(sx)
+        sws.append(sw)
+        saved += recipe.saved_for_backward(xq, wq, x_e, w_e)
+    ys = expert_gemms("forward", recipe, xqs, wqs, sxs, sws, out_dtype, backend)
+    y = torch.cat(ys) if ys else x.new_empty((0, weight.shape[1]), dtype=out_dtype)
+    call = _Call(protocol, entries, tuple(zip(sxs, sws, strict=True)), backend, x.dtype, weight.dtype, weight.shape)
+    return y, saved, call
+
+
+def _projection_backward(grad_out, saved, call: _Call, needs) -> tuple:
+    """Gradients of ``(x, weight)``: grad_output quantized per expert (its own owner), then the
+    grouped weight- and input-gradient GEMMs; an idle expert's weight gradient is zero."""
+    protocol = call.protocol
+    recipe = protocol.recipe
+    g = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
+    gqs, gws, sgs = [], [], []
+    for entry, g_e, (sx, sw) in zip(call.entries, g.split([e.rows for e in call.entries]), call.snaps, strict=True):
+        record = entry.record
+        release_weight_codes(record)  # no recompute of this call follows its backward in the event
+        (gq, g_w, _), sg = protocol.quantize(record, "grad_output", g_e, Phase.FORWARD, recipe.grad_output_stage(False))
+        protocol.check_consumer(record, "input", sx)
+        protocol.check_consumer(record, "weight", sw)
+        protocol.check_consumer(record, "grad_output", sg)
+        gqs.append(gq)
+        gws.append(g_w)
+        sgs.append(sg)
+    x_saved, w_saved = saved[0::2], saved[1::2]
+    sxs, sws = [s[0] for s in call.snaps], [s[1] for s in call.snaps]
+    grad_x = grad_w = None
+    if needs[1]:
+        grad_w = torch.zeros(call.w_shape, dtype=call.w_dtype, device=grad_out.device)
+        products = expert_gemms("grad_weight", recipe, gws, x_saved, sgs, sxs, call.w_dtype, call.backend)
+        for entry, product in zip(call.entries, products, strict=True):
+            grad_w[entry.expert] = product
+    del gws
+    if needs[0]:
+        parts = expert_gemms("grad_input", recipe, gqs, w_saved, sgs, sws, call.x_dtype, call.backend)
+        grad_x = torch.cat(parts) if parts else grad_out.new_empty((0, call.w_shape[2]), dtype=call.x_dtype)
+    return grad_x, grad_w
+
+
+class _ExpertsProjectionFn(torch.autograd.Function):
+    """One projection of the active experts; ``call``: ``(protocol, entries, out_dtype, backend)``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, call):
+        protocol, entries, out_dtype, backend = call
+        y, saved, ctx.call = _projection_forward(x, weight, protocol, entries, out_dtype, backend)
+        ctx.save_for_backward(*saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        device = grad_out.device.type
+        args = (grad_out, ctx.saved_tensors, ctx.call, ctx.needs_input_grad)
+        if torch.is_autocast_enabled(device):  # as Fp8Linear's backward: the GEMMs choose their precision
+            grads = autocast_off(device, _projection_backward, *args)
+        else:
+            grads = _projection_backward(*args)
+        return (*grads, None)
+
+
+class GroupedExperts(nn.Module):
+    """``E`` gated experts in 3-D parameters, in high precision: ``down(act(gate(x)) * up(x))``
+    per expert, ``gate_up_proj [E, 2F, D]`` (gate rows first), ``down_proj [E, D, F]``, no biases;
+    with ``fused_gate_up=False`` ``gate_proj`` and ``up_proj [E, F, D]`` instead (each its own
+    projection, its own owners once converted).
+
+    ``forward(hidden_states [T, D], top_k_index [T, k], top_k_weights [T, k])`` is transformers 5's
+    experts call (``MixtralExperts``, ``Qwen2MoeExperts``, ...) and gives its result bit for bit;
+    :meth:`grouped` is the FFN on rows already grouped by expert. Conversion makes it an
+    :class:`Fp8Experts` sharing its parameters."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        ffn_hidden: int,
+        *,
+        act_fn: nn.Module | None = None,
+        fused_gate_up: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        require_int("num_experts", num_experts, 1)
+        require_int("hidden", hidden, 1)
+        require_int("ffn_hidden", ffn_hidden, 1)
+        require_bool("fused_gate_up", fused_gate_up)
+        self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden, ffn_hidden
+        self.projections = EXPERT_PROJECTIONS if fused_gate_up else SEPARATE_PROJECTIONS
+        kw = {"device": device, "dtype": dtype}
+        if fused_gate_up:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden, hidden, **kw))
+        else:
+            self.gate_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden, **kw))
+            self.up_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden, **kw))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden, **kw))
+        self.act_fn = act_fn if act_fn is not None else nn.SiLU()
+
+    def extra_repr(self) -> str:
+        fused = "" if self.projections is EXPERT_PROJECTIONS else ", fused_gate_up=False"
+        return f"experts={self.num_experts}, hidden={self.hidden_dim}, ffn_hidden={self.intermediate_dim}{fused}"
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        routing = route(top_k_index, self.num_experts)
+        x_sorted = hidden_states[routing.tokens]
+        y_sorted = self.grouped(x_sorted, routing.counts)
+        return combine(y_sorted, routing, top_k_index, top_k_weights, hidden_states.dtype)
+
+    def grouped(self, x_sorted: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+        """The experts on rows grouped by expert (``counts[e]`` rows of expert ``e``, in order)."""
+        parts = []
+        for e, x_e in zip(range(self.num_experts), x_sorted.split(list(counts)), strict=True):
+            if not counts[e]:
+                continue
+            if self.projections is EXPERT_PROJECTIONS:
+                gate, up = F.linear(x_e, self.gate_up_proj[e]).chunk(2, dim=-1)
+            else:
+                gate, up = F.linear(x_e, self.gate_proj[e]), F.linear(x_e, self.up_proj[e])
+            parts.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
+        return torch.cat(parts) if parts else x_sorted.new_empty((0, self.hidden_dim))
+
+
+class Fp8Experts(GroupedExperts):
+    """:class:`GroupedExperts` driven by a :class:`QuantProtocol`: each active expert's projection
+    is one quantized call (see the module doc), the GEMMs of a projection one grouped GEMM. Under
+    the ``bf16`` recipe it runs the high-precision experts, reporting each expert's call to the
+    audit. Under torch.compile the experts run eagerly (a graph break)."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, *, protocol, layer_name: str, **kw) -> None:
+        super().__init__(num_experts, hidden, ffn_hidden, **kw)
+        self.protocol = getattr(protocol, "protocol", protocol)  # an Fp8State's protocol
+        self.layer_name = layer_name
+        self.expert_layers = {
+            p: tuple(expert_layer(layer_name, p, e) for e in range(num_experts)) for p in self.projections
+        }
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module, *, protocol, layer_name: str) -> Fp8Experts:
+        """Wrap ``experts`` (a :class:`GroupedExperts` or transformers' experts module of that
+        layout), sharing its parameters and activation."""
+        fused = not isinstance(getattr(experts, "gate_proj", None), nn.Parameter)
+        e, d, f = experts.down_proj.shape
+        new = cls(
+            e, d, f, protocol=protocol, layer_name=layer_name, act_fn=experts.act_fn, fused_gate_up=fused, device="meta"
+        )
+        for name in new.projections:
+            setattr(new, name, getattr(experts, name))
+        new.train(experts.training)
+        return new
+
+    def owner_layers(self) -> tuple[str, ...]:
+        """Every layer name its calls can own state under (all experts, both projections)."""
+        return tuple(name for p in self.projections for name in self.expert_layers[p])
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, layer={self.layer_name!r}, recipe={self.protocol.config.recipe}"
+
+    @torch.compiler.disable
+    def grouped(self, x_sorted: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+        rows = [n for n in counts if n]
+        active = self._active(counts, x_sorted.device)
+        if self.projections is EXPERT_PROJECTIONS:
+            h = self._projection("gate_up_proj", self.gate_up_proj, x_sorted, counts, active)
+            pairs = (h_e.chunk(2, dim=-1) for h_e in h.split(rows))
+        else:
+            gate = self._projection("gate_proj", self.gate_proj, x_sorted, counts, active)
+            up = self._projection("up_proj", self.up_proj, x_sorted, counts, active)
+            pairs = zip(gate.split(rows), up.split(rows), strict=True)
+        # the activation per expert, as the per-expert calls do (a vectorized op may round a
+        # tensor's tail elements otherwise than its body: one tensor would differ in the last bit)
+        act = [self.act_fn(g) * u for g, u in pairs]
+        a = torch.cat(act) if act else x_sorted.new_empty((0, self.intermediate_dim))
+        return self._projection("down_proj", self.down_proj, a, counts, active)
+
+    def _active(self, counts: tuple[int, ...], device: torch.device) -> tuple[bool, ...]:
+        """Which experts this call enters: those that received rows here, and, where pending
+        amaxes are reduced across data-parallel ranks, those that received rows on any rank (one
+        MAX all-reduce of the mask): every rank then registers the same owners in the same order
+        and commits the same experts, so the reduced weight scales stay identical across replicas;
+        an expert active elsewhere runs here on zero rows (its input amax 0)."""
+        local = tuple(n > 0 for n in counts)
+        reducer = self.protocol.amax_reducer
+        if reducer is None or not self.protocol.recipe.quantized:
+            return local
+        mask = torch.tensor(local, dtype=torch.int32, device=reducer.device or device)
+        dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=reducer.group)
+        return tuple(bool(v) for v in mask.tolist())
+
+    def _enter(self, projection: str, counts: tuple[int, ...], active: tuple[bool, ...], roles: tuple, device):
+        """Enter the call of every active expert of ``projection`` (an idle one is not entered:
+        it observes, records and commits nothing). A recompute must see the true forward's counts.
+
+        Raises:
+            StateTransitionError: a recompute that routes tokens otherwise than its true forward.
+        """
+        entries = []
+        for e, rows in enumerate(counts):
+            if not active[e]:
+                continue
+            layer = self.expert_layers[projection][e]
+            phase, record = self.protocol.enter_call(layer, roles, device)
+            if phase is Phase.FORWARD:
+                record.derived[_ROWS] = counts
+            elif phase is Phase.RECOMPUTE and record.derived.get(_ROWS) != counts:
+                raise StateTransitionError(
+                    f"{layer}: the recompute routed {list(counts)} tokens to the experts, its true forward "
+                    f"{list(record.derived.get(_ROWS) or ())}: routing must be deterministic (a router in high "
+                    "precision on bitwise-equal inputs, ties broken by position)"
+                )
+            entries.append(_Entry(e, rows, phase, record))
+        return tuple(entries)
+
+    def _projection(self, projection: str, weight: torch.Tensor, x: torch.Tensor, counts, active) -> torch.Tensor:
+        protocol = self.protocol
+        quantized = protocol.recipe.quantized
+        entries = self._enter(projection, counts, active, LINEAR_ROLES if quantized else (), x.device)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if not quantized:
+            parts = [
+                F.linear(x_e, weight[en.expert])
+                for en, x_e in zip(entries, x.split([en.rows for en in entries]), strict=True)
+            ]
+            y = torch.cat(parts) if parts else x.new_empty((0, weight.shape[1]))
+        else:
+            device = x.device.type
+            if torch.is_autocast_enabled(device):
+                call = (protocol, entries, torch.get_autocast_dtype(device), protocol.config.gemm)
+                y = autocast_off(device, _ExpertsProjectionFn.apply, x, weight, call)
+            else:
+                y = _ExpertsProjectionFn.apply(x, weight, (protocol, entries, x.dtype, protocol.config.gemm))
+        if protocol.auditors:
+            for en, y_e in zip(entries, y.split([en.rows for en in entries]), strict=True):
+                protocol.observe_output(en.record, en.phase, y_e, en.record.used)
+        return y

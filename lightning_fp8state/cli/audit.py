@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig
 
 from ..audit import AuditReport, RecomputeAuditor
+from ..errors import AmbiguousRecomputeError, StateTransitionError
 from ..fp8state import Fp8State
 from ..models import make_dataset
 from .config import quant_config
@@ -22,8 +23,15 @@ __all__ = ["AuditOutcome", "run_audit"]
 
 
 class AuditOutcome:
-    def __init__(self, mode: str, report: AuditReport, grad_norms: list[float], state: Fp8State) -> None:
+    def __init__(
+        self, mode: str, report: AuditReport, grad_norms: list[float], state: Fp8State, refused: str | None = None
+    ) -> None:
         self.mode, self.report, self.grad_norms, self.state = mode, report, grad_norms, state
+        self.refused = refused  # why a recompute was refused (the protocol failing closed), or None
+
+    @property
+    def ok(self) -> bool:
+        return self.report.ok and self.refused is None
 
     @property
     def nonfinite_steps(self) -> int:
@@ -38,7 +46,7 @@ class AuditOutcome:
         events = len({r.event for r in self.report.rows})
         bad_events = len({r.event for r in self.report.mismatches})
         verdict = "bit-identical at all" if self.report.ok else f"mismatch in {bad_events} of"
-        text = f"{verdict} {events} events"
+        text = f"{verdict} {events} events" if self.refused is None else "recompute refused (fails closed)"
         return (
             f"{self.mode:<6} | {text:<33} | {len(self.report.violations):>5} | "
             f"{self.max_grad_norm:>12.4g} | {self.nonfinite_steps:>4}"
@@ -65,6 +73,7 @@ def run_audit(cfg: DictConfig, steps: int) -> AuditOutcome:
     batches = iter(loader)
     grad_norms = []
     mode = "bf16" if not state.protocol.recipe.quantized else qcfg.mode
+    refused = None
     with RecomputeAuditor(state, model=model) as auditor:
         for step in range(steps):
             try:
@@ -73,16 +82,22 @@ def run_audit(cfg: DictConfig, steps: int) -> AuditOutcome:
                 batches = iter(loader)
                 x, y = next(batches)
             x, y = x.to(device), y.to(device)
-            with state.step(step):
-                loss = model.loss(x, y)
-                state.commit_forward()
-                loss.backward()
+            try:
+                with state.step(step):
+                    loss = model.loss(x, y)
+                    state.commit_forward()
+                    loss.backward()
+            except (StateTransitionError, AmbiguousRecomputeError) as exc:
+                # a recompute the protocol refuses (e.g. the naive mode's changed activations route
+                # a mixture of experts' tokens elsewhere): caught, reported, the audit ends here
+                refused = f"event {step}: {type(exc).__name__}: {exc}"
+                break
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
             grad_norms.append(float(norm))
             if math.isfinite(grad_norms[-1]):
                 opt.step()
             opt.zero_grad(set_to_none=True)
-    return AuditOutcome(mode, auditor.report(), grad_norms, state)
+    return AuditOutcome(mode, auditor.report(), grad_norms, state, refused)
 
 
 HEADER = f"{'mode':<6} | {'forward vs recompute':<33} | {'viol':>5} | {'max grad norm':>12} | {'skip':>4}"

@@ -107,6 +107,8 @@ def _audit(args) -> int:
         outcome = run_audit(cfg, args.steps)
         print(f"== {outcome.mode}: {args.steps} events, recipe {cfg.name}")
         print(outcome.report.format_table())
+        if outcome.refused is not None:
+            print(f"recompute refused at {outcome.refused}")
         outcomes.append(outcome)
     print()
     print(HEADER)
@@ -114,8 +116,8 @@ def _audit(args) -> int:
         print(o.summary_row())
     primary = outcomes[0] if not args.compare else next(o for o in outcomes if o.mode == "safe")
     if args.compare:
-        return 0 if primary.report.ok else 1
-    return 0 if all(o.report.ok for o in outcomes) else 1
+        return 0 if primary.ok else 1
+    return 0 if all(o.ok for o in outcomes) else 1
 
 
 def _train(args) -> int:

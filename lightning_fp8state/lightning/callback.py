@@ -465,7 +465,8 @@ class Fp8StateCallback(Callback):
 
     def _check_same_model(self, sd: dict) -> None:
         saved_layers = {o[0] for o in sd["bank"]["owners"]} - {"*"}
-        unknown = sorted(saved_layers - set(self.conversion.converted))
+        # the owners' layer names (an Fp8Experts' are per expert, a packed in-projection's per part)
+        unknown = sorted(saved_layers - set(self.conversion.layers()))
         if unknown:
             raise StateLoadError(
                 "the checkpoint's quantizer state belongs to a different model: it holds state for "

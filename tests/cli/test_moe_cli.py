@@ -41,11 +41,6 @@ def test_the_tiny_moe_recipe_trains(run_root):
     assert any("fp8state/ledger_violations" in r for r in rows)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Fp8StateCallback._check_same_model compares the saved owners' layers with conversion.converted, "
-    "not conversion.layers(): an Fp8Experts' owners are its experts' layers (<experts>.<projection>.<e>)",
-)
 def test_the_tiny_moe_run_resumes(run_root):
     run = train_tiny_moe(run_root)
     assert main(["train", "--resume", str(run), "trainer.max_steps=10"]) == 0
@@ -65,3 +60,12 @@ def test_the_tiny_moe_run_resumes(run_root):
 def test_moe_keys_are_refused_naming_them(run_root, capsys, extra, message):
     assert main(["train", *extra, "trainer.max_steps=1"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_naive_audit_of_a_moe_model_reports_the_refused_recompute(capsys):
+    """The naive mode changes the recompute's activations, the router sends tokens elsewhere and
+    the experts refuse that recompute: the audit reports it (exit 1), not a traceback."""
+    assert main(["audit", "llama_moe_tiny_cpu", "quant.mode=naive", "--steps", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "recompute refused at event 0: StateTransitionError" in out and "routing must be deterministic" in out
+    assert "recompute refused (fails closed)" in out

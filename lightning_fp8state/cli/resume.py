@@ -11,7 +11,7 @@ Another world size (``trainer.devices`` / ``trainer.num_nodes``) is a resume too
 strategy's checkpoint loads on another number of ranks: the quantizer state is mapped
 (``state/reshard.py``; a mapping ``quant.world_size_merge=refuse`` forbids is refused here, before
 anything runs) and the data loader's position is carried over in samples
-(:func:`map_loader_position`).
+(:func:`~lightning_fp8state.cli.loader_position.map_loader_position`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .config import quant_config
 from .rundir import RUN_CONFIG_KEY, require_no_links, resume_command
 from .schema import strategy_facts
 
-__all__ = ["RESUMABLE_KEYS", "LoaderPosition", "ResumePlan", "last_checkpoint", "map_loader_position", "plan_resume"]
+__all__ = ["RESUMABLE_KEYS", "ResumePlan", "last_checkpoint", "plan_resume"]
 
 # What a resume may change: how long to train, how often to save and log, where W&B goes,
 # loader workers, CPU threads, garbage collection and strictness. Everything else defines what the checkpoint holds (or the
@@ -226,54 +226,6 @@ def _check_owners(path: Path, layers: set[str], ranks: dict, state: Fp8State) ->
                 f"{path}: the quantizer state of rank {rank} does not fit this configuration ({detail}); "
                 "resume with the model.* and quant.* settings the run was started with"
             )
-
-
-@dataclass(frozen=True)
-class LoaderPosition:
-    """Where the data continues on another world size: each rank's loader skips ``batches``
-    batches; ``sample`` is the first global sample the resumed run reads, ``done`` the samples the
-    saved run had read (``repeated = done - sample`` are read again)."""
-
-    batches: int
-    sample: int
-    done: int
-
-    @property
-    def repeated(self) -> int:
-        return self.done - self.sample
-
-    def describe(self) -> str:
-        if not self.repeated:
-            return f"the data continues at sample {self.sample} (none repeated or skipped)"
-        return (
-            f"the data cannot continue at sample {self.done} on this world size (it is not a whole number of "
-            f"batches per rank): it continues at sample {self.sample}, and {self.repeated} sample(s) are read again"
-        )
-
-
-def map_loader_position(consumed: int, saved_world: int, world: int, batch_size: int) -> LoaderPosition:
-    """The loader position on ``world`` ranks of one that had ``consumed`` batches on each of
-    ``saved_world`` ranks.
-
-    Every rank reads every ``world``-th sample of the epoch's order (Lightning's distributed
-    sampler), so after ``k`` batches of ``batch_size`` the ranks together have read exactly the
-    epoch's first ``k * batch_size * world`` samples. The saved run read ``consumed * batch_size *
-    saved_world``; the resumed ranks skip ``consumed * saved_world // world`` batches each, which
-    is that position exactly when it divides, else the whole batch before it (a few samples are
-    read again; none is skipped)."""
-    done = consumed * saved_world * batch_size
-    batches = consumed * saved_world // world
-    return LoaderPosition(batches=batches, sample=batches * world * batch_size, done=done)
-
-
-def loader_consumed(ckpt: dict) -> int | None:
-    """The batches each rank's loader had read (``ResumableLoader``'s state in Lightning's fit
-    loop), or None when the checkpoint holds no such state."""
-    try:
-        states = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
-        return int(states[0]["consumed"]) if len(states) == 1 else None
-    except (KeyError, TypeError, IndexError, ValueError):
-        return None
 
 
 def _world_size_change(cfg: DictConfig, ckpt: dict, path: Path, resume: str) -> ReshardReport | None:

@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError, DiskFullError, RunDirectoryError
 from ..ops import cuda as cuda_ext
+from .loader_position import carry_loader_position
 
 __all__ = [
     "RUN_CONFIG_KEY",
@@ -365,21 +366,6 @@ def _remove_stale_temporaries(run_dir: Path) -> None:
 
 
 # -- a resume on another world size ------------------------------------------------------------
-def carry_loader_position(checkpoint: dict, world: int, batch_size: int):
-    """Rewrite the saved loader position (batches per rank) for ``world`` ranks, in place, before
-    Lightning restores its loops; the :class:`~lightning_fp8state.cli.resume.LoaderPosition`, or
-    None where the checkpoint holds no loader position (the loader then starts the epoch again)."""
-    from .resume import loader_consumed, map_loader_position  # noqa: PLC0415  (resume imports this module)
-
-    consumed = loader_consumed(checkpoint)
-    saved_world = int(checkpoint["fp8state"]["world_size"])
-    if consumed is None:
-        return None
-    position = map_loader_position(consumed, saved_world, world, batch_size)
-    checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["consumed"] = position.batches
-    return position
-
-
 def _resharded(report, loader) -> dict | None:
     """What the mapping did, as ``provenance.json`` keeps it; the data position said in one line
     (rank 0), beside the callback's line on the quantizer state."""

@@ -1,4 +1,4 @@
-"""Our delayed-scaling rules where they differ from Transformer Engine's (docs/ARCHITECTURE.md,
+"""Our delayed-scaling rules where they differ from Transformer Engine's (docs/EVIDENCE.md,
 "Differences from Transformer Engine's delayed scaling"): one test per row of that table, each
 pinning our behaviour with hand-computed values and the TE value it is not.
 

@@ -9,6 +9,8 @@ have caught up with the outliers (step 4) fc1's FP8 output is inf/NaN and every 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -166,3 +168,24 @@ def test_the_fallback_is_off_by_default_and_its_keys_are_checked():
         f8s.QuantConfig(fallback_saturation=0)
     with pytest.raises(ConfigError, match="fallback_patience=0 is not allowed"):
         f8s.QuantConfig(fallback_patience=0)
+
+
+def test_golden_state_v3_loads_with_the_move_its_maker_made():
+    """tests/golden/state_v3.pt: written by tests/golden/make_state_v3.py (see its docstring)."""
+    saved = torch.load(Path(__file__).parent.parent / "golden" / "state_v3.pt", weights_only=True)
+    assert saved["format_version"] == 3
+    assert saved["fallback"]["events"] == [["0", 3, 0, "nonfinite"]]
+    state = f8s.Fp8State(f8s.QuantConfig(history_len=4, fallback=True))
+    state.load_state_dict(saved)
+    assert dict(state.protocol.fallen_back) == {"0": 3}
+    weight = next(i for i, o in enumerate(state.bank.owners) if o.role == "weight")
+    assert state.bank.amax_history[:, weight].max().item() == pytest.approx(1e37, rel=1e-6)
+    # a moved layer runs in high precision: the identity weight's 1e37 reaches the output as is
+    model = state.convert(nn.Sequential(nn.Linear(4, 4, bias=False)))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4))
+        model[0].weight[0, 0] = 1e37
+    with state.step(4):
+        y = model(torch.ones(1, 4))
+        y.sum().backward()
+    assert y[0, 0].item() == pytest.approx(1e37, rel=1e-6) and torch.isfinite(y).all()

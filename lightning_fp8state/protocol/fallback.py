@@ -18,8 +18,8 @@ At the event's end the per-layer flags are stacked into one vector, MAX-reduced 
 data-parallel group (the amax reduction's group; ranks register the same layers in the same
 order, which that reduction checks) and read on the host once: the one host read per event.
 Under per-block CUDA graphs only the non-finite trigger sees replayed calls (a replay runs no
-Python per call); a move bumps :attr:`FallbackMonitor.version`, which the graphs read to capture
-again once.
+Python per call); a move bumps :attr:`FallbackMonitor.version`, meant for the graphs to capture
+again once (they do not read it yet: a run with graphs keeps its captured FP8 calls).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ __all__ = [
     "MODES",
     "OWNERSHIP_SCOPES",
     "WORLD_SIZE_MERGES",
+    "FALLBACK_TARGETS",
     "GROUP_OF",
     "ConfigSection",
     "QuantConfig",
@@ -64,6 +65,9 @@ DEFAULT_AMAX_REDUCTION = (("weight", "data_parallel"),)
 # saved rank are copied; those that differ are merged (max: elementwise max of the amax
 # histories, the scale of the largest amax) or the resume is refused (refuse).
 WORLD_SIZE_MERGES = ("max", "refuse")
+# What a fallen-back layer runs as (QuantConfig.fallback_to): bf16, high precision (the bf16
+# recipe's plain F.linear). A per-layer current-scaling target is not there yet.
+FALLBACK_TARGETS = ("bf16",)
 FP4_LAYOUT_NAMES = tuple(FP4_LAYOUTS)  # ("nvfp4", "mxfp4")
 # scale = fmax / amax / 2**margin, margin in [0, MARGIN_MAX]. The CUDA update_scales takes
 # 2**margin as a float32 (ldexpf) and checks margin < MARGIN_MAX + 1 (csrc/fp8_ops.cu);
@@ -233,6 +237,14 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "execution": ("gemm", "fuse_prologues", "weight_codes_once"),
     # who shares delayed state: the ownership scope (layers, ranks, streams) and the amax reduction across ranks
     "sharing": ("ownership", "amax_reduction", "world_size_merge"),
+    # an opt-in way out for a layer that FP8 fails on: moved to high precision at an event boundary
+    "resilience": (
+        "fallback",
+        "fallback_to",
+        "fallback_on_nonfinite",
+        "fallback_saturation",
+        "fallback_patience",
+    ),
     # the protocol's policy towards violations: the rules or the seed's defects, raise or count, ledger detail
     "diagnostics": ("mode", "strict", "ledger_window"),
 }
@@ -304,6 +316,8 @@ class QuantConfig:
     - ``execution``: gemm, fuse_prologues, weight_codes_once — how a quantized call runs;
     - ``sharing``: ownership, amax_reduction, world_size_merge — who shares delayed state,
       across layers, ranks and streams, and how it maps onto another number of ranks;
+    - ``resilience``: fallback, fallback_to, fallback_on_nonfinite, fallback_saturation,
+      fallback_patience — an opt-in move of a layer FP8 fails on to high precision;
     - ``diagnostics``: mode, strict, ledger_window — the protocol's policy on violations.
 
     Every field is validated on construction; a bad value raises ``ConfigError`` naming
@@ -376,6 +390,21 @@ class QuantConfig:
     # histories (and the scale of the largest amax); refuse: the resume is refused, naming them.
     # Owners equal on every rank (amax reduced each event) are copied bitwise either way.
     world_size_merge: str = "max"
+    # -- resilience ----------------------------------------------------------------------
+    # Opt-in (protocol/fallback.py): a layer that FP8 fails on runs in high precision from the
+    # next event on, on every rank at once; which layers and when is carried in the state.
+    fallback: bool = False
+    # What a fallen-back layer runs as (see FALLBACK_TARGETS): bf16, the plain high-precision
+    # F.linear of the bf16 recipe.
+    fallback_to: str = "bf16"
+    # Move a layer whose output goes non-finite in an event while its quantized operands' amaxes
+    # are finite (the fault starts in that layer's FP8 call, not upstream of it).
+    fallback_on_nonfinite: bool = True
+    # Move a layer one of whose operands has more than this fraction of its elements encoded at
+    # +-fmax (saturated) ...
+    fallback_saturation: float = 0.01
+    # ... in this many consecutive events.
+    fallback_patience: int = 3
     # -- diagnostics ---------------------------------------------------------------------
     # safe: the protocol. naive: reproduces the seed's defects on purpose (advance before
     # consume, record in recompute) so the audit can prove it catches them. naive_snapshot:
@@ -419,6 +448,13 @@ class QuantConfig:
         require_choice("ownership", self.ownership, OWNERSHIP_SCOPES)
         object.__setattr__(self, "amax_reduction", _reduction_pairs(self.amax_reduction))
         require_choice("world_size_merge", self.world_size_merge, WORLD_SIZE_MERGES)
+        # resilience
+        require_bool("fallback", self.fallback)
+        require_choice("fallback_to", self.fallback_to, FALLBACK_TARGETS)
+        require_bool("fallback_on_nonfinite", self.fallback_on_nonfinite)
+        sat = require_number("fallback_saturation", self.fallback_saturation, 0, 1, low_open=True)
+        object.__setattr__(self, "fallback_saturation", sat)
+        require_int("fallback_patience", self.fallback_patience, 1)
         # diagnostics
         require_choice("mode", self.mode, MODES)
         require_bool("strict", self.strict)
@@ -463,6 +499,11 @@ class QuantConfig:
     def sharing(self) -> ConfigSection:
         """ownership, amax_reduction (:meth:`reduction_of` reads it per role), world_size_merge."""
         return ConfigSection(self, "sharing")
+
+    @property
+    def resilience(self) -> ConfigSection:
+        """fallback, fallback_to, fallback_on_nonfinite, fallback_saturation, fallback_patience."""
+        return ConfigSection(self, "resilience")
 
     @property
     def diagnostics(self) -> ConfigSection:

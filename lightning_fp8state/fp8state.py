@@ -14,15 +14,17 @@ from .defects import policy_for
 from .errors import ConversionWarning, StateLoadError, StateTransitionError
 from .nn import ConversionReport, convert_model
 from .protocol import QuantProtocol
+from .protocol.fallback import FallbackMonitor
 from .recompute import ENGINES, bind_event_engine, unbind_event_engine
 from .state import StateBank
 
 __all__ = ["STATE_FORMAT_VERSION", "Fp8State"]
 
 # 2 added FP4 owners (format names nvfp4/mxfp4), the running centers and the attn_* config
-# fields; format 1 (FP8 only) still loads.
-STATE_FORMAT_VERSION = 2
-_LOADABLE_VERSIONS = (1, 2)
+# fields; format 1 (FP8 only) still loads. 3 added "fallback" (QuantConfig.fallback: the layers
+# moved to high precision, with step and reason); formats 1 and 2 load as "no layer moved".
+STATE_FORMAT_VERSION = 3
+_LOADABLE_VERSIONS = (1, 2, 3)
 # Config fields that change the meaning of saved state: a checkpoint must agree on them.
 _STATE_DEFINING = (
     "recipe",
@@ -292,7 +294,13 @@ class Fp8State:
             "ledger": self.ledger.state_dict(),
             # the model's converted layers: those that have not run yet own nothing in the bank
             "converted_layers": sorted(self.converted_layers),
+            # the fallback's moves (empty when it is off): a resumed run keeps those layers moved
+            "fallback": self._fallback_state(),
         }
+
+    def _fallback_state(self) -> dict:
+        monitor = self._protocol.fallback
+        return monitor.state_dict() if monitor is not None else {"events": [], "streaks": {}, "layers": []}
 
     @staticmethod
     def remap_rank(state_dict: dict, rank: int) -> dict:
@@ -371,6 +379,7 @@ class Fp8State:
             what = f"the clock's last event {last!r}" if not clock_ok else "the ledger's lists differ in length"
             raise StateLoadError(f"saved quantizer state is corrupt: clock or ledger ({what})")
         owners, _, _ = StateBank.validate_state_dict(sd["bank"], self.bank.history_len)
+        fallback = self._check_fallback(sd, version)
         saved_layers = {o.layer for o in owners} - {"*"}
         saved_converted = sd.get("converted_layers")
         if saved_converted is not None:
@@ -386,3 +395,26 @@ class Fp8State:
         self._loaded_unchecked = (saved_layers, saved_converted) if fresh and not self.converted_layers else None
         self.clock.load_state_dict(sd["clock"])
         self.ledger.load_state_dict(sd["ledger"])
+        if self._protocol.fallback is not None:
+            self._protocol.fallback.load_state_dict(fallback)
+
+    def _check_fallback(self, sd: dict, version: int) -> dict:
+        """The saved fallback state, checked (formats 1 and 2: none moved).
+
+        Raises:
+            StateLoadError: missing from a format-3 state, corrupt, or naming moved layers while
+                this run has the fallback off (they would silently go back to FP8).
+        """
+        empty = {"events": [], "streaks": {}, "layers": []}
+        if version < 3:
+            return empty
+        if "fallback" not in sd:
+            raise StateLoadError("saved quantizer state is corrupt: format 3 without 'fallback'")
+        events = FallbackMonitor.validate_state_dict(sd["fallback"])
+        if events and self._protocol.fallback is None:
+            layers = sorted({e.layer for e in events})
+            raise StateLoadError(
+                f"saved quantizer state moved layers {_few(layers)} to high precision (QuantConfig.fallback), "
+                "but this run has the fallback off: resume with quant.fallback=true"
+            )
+        return sd["fallback"]

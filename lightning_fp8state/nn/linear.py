@@ -134,7 +134,8 @@ class Fp8Linear(nn.Linear):
     def _forward(self, x: torch.Tensor, prologue: str | None, norm: nn.Module | None) -> torch.Tensor:
         protocol = self.protocol
         config = protocol.config
-        quantized = protocol.recipe.quantized
+        # a layer the fallback moved (QuantConfig.fallback) runs as under the bf16 recipe
+        quantized = protocol.recipe.quantized and self.layer_name not in protocol.fallen_back
         fused = None if prologue is None and norm is None else self._prologue(prologue, norm)
         if fused is not None and not (quantized and config.fuse_prologues and protocol.recipe.fuses_prologues):
             x = run_unfused(fused.kind, x, norm)  # the same op, unfused
@@ -164,6 +165,8 @@ class Fp8Linear(nn.Linear):
         kind = self._prologue_kind(prologue, norm)
         # (reads no per-module value but the key tensor: the blocks of a model share one graph)
         if not (protocol.recipe.quantized and protocol.recipe.compiled_op) or protocol.gathered_layers:
+            return self._forward_outside_graph(x, prologue, norm)
+        if protocol.fallen_back and self.layer_name in protocol.fallen_back:  # moved: a graph of its own
             return self._forward_outside_graph(x, prologue, norm)
         if kind is not None and not (config.fuse_prologues and protocol.recipe.fuses_prologues):
             x = run_unfused(kind, x, norm)  # the same op, unfused (as _forward does)

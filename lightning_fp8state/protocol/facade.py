@@ -42,6 +42,7 @@ from .events import (
     release_kept,
     require_open,
 )
+from .fallback import FallbackMonitor
 from .policy import observe_operand, observe_output
 from .records import CallRecords
 from .sharded import ShardedWeights, ShardSource
@@ -84,6 +85,10 @@ class QuantProtocol:
         self._encoders: dict[str, object] = {}  # role -> the recipe's encoder (cached)
         self._stateful: dict[str, bool] = {}  # role -> the recipe's answer (cached)
         self._policy = policy
+        # QuantConfig.fallback (protocol/fallback.py): layer -> step of its move to high precision,
+        # read by every converted call (empty, and no monitor, when the fallback is off)
+        self.fallback = FallbackMonitor(self) if config.fallback else None
+        self.fallen_back: dict[str, int] = self.fallback.fallen if self.fallback is not None else {}
         # Layers whose weight arrives quantized from an FP8 all-gather (FSDP2, nn/fsdp.py): layer ->
         # where its weight lives now (a ShardSource). Layers whose weight FSDP2 shards or ZeRO-3
         # partitions (nn.fsdp.mark_sharded). What either means for a call: sharded.py.
@@ -115,6 +120,8 @@ class QuantProtocol:
             self.clock = LogicalClock()
             self.ledger = Ledger(strict=self.config.strict, window=self.config.ledger_window)
             self._records.reset()
+            if self.fallback is not None:
+                self.fallback.reset()
 
     # -- events --------------------------------------------------------------------
     def begin_event(self, step: int | None = None, microbatch: int = 0) -> Event:
@@ -154,6 +161,8 @@ class QuantProtocol:
             late = {"backward"} if ev.forward_committed else {"forward", "backward"}
             self._commits.commit(ev, {"forward", "backward"}, reduce_phases=late)
             self.ledger.check_event(ev.event)
+            if self.fallback is not None:  # at the boundary: one host read, the same on every rank
+                self.fallback.decide(ev.event)
         finally:
             self._close(ev)
 
@@ -163,6 +172,8 @@ class QuantProtocol:
         if ev is None:
             return
         self._commits.discard_pending(ev)
+        if self.fallback is not None:
+            self.fallback.discard()
         self._close(ev)
 
     def _close(self, ev: OpenEvent) -> None:
@@ -285,6 +296,8 @@ class QuantProtocol:
         """
         q, snap = self._quantize(record, role, x, phase, prologue)
         record.used[role] = snap
+        if self.fallback is not None:
+            self.fallback.observe_operand(record, role, phase, x, q, snap, prologue)
         if self.auditors:  # the quantized operand itself: early stop may never produce the output
             # a stateless scale is re-derived by the recompute from its own input: exact only if
             # that input is bitwise the true forward's, so the auditors compare the input too
@@ -315,7 +328,10 @@ class QuantProtocol:
 
     def observe_output(self, record: CallRecord, phase: Phase, output, snaps: dict) -> None:
         """Hand one module output (a tensor, or a tuple of tensors) and the snapshots it
-        consumed (a copy of ``snaps``, taken only when an auditor is attached) to the auditors."""
+        consumed (a copy of ``snaps``, taken only when an auditor is attached) to the auditors,
+        and to the fallback's non-finite trigger."""
+        if self.fallback is not None:
+            self.fallback.observe_output(record, phase, output)
         if self.auditors:
             observe_output(self.auditors, record, phase, output, snaps)
 

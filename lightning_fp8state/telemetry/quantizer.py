@@ -20,7 +20,7 @@ from ..nn import Fp8Linear
 from ..recompute import CallRecord, Phase
 from ..state import OwnerKey
 
-__all__ = ["SaturationProbe", "find_protocol", "owner_label", "quantizer_health"]
+__all__ = ["SaturationProbe", "fallback_health", "find_protocol", "owner_label", "quantizer_health"]
 
 
 def owner_label(owner: OwnerKey) -> str:
@@ -186,6 +186,19 @@ def _stateless_health(protocol, per_owner: bool) -> dict[str, float]:
     return out
 
 
+def fallback_health(protocol) -> dict[str, float]:
+    """The fallback's moves (``QuantConfig.fallback``), from the host (no device read):
+    ``fp8state/fallback_layers`` and, per moved layer, ``fp8state/fallback/<layer>`` = the step
+    at whose end it moved to high precision. Empty when the fallback is off."""
+    monitor = getattr(protocol, "fallback", None)
+    if monitor is None:
+        return {}
+    out = {"fp8state/fallback_layers": float(len(monitor.fallen))}
+    for layer, step in monitor.fallen.items():
+        out[f"fp8state/fallback/{layer}"] = float(step)
+    return out
+
+
 def quantizer_health(
     protocol,
     *,
@@ -245,6 +258,7 @@ def quantizer_health(
         out["fp8state/commits_per_event_max"] = float(max(counts))
         out["fp8state/commits_per_event_mean"] = sum(counts) / len(counts)
     out["fp8state/ledger_violations"] = float(len(ledger.violations))
+    out.update(fallback_health(protocol))
     auditors = [a for a in protocol.auditors if isinstance(a, RecomputeAuditor)]
     if auditors:
         reports = [a.report() for a in auditors]

@@ -133,6 +133,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         s["non-finite amax events"] = h.get("fp8state/nonfinite_amax_events")
         if "fp8state/recompute_mismatches" in h:
             s["recompute mismatches"] = h["fp8state/recompute_mismatches"]
+        moved = _fallback_moves(health)
+        if moved:
+            s["fallen back to high precision"] = moved
     return {k: v for k, v in s.items() if v is not None}
 
 
@@ -290,6 +293,18 @@ def _plot_throughput(plt, rows, path: Path) -> bool:
         title="Throughput: raw vs effective",
         xlabel="optimizer step (end of window)",
     )
+
+
+def _fallback_moves(health: list[dict]) -> str:
+    """``layer (step N), ...``: the layers QuantConfig.fallback moved, each with the step at whose
+    end it moved (``fp8state/fallback/<layer>`` rows; the first row that names it)."""
+    prefix = "fp8state/fallback/"
+    moves: dict[str, float] = {}
+    for row in health:
+        for key, value in row.items():
+            if key.startswith(prefix) and isinstance(value, (int, float)):
+                moves.setdefault(key[len(prefix) :], value)
+    return ", ".join(f"{layer} (step {int(step)})" for layer, step in sorted(moves.items(), key=lambda m: m[1]))
 
 
 def format_summary(summary: dict[str, Any]) -> str:

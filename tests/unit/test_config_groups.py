@@ -17,6 +17,7 @@ USER_KEYS = {
     "recipe", "history_len", "margin", "amax_algo", "initial_scale", "mode", "ownership", "strict",
     "include", "exclude", "forward_format", "backward_format", "gemm", "fuse_prologues", "weight_codes_once", "ledger_window",
     "amax_reduction", "attn_format", "attn_centered", "attn_center_momentum", "attn_quantize_v", "world_size_merge",
+    "fallback", "fallback_to", "fallback_on_nonfinite", "fallback_saturation", "fallback_patience",
 }  # fmt: skip
 
 

@@ -523,7 +523,7 @@ def test_fp4_state_dict_resumes_bit_identically():
     state_b, model_b = fresh()
     run_events(state_b, model_b, xs[:4])
     saved = _roundtrip(state_b.state_dict())
-    assert saved["format_version"] == f8s.STATE_FORMAT_VERSION == 2
+    assert saved["format_version"] == f8s.STATE_FORMAT_VERSION == 3
     assert set(saved["bank"]["dtypes"]) == {"e4m3", "e5m2", "nvfp4"}
     state_c, model_c = fresh()
     state_c.load_state_dict(saved)

@@ -1,0 +1,232 @@
+"""Per-layer fallback to high precision (``QuantConfig.fallback``, opt-in).
+
+A layer that FP8 fails on is moved to high precision at an event's end, on every rank at once,
+and stays there: the set of fallen-back layers, with the step and the reason of each move, is
+part of the quantizer state (saved in checkpoints, restored on resume).
+
+Two triggers, both measured on the device while the event runs (no host sync in a call):
+
+- non-finite: a true-forward call whose output holds a non-finite value while the pending amaxes
+  of its quantized operands (input, weight) are finite. The fault starts in that layer's FP8 call
+  (a descale product that overflows float32, say), not upstream of it; the layers downstream,
+  whose amaxes turn non-finite as a consequence, are not moved.
+- saturation: an operand (input, weight, grad_output) with more than ``fallback_saturation`` of
+  its elements clamped to ``±fmax`` by the encode in ``fallback_patience`` consecutive events
+  (``|x * scale| > fmax``, counted on the device as the telemetry's saturation probe counts).
+
+At the event's end the per-layer flags are stacked into one vector, MAX-reduced across the
+data-parallel group (the amax reduction's group; ranks register the same layers in the same
+order, which that reduction checks) and read on the host once: the one host read per event.
+Under per-block CUDA graphs only the non-finite trigger sees replayed calls (a replay runs no
+Python per call); a move bumps :attr:`FallbackMonitor.version`, meant for the graphs to capture
+again once (they do not read it yet: a run with graphs keeps its captured FP8 calls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..encoders import ACTIVATIONS, NORMS
+from ..errors import StateLoadError
+from ..formats import fp8_format
+from ..recompute import Phase
+
+__all__ = ["FallbackEvent", "FallbackMonitor"]
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+REASONS = ("nonfinite", "saturation")
+_VALUE_PROLOGUES = (*NORMS, *ACTIVATIONS)
+
+
+@dataclass(frozen=True)
+class FallbackEvent:
+    """One layer moved to high precision: at the end of ``step``'s event (``microbatch``), why."""
+
+    layer: str
+    step: int
+    microbatch: int
+    reason: str  # "nonfinite" | "saturation"
+
+
+def _codes(q) -> torch.Tensor | None:
+    """The FP8 codes of a quantize result (a tensor, or a stage's tuple whose first item is
+    the codes); None for what holds none (FP4 packed bytes, high-precision operands)."""
+    if isinstance(q, tuple):
+        q = q[0] if q else None
+    if isinstance(q, torch.Tensor) and q.dtype in _FP8_DTYPES:
+        return q
+    return None
+
+
+class FallbackMonitor:
+    """Watches one protocol's calls for the fallback's triggers and decides at each event's end.
+
+    Args:
+        protocol: the :class:`~lightning_fp8state.protocol.QuantProtocol` (its config, bank and
+            amax reducer are read per use: each may be replaced).
+    """
+
+    def __init__(self, protocol) -> None:
+        self._protocol = protocol
+        config = protocol.config
+        self.on_nonfinite = config.fallback_on_nonfinite
+        self.threshold = config.fallback_saturation
+        self.patience = config.fallback_patience
+        # layer -> the step of the event at whose end it fell back: the set the calls read
+        self.fallen: dict[str, int] = {}
+        self.events: list[FallbackEvent] = []
+        self.streaks: dict[str, int] = {}  # layer -> consecutive saturated events so far
+        self.version = 0  # +1 at every move (CUDA graphs captured before it are stale)
+        self._slots: dict[str, int] = {}  # layer -> its place in the decision's vector, first-seen order
+        self._clear_event()
+
+    def _clear_event(self) -> None:
+        self._bad_output: dict[str, torch.Tensor] = {}  # layer -> bool: the non-finite trigger
+        self._hits: dict[tuple[str, str], torch.Tensor] = {}  # (layer, role) -> saturated codes
+        self._elements: dict[tuple[str, str], int] = {}
+
+    def reset(self) -> None:
+        """Forget every move and streak (the protocol's ``reset``: a fresh state)."""
+        self.fallen.clear()
+        self.events.clear()
+        self.streaks.clear()
+        self._slots.clear()
+        self._clear_event()
+
+    # -- in the calls (device work only) ----------------------------------------------------
+    def _slot(self, layer: str) -> None:
+        if layer not in self._slots:
+            self._slots[layer] = len(self._slots)
+
+    def observe_operand(self, record, role: str, phase: Phase, x: torch.Tensor, q, snap, prologue) -> None:
+        """Count ``role``'s elements that its encode clamps to ``±fmax``: ``|x * scale| > fmax``,
+        as the telemetry's probe does (true forward and backward; a recompute encodes the same
+        operand again and is not counted twice). An operand encoded through a value-changing
+        prologue (a fused norm or activation) is not counted: ``x`` is not what was encoded."""
+        if phase is not Phase.FORWARD or record.indices.get(role, -1) < 0:  # stateless: no delayed scale
+            return
+        if _codes(q) is None or getattr(prologue, "kind", None) in _VALUE_PROLOGUES:
+            return
+        self._slot(record.layer)
+        fmax = fp8_format(snap.dtype).max
+        with torch.no_grad():
+            hits = ((x.detach().to(torch.float32) * snap.scale.to(torch.float32)).abs() > fmax).sum()
+        key = (record.layer, role)
+        prev = self._hits.get(key)
+        self._hits[key] = hits if prev is None else prev + hits
+        self._elements[key] = self._elements.get(key, 0) + x.numel()
+
+    def observe_output(self, record, phase: Phase, output) -> None:
+        """Flag ``record``'s layer when its output is not finite while its operands' pending
+        amaxes are (true-forward calls only)."""
+        if not self.on_nonfinite or phase is not Phase.FORWARD:
+            return
+        out = output[0] if isinstance(output, tuple) else output
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return
+        self._slot(record.layer)
+        bad = ~torch.isfinite(out).all()
+        pending = self._protocol.bank.amax_pending
+        for role in ("input", "weight"):
+            index = record.indices.get(role, -1)
+            if index >= 0:  # (a view per owner: no index tensor copied to the device)
+                bad = bad & torch.isfinite(pending[index]).to(bad.device)
+        prev = self._bad_output.get(record.layer)
+        self._bad_output[record.layer] = bad if prev is None else prev | bad
+
+    # -- at the event's end (one host read) -------------------------------------------------
+    def _flags(self) -> torch.Tensor | None:
+        """``[2, layers]`` float32: per layer, its output went non-finite; it saturated."""
+        if not self._slots:
+            return None
+        found = [*self._bad_output.values(), *self._hits.values()]
+        device = found[0].device if found else self._protocol.bank.device or torch.device("cpu")
+        flags = torch.zeros(2, len(self._slots), dtype=torch.float32, device=device)
+        for layer, bad in self._bad_output.items():
+            flags[0, self._slots[layer]] = bad.to(device, torch.float32)
+        for (layer, role), hits in self._hits.items():
+            over = (hits.to(device, torch.float32) / self._elements[(layer, role)]) > self.threshold
+            slot = self._slots[layer]
+            flags[1, slot] = torch.maximum(flags[1, slot], over.to(torch.float32))
+        return flags
+
+    def _reduce(self, flags: torch.Tensor) -> torch.Tensor:
+        """MAX over the data-parallel group (the amax reduction's), where there is one."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return flags
+        reducer = self._protocol.amax_reducer
+        group = reducer.group if reducer is not None else None
+        if dist.get_world_size(group) < 2:
+            return flags
+        if reducer is not None and reducer.device is not None and flags.device != reducer.device:
+            flags = flags.to(reducer.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        return flags
+
+    def decide(self, event: tuple[int, int]) -> list[FallbackEvent]:
+        """Move the layers this event's flags name (every rank the same: the flags are reduced
+        first); returns the moves. The event's counts are cleared."""
+        flags = self._flags()
+        self._clear_event()
+        if flags is None:
+            return []
+        nonfinite, saturated = self._reduce(flags).cpu().tolist()  # the one host read of the event
+        moves = []
+        for layer, slot in self._slots.items():
+            if layer in self.fallen:
+                continue
+            self.streaks[layer] = self.streaks.get(layer, 0) + 1 if saturated[slot] else 0
+            reason = "nonfinite" if nonfinite[slot] else "saturation" if self.streaks[layer] >= self.patience else None
+            if reason is not None:
+                moves.append(FallbackEvent(layer, int(event[0]), int(event[1]), reason))
+        for move in moves:
+            self.fallen[move.layer] = move.step
+            self.streaks.pop(move.layer, None)
+        if moves:
+            self.events.extend(moves)
+            self.version += 1
+        return moves
+
+    def discard(self) -> None:
+        """Drop an aborted event's counts."""
+        self._clear_event()
+
+    # -- checkpoint --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Plain values: the moves (layer, step, microbatch, reason), the streaks, the layers' order."""
+        return {
+            "events": [[e.layer, e.step, e.microbatch, e.reason] for e in self.events],
+            "streaks": dict(self.streaks),
+            "layers": list(self._slots),
+        }
+
+    @staticmethod
+    def validate_state_dict(sd) -> list[FallbackEvent]:
+        """The saved moves, checked.
+
+        Raises:
+            StateLoadError: not the shape :meth:`state_dict` writes.
+        """
+        try:
+            events = [FallbackEvent(str(a), int(b), int(c), str(d)) for a, b, c, d in sd["events"]]
+            streaks_ok = all(isinstance(k, str) and int(v) >= 0 for k, v in sd["streaks"].items())
+            layers_ok = all(isinstance(n, str) for n in sd["layers"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StateLoadError(f"saved quantizer state is corrupt: 'fallback' ({exc!r})") from exc
+        if not (streaks_ok and layers_ok) or any(e.reason not in REASONS for e in events):
+            raise StateLoadError("saved quantizer state is corrupt: 'fallback' holds unknown reasons or names")
+        return events
+
+    def load_state_dict(self, sd) -> None:
+        """Restore :meth:`state_dict`'s values (validated first); a move restored counts as one
+        for CUDA graphs (``version``)."""
+        events = self.validate_state_dict(sd)
+        self.reset()
+        self.events.extend(events)
+        self.fallen.update({e.layer: e.step for e in events})
+        self.streaks.update({k: int(v) for k, v in sd["streaks"].items()})
+        self._slots.update({name: i for i, name in enumerate(sd["layers"])})
+        self.version += 1

@@ -321,7 +321,7 @@ def read_gemm_table(path: Path | str) -> dict[str, list[GemmMeasurement]]:
     text = path.read_text()
     try:
         data = json.loads(text) if path.suffix == ".json" else _yaml_load(text)
-    except ValueError as exc:
+    except ValueError as exc:  # JSON's parse error (YAML's is turned into a ConfigError by _yaml_load)
         raise ConfigError(f"GEMM table {path}: cannot parse it ({exc})") from exc
     where = f"GEMM table {path}"
     require_that(isinstance(data, dict), where, type(data).__name__, "a mapping")
@@ -340,7 +340,7 @@ def _yaml_load(text: str):
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ValueError(str(exc)) from exc
+        raise ConfigError(f"a GEMM table cannot be parsed as YAML ({exc})") from exc
 
 
 def _device_shapes(where: str, entry: object) -> list[GemmMeasurement]:

@@ -17,6 +17,7 @@ USER_KEYS = {
     "recipe", "history_len", "margin", "amax_algo", "initial_scale", "mode", "ownership", "strict",
     "include", "exclude", "forward_format", "backward_format", "gemm", "fuse_prologues", "weight_codes_once", "ledger_window",
     "amax_reduction", "attn_format", "attn_centered", "attn_center_momentum", "attn_quantize_v", "world_size_merge",
+    "policy",
 }  # fmt: skip
 
 
@@ -55,7 +56,7 @@ def test_sections_compare_by_value_and_survive_copy_and_pickle():
     assert copy.deepcopy(a.scaling) == a.scaling
     assert pickle.loads(pickle.dumps(a.sharing)) == a.sharing
     assert copy.deepcopy(a) == a and pickle.loads(pickle.dumps(a)) == a
-    assert repr(a.selection) == "selection(include=('*',), exclude=())"
+    assert repr(a.selection).startswith("selection(include=('*',), exclude=(), policy=PrecisionPolicy(keep_first=0,")
 
 
 def test_a_flat_mapping_still_builds_the_config_and_attribute_access_is_flat():

@@ -277,3 +277,21 @@ def test_a_kept_layer_stays_linear_and_its_weight_trains_in_high_precision():
         assert exact == (name == "kept")  # the FP8 layer's gradient carries its quantization error
     owned = {o.layer for o in state._protocol.owners()}
     assert "blocks.0.proj" in owned and not any(layer.startswith("blocks.1.") for layer in owned)
+
+
+def test_the_benchmark_writes_a_table_the_policy_reads(tmp_path, monkeypatch):
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    gemm_table = importlib.import_module("gemm_table")
+    out = tmp_path / "tables.yaml"
+    out.write_text((Path(policy.__file__).resolve().parents[2] / "configs/gemm/tables.yaml").read_text())
+    rows = [dict(m=64, n=64, k=64, bf16_ms=1.0, fp8_ms=0.5, cast_ms=0.25)]
+    gemm_table.write_table(out, "GPU A", rows)
+    gemm_table.write_table(out, "GPU B", [dict(rows[0], fp8_ms=2.0)])
+    gemm_table.write_table(out, "GPU A", [dict(rows[0], bf16_ms=3.0)])  # replaces A's entry, keeps B's
+    table = policy.read_gemm_table(out)
+    assert sorted(table) == ["GPU A", "GPU B"]
+    assert table["GPU A"] == [policy.GemmMeasurement(64, 64, 64, 3.0, 0.5, 0.25)]
+    assert policy.predicted_gain(table["GPU B"], 64, 64, 64) == pytest.approx(1.0 / 2.25)

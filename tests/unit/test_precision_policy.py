@@ -295,3 +295,17 @@ def test_the_benchmark_writes_a_table_the_policy_reads(tmp_path, monkeypatch):
     assert sorted(table) == ["GPU A", "GPU B"]
     assert table["GPU A"] == [policy.GemmMeasurement(64, 64, 64, 3.0, 0.5, 0.25)]
     assert policy.predicted_gain(table["GPU B"], 64, 64, 64) == pytest.approx(1.0 / 2.25)
+
+
+def test_the_position_rule_keeps_attention_projections_and_expert_blocks_of_kept_blocks():
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 3, enable_nested_tensor=False)
+    _, report = convert(enc, keep_last=1)
+    assert type(enc.layers[2].self_attn) is nn.MultiheadAttention and type(enc.layers[2].linear1) is nn.Linear
+    assert isinstance(enc.layers[1].self_attn, f8s.nn.Fp8MultiheadAttention)
+    assert {"layers.2.self_attn.in_proj", "layers.2.self_attn.out_proj"} <= set(report.skipped)
+    assert "layers.2" not in report.rerouted and "layers.1" in report.rerouted
+    moe = Llama(LlamaConfig(n_layers=2, moe_experts=4, moe_top_k=2))
+    _, report = convert(moe, keep_last=1)
+    assert type(moe.layers[1].mlp.experts) is f8s.nn.GroupedExperts
+    assert isinstance(moe.layers[0].mlp.experts, f8s.nn.Fp8Experts)
+    assert "layers.1 is among the last 1 block(s)" in report.skipped["layers.1.mlp.experts"]

@@ -47,7 +47,7 @@ from .attention import Fp4AttentionQuantizer
 from .conv1d import Fp8Conv1D, is_hf_conv1d
 from .experts import KEEP_ATTRIBUTE, Fp8Experts, GroupedExperts
 from .linear import Fp8Linear
-from .policy import decide
+from .policy import POLICY_WHY, decide
 from .transformer import Fp8MultiheadAttention, Fp8TransformerEncoderLayer, mha_projections
 
 __all__ = ["ConversionReport", "convert_model"]
@@ -113,6 +113,9 @@ class ConversionReport:
         kinds = Counter(self.how.get(n, "").split(" ->")[0] for n in self.converted)
         out = {CONVERTED: len(self.converted), SKIPPED: len(self.skipped), NOT_QUANTIZABLE: len(self.not_quantizable)}
         out.update({f"converted {k}": v for k, v in sorted(kinds.items()) if k})
+        by_policy = sum(POLICY_WHY in why for why in self.skipped.values())
+        if by_policy:
+            out["kept by quant.policy"] = by_policy
         if self.attention:
             out["attention quantizers"] = len(self.attention)
         if self.rerouted:
@@ -126,7 +129,7 @@ class ConversionReport:
         kinds = Counter(self.how.get(n, "").split(" ->")[0] for n in self.converted)
         by_kind = ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()) if k)
         line = f"converted {len(self.converted)} layer(s)" + (f" ({by_kind})" if by_kind else "")
-        by_policy = sum("by quant.policy" in why for why in self.skipped.values())
+        by_policy = sum(POLICY_WHY in why for why in self.skipped.values())
         line += f", skipped {len(self.skipped)}" + (f" ({by_policy} kept by quant.policy)" if by_policy else "")
         line += f", not quantizable {len(self.not_quantizable)}"
         if self.attention:

@@ -40,6 +40,7 @@ from ..errors import ConfigError
 __all__ = [
     "GEMM_TABLE_FORMAT",
     "GemmMeasurement",
+    "POLICY_WHY",
     "PolicyDecision",
     "cuda_device_name",
     "decide",
@@ -51,8 +52,10 @@ __all__ = [
 ]
 
 GEMM_TABLE_FORMAT = "lightning_fp8state.gemm_table"
-POSITION_WHY = "kept in high precision by quant.policy (position): "
-SIZE_WHY = "kept in high precision by quant.policy (size): "
+# every reason the policy gives starts with POLICY_WHY (the report counts them by it)
+POLICY_WHY = "kept in high precision by quant.policy"
+POSITION_WHY = f"{POLICY_WHY} (position): "
+SIZE_WHY = f"{POLICY_WHY} (size): "
 _NEAREST = 4  # measured shapes a prediction averages
 
 

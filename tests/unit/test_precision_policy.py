@@ -44,6 +44,7 @@ def test_keep_last_keeps_the_last_blocks_of_a_gpt_in_high_precision():
         "kept in high precision by quant.policy (position): blocks.3 is among the last 2 block(s) (keep_last=2)"
     )
     assert "skipped 8 (8 kept by quant.policy)" in report.summary()
+    assert report.counts()["kept by quant.policy"] == 8
 
 
 def test_keep_first_and_a_fraction_on_a_llama():

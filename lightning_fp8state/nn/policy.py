@@ -45,6 +45,7 @@ __all__ = [
     "cuda_device_name",
     "decide",
     "find_blocks",
+    "linear_shape",
     "predicted_gain",
     "read_gemm_table",
     "shipped_gemm_table",

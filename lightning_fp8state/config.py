@@ -29,10 +29,12 @@ __all__ = [
     "MARGIN_MAX",
     "MODES",
     "OWNERSHIP_SCOPES",
+    "SIZE_RULES",
     "WORLD_SIZE_MERGES",
     "FALLBACK_TARGETS",
     "GROUP_OF",
     "ConfigSection",
+    "PrecisionPolicy",
     "QuantConfig",
     "require_bool",
     "require_callable",
@@ -231,8 +233,8 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "scaling": ("recipe", "forward_format", "backward_format", "history_len", "amax_algo", "margin", "initial_scale"),
     # the packed-FP4 attention operands (Fp4AttentionQuantizer): layout, centering, which operands
     "attention": ("attn_format", "attn_centered", "attn_center_momentum", "attn_quantize_v"),
-    # which modules are converted
-    "selection": ("include", "exclude"),
+    # which modules are converted (patterns, and the policy keeping some in high precision)
+    "selection": ("include", "exclude", "policy"),
     # how a quantized linear call runs: the GEMM backend, fused prologues (no change to what is stored)
     "execution": ("gemm", "fuse_prologues", "weight_codes_once"),
     # who shares delayed state: the ownership scope (layers, ranks, streams) and the amax reduction across ranks
@@ -300,6 +302,77 @@ class ConfigSection:
 GROUP_OF: dict[str, str] = {key: group for group, keys in FIELD_GROUPS.items() for key in keys}
 
 
+# quant.policy.by_size: off (no size rule), auto (the device's measured GEMM table if the shipped
+# one has it, else a rule of thumb), or the path of a GEMM table file (nn/policy.py reads it).
+SIZE_RULES = ("off", "auto")
+TABLE_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """``quant.policy``: which of the selected layers stay in high precision, by their position
+    in the model's stack of blocks and by their GEMM shapes (``nn/policy.py`` applies it; each
+    layer it keeps is reported with the rule that kept it). The default keeps nothing."""
+
+    # The first and last N blocks of the model's repeated block list keep their layers in high
+    # precision (Megatron's first/last layers in bf16: the ends of the stack are the most sensitive).
+    keep_first: int = 0
+    keep_last: int = 0
+    # The last ceil(f * n_blocks) blocks, in [0, 1] (united with keep_first/keep_last).
+    keep_last_fraction: float = 0.0
+    # The block list's module path ("model.layers"); empty: found (the longest nn.ModuleList of
+    # one block type, not inside another).
+    blocks: str = ""
+    # Keep the layers whose FP8 GEMMs are predicted to gain less than min_gain over high
+    # precision: off | auto | a GEMM table file (see SIZE_RULES). An unquoted YAML `off` (read as
+    # false) means off.
+    by_size: str = "off"
+    # The least predicted speed-up (bf16 time / FP8 time, forward and both backward GEMMs) for
+    # which a layer is converted by the table rule.
+    min_gain: float = 1.05
+    # The GEMMs' M (tokens per micro-batch per rank: batch x sequence length) at which the table
+    # rule predicts; 0: not given (the CLI sets it from data.batch_size x model.seq_len).
+    tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("keep_first", "keep_last", "tokens"):
+            require_int(f"policy.{key}", getattr(self, key), 0)
+        fraction = require_number("policy.keep_last_fraction", self.keep_last_fraction, 0, 1)
+        object.__setattr__(self, "keep_last_fraction", fraction)
+        require_type("policy.blocks", self.blocks, str, "a module path (empty: found)")
+        by_size = "off" if self.by_size in (False, "False", "false") else self.by_size
+        expected = f"one of {list(SIZE_RULES)} or the path of a GEMM table file (.yaml, .yml or .json)"
+        require_name("policy.by_size", by_size, expected)
+        require_that(
+            by_size in SIZE_RULES or by_size.endswith(TABLE_SUFFIXES), "policy.by_size", repr(by_size), expected
+        )
+        object.__setattr__(self, "by_size", by_size)
+        gain = require_number("policy.min_gain", self.min_gain, 0, low_open=True)
+        object.__setattr__(self, "min_gain", gain)
+
+    @classmethod
+    def of(cls, value: object) -> PrecisionPolicy:
+        """``value`` as a PrecisionPolicy: one already, a mapping of its keys (an unknown key is a
+        ``ConfigError`` naming it) or None (the default: nothing kept)."""
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if not hasattr(value, "items"):
+            raise _refuse("policy", value, f"a mapping of {[f.name for f in fields(cls)]}", "")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in value if k not in known)
+        if unknown:
+            raise ConfigError(f"policy: unknown keys {unknown}: expected {sorted(known)}")
+        return cls(**dict(value))
+
+    def keeps_by_position(self) -> bool:
+        """Whether a position rule is set (then the model must have a block list)."""
+        return bool(self.keep_first or self.keep_last or self.keep_last_fraction)
+
+    def is_off(self) -> bool:
+        """Whether the policy keeps nothing (no position rule, no size rule)."""
+        return not self.keeps_by_position() and self.by_size == "off"
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """How layers are quantized and how their delayed state is owned and advanced.
@@ -312,7 +385,7 @@ class QuantConfig:
       initial_scale — what a scale is and how it follows the amax history;
     - ``attention``: attn_format, attn_centered, attn_center_momentum, attn_quantize_v — the
       packed-FP4 attention operands;
-    - ``selection``: include, exclude — which modules are converted;
+    - ``selection``: include, exclude, policy — which modules are converted;
     - ``execution``: gemm, fuse_prologues, weight_codes_once — how a quantized call runs;
     - ``sharing``: ownership, amax_reduction, world_size_merge — who shares delayed state,
       across layers, ranks and streams, and how it maps onto another number of ranks;
@@ -364,6 +437,9 @@ class QuantConfig:
     # pattern and no exclude pattern.
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
+    # Which selected layers stay in high precision, by block position and GEMM size: a
+    # PrecisionPolicy or a mapping of its keys (quant.policy.keep_last=2); default: none.
+    policy: PrecisionPolicy = PrecisionPolicy()
     # -- execution -----------------------------------------------------------------------
     # GEMM backend: auto uses torch._scaled_mm where the GPU has it, else the emulation.
     gemm: str = "auto"
@@ -440,6 +516,7 @@ class QuantConfig:
             value = getattr(self, key)
             value = (value,) if isinstance(value, str) else value  # one pattern
             object.__setattr__(self, key, require_strings(key, value, "a list of patterns"))
+        object.__setattr__(self, "policy", PrecisionPolicy.of(self.policy))
         # execution
         require_choice("gemm", self.gemm, GEMM_BACKENDS)
         require_bool("fuse_prologues", self.fuse_prologues)
@@ -487,7 +564,7 @@ class QuantConfig:
 
     @property
     def selection(self) -> ConfigSection:
-        """include, exclude."""
+        """include, exclude, policy."""
         return ConfigSection(self, "selection")
 
     @property

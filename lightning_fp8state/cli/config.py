@@ -288,7 +288,12 @@ def require_run_name(name: object) -> None:
 
 
 def quant_config(cfg: DictConfig) -> QuantConfig:
-    """The library QuantConfig described by ``cfg.quant``, its recipe and mode checked."""
-    config = QuantConfig.from_dict(OmegaConf.to_container(cfg.quant, resolve=True))
+    """The library QuantConfig described by ``cfg.quant``, its recipe and mode checked; a size
+    rule's ``quant.policy.tokens`` left 0 is the run's: ``data.batch_size x model.seq_len``."""
+    values = OmegaConf.to_container(cfg.quant, resolve=True)
+    policy = values.get("policy")
+    if isinstance(policy, dict) and not policy.get("tokens") and str(policy.get("by_size")) not in ("off", "False"):
+        policy["tokens"] = int(cfg.data.batch_size) * int(cfg.model.seq_len)
+    config = QuantConfig.from_dict(values)
     check_recipe(config)
     return config

@@ -14,7 +14,7 @@ these says so in its YAML.
 from __future__ import annotations
 
 import typing
-from dataclasses import MISSING, dataclass, field, fields, make_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, make_dataclass
 from pathlib import Path
 
 from ..config import QuantConfig, require_bool, require_choice, require_int, require_number
@@ -62,7 +62,11 @@ def strategy_facts(strategy_cfg) -> type:
 
 def _omegaconf_type(tp: object, default: object) -> tuple[object, object]:
     """The type and default omegaconf can hold for a dataclass field of type ``tp``:
-    ``tuple[X, ...]`` becomes ``list[X]``, a tuple of (key, value) pairs ``dict[K, V]``."""
+    ``tuple[X, ...]`` becomes ``list[X]``, a tuple of (key, value) pairs ``dict[K, V]``, a
+    (frozen) dataclass its own non-frozen twin (``quant.policy``: a closed section of its keys)."""
+    if is_dataclass(tp):
+        twin = schema_twin(tp, f"{tp.__name__}Cfg")
+        return twin, field(default_factory=lambda d=default: twin(**{f.name: getattr(d, f.name) for f in fields(d)}))
     if typing.get_origin(tp) is tuple:
         item = typing.get_args(tp)[0]
         if typing.get_origin(item) is tuple and len(typing.get_args(item)) == 2:

@@ -47,6 +47,7 @@ from .attention import Fp4AttentionQuantizer
 from .conv1d import Fp8Conv1D, is_hf_conv1d
 from .experts import KEEP_ATTRIBUTE, Fp8Experts, GroupedExperts
 from .linear import Fp8Linear
+from .policy import POLICY_WHY, decide
 from .transformer import Fp8MultiheadAttention, Fp8TransformerEncoderLayer, mha_projections
 
 __all__ = ["ConversionReport", "convert_model"]
@@ -75,6 +76,8 @@ class ConversionReport:
             off, and why (warned about at their first eval call).
         warnings: what this conversion warned about (:class:`ConversionWarning` messages:
             patterns that matched nothing, a conversion that converted nothing).
+        notes: what ``quant.policy`` used to decide (which GEMM table, or that the device has
+            no measurement); the layers it kept are in ``skipped``, each with its rule.
     """
 
     converted: list[str] = field(default_factory=list)
@@ -86,6 +89,7 @@ class ConversionReport:
     rerouted: dict[str, str] = field(default_factory=dict)
     fast_path: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def layers(self) -> list[str]:
         """Every layer name the converted entries' calls take (what their owners are keyed by)."""
@@ -109,6 +113,9 @@ class ConversionReport:
         kinds = Counter(self.how.get(n, "").split(" ->")[0] for n in self.converted)
         out = {CONVERTED: len(self.converted), SKIPPED: len(self.skipped), NOT_QUANTIZABLE: len(self.not_quantizable)}
         out.update({f"converted {k}": v for k, v in sorted(kinds.items()) if k})
+        by_policy = sum(POLICY_WHY in why for why in self.skipped.values())
+        if by_policy:
+            out["kept by quant.policy"] = by_policy
         if self.attention:
             out["attention quantizers"] = len(self.attention)
         if self.rerouted:
@@ -122,7 +129,9 @@ class ConversionReport:
         kinds = Counter(self.how.get(n, "").split(" ->")[0] for n in self.converted)
         by_kind = ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()) if k)
         line = f"converted {len(self.converted)} layer(s)" + (f" ({by_kind})" if by_kind else "")
-        line += f", skipped {len(self.skipped)}, not quantizable {len(self.not_quantizable)}"
+        by_policy = sum(POLICY_WHY in why for why in self.skipped.values())
+        line += f", skipped {len(self.skipped)}" + (f" ({by_policy} kept by quant.policy)" if by_policy else "")
+        line += f", not quantizable {len(self.not_quantizable)}"
         if self.attention:
             line += f", bound {len(self.attention)} FP4 attention quantizer(s)"
         if self.rerouted:
@@ -153,6 +162,8 @@ class ConversionReport:
         self.fast_path.update(new.fast_path)
         new.warnings = [w for w in other.warnings if w not in self.warnings]
         self.warnings += new.warnings
+        new.notes = [w for w in other.notes if w not in self.notes]
+        self.notes += new.notes
         return new
 
     def to_dict(self) -> dict:
@@ -160,6 +171,7 @@ class ConversionReport:
         return {
             "counts": self.counts(),
             "entries": [{"name": n, "status": s, "reason": r} for n, s, r in self.entries()],
+            **({"notes": list(self.notes)} if self.notes else {}),
         }
 
     def unowned(self, protocol: QuantProtocol) -> list[str]:
@@ -172,7 +184,7 @@ class ConversionReport:
         ]
 
     def __str__(self) -> str:
-        lines = [self.summary()]
+        lines = [self.summary(), *(f"  note: {n}" for n in self.notes)]
         lines += [f"  {status} {name or '<root>'}: {why}" for name, status, why in self.entries()]
         return "\n".join(lines)
 
@@ -541,6 +553,7 @@ def convert_model(model: nn.Module, protocol: QuantProtocol, *, warn: bool = Tru
     patterns = _Patterns(tuple(selection.include), tuple(selection.exclude), _is_lightning_module(model))
     report = ConversionReport()
     targets, attentions, before = _survey(model, protocol, patterns, report)
+    targets, attentions = _keep_by_policy(model, protocol.config, report, targets, attentions)
     for name, module, kind in targets:
         _swap_linear(model, protocol, report, name, module, kind)
     for name, module, chosen, entries in attentions:
@@ -585,6 +598,19 @@ def _conversion_warnings(
         "reason"
     )
     return out
+
+
+def _keep_by_policy(model: nn.Module, config, report: ConversionReport, targets: list, attentions: list) -> tuple:
+    """``targets`` and ``attentions`` less what ``config.policy`` keeps in high precision (nn/policy.py),
+    each kept layer reported as skipped with its rule (an ``nn.MultiheadAttention``: its chosen
+    in-projection entries)."""
+    candidates = {name: module for name, module, *_ in (*targets, *attentions)}
+    decision = decide(model, config.policy, candidates, config.recipe)
+    report.notes += [n for n in decision.notes if n not in report.notes]
+    for name, _, *rest in attentions:
+        report.skipped.update({entry: decision.kept[name] for entry in rest[0]} if name in decision.kept else {})
+    report.skipped.update({n: why for n, why in decision.kept.items() if n in {t[0] for t in targets}})
+    return [t for t in targets if t[0] not in decision.kept], [a for a in attentions if a[0] not in decision.kept]
 
 
 def _holds_bound_quantizer(model: nn.Module, protocol: QuantProtocol) -> bool:

@@ -18,6 +18,7 @@ USER_KEYS = {
     "include", "exclude", "forward_format", "backward_format", "gemm", "fuse_prologues", "weight_codes_once", "ledger_window",
     "amax_reduction", "attn_format", "attn_centered", "attn_center_momentum", "attn_quantize_v", "world_size_merge",
     "fallback", "fallback_to", "fallback_on_nonfinite", "fallback_saturation", "fallback_patience",
+    "policy",
 }  # fmt: skip
 
 
@@ -56,7 +57,7 @@ def test_sections_compare_by_value_and_survive_copy_and_pickle():
     assert copy.deepcopy(a.scaling) == a.scaling
     assert pickle.loads(pickle.dumps(a.sharing)) == a.sharing
     assert copy.deepcopy(a) == a and pickle.loads(pickle.dumps(a)) == a
-    assert repr(a.selection) == "selection(include=('*',), exclude=())"
+    assert repr(a.selection).startswith("selection(include=('*',), exclude=(), policy=PrecisionPolicy(keep_first=0,")
 
 
 def test_a_flat_mapping_still_builds_the_config_and_attribute_access_is_flat():

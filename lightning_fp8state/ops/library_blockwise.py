@@ -21,9 +21,7 @@ from .library import _FP8_DTYPES, _IN_DTYPES, LIB
 __all__ = ["quantize_fp8_block", "quantize_fp8_tile", "quantize_fp8_tile_t"]
 
 LIB.define("quantize_fp8_tile(Tensor x, ScalarType dtype, int margin, bool pow2) -> (Tensor, Tensor, Tensor, Tensor)")
-LIB.define(
-    "quantize_fp8_tile_t(Tensor x, ScalarType dtype, int margin, bool pow2) -> (Tensor, Tensor, Tensor, Tensor)"
-)
+LIB.define("quantize_fp8_tile_t(Tensor x, ScalarType dtype, int margin, bool pow2) -> (Tensor, Tensor, Tensor, Tensor)")
 LIB.define(
     "quantize_fp8_block(Tensor x, ScalarType dtype, int margin, bool pow2) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"

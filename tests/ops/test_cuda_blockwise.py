@@ -103,11 +103,16 @@ def test_views_and_empty_inputs():
             got = op(view, torch.float8_e4m3fn, 0, False)
             want = reference(view.cpu(), torch.float8_e4m3fn, 0, False)
             assert all(same_bits(a, b) for a, b in zip(got, want, strict=True)), op.__name__
-    for shape in ((0, 5), (5, 0)):
+    for shape in ((0, 5), (5, 0), (0, 0)):
         x = torch.empty(shape, device="cuda")
-        for op in (blk.quantize_fp8_tile, blk.quantize_fp8_tile_t, blk.quantize_fp8_block):
+        for op, reference in (
+            (blk.quantize_fp8_tile, ref.quantize_fp8_tile_reference),
+            (blk.quantize_fp8_tile_t, ref.quantize_fp8_tile_t_reference),
+            (blk.quantize_fp8_block, ref.quantize_fp8_block_reference),
+        ):
             got = op(x, torch.float8_e4m3fn)
-            assert got[0].numel() == 0
+            want = reference(x.cpu(), torch.float8_e4m3fn, 0, False)
+            assert all(same_bits(a, b) for a, b in zip(got, want, strict=True)), (op.__name__, shape)
 
 
 @pytest.mark.parametrize("per_column", [False, True], ids=["128x128", "128x1"])

@@ -11,9 +11,9 @@
 //   1 / scale;
 //   codes: float32(x) * scale, saturated to +-fmax, rounded to nearest even, NaN -> 0x7F.
 //
-// quantize_fp8_tile (1x128 tiles of x[R, C]): one warp per tile, four elements per lane (a
-//   16-byte or 8-byte load where the row allows it), the tile's amax by shuffles, its codes
-//   from registers: one read, one write.
+// quantize_fp8_tile (1x128 tiles of x[R, C]): a warp per four tiles, four elements per lane and
+//   tile (a 16-byte or 8-byte load where the row allows it), each tile's amax by shuffles, its
+//   codes from registers: one read, one write.
 // quantize_fp8_tile_t (128x1 tiles, codes written transposed [C, R]) and quantize_fp8_block
 //   (128x128 blocks, codes [R, C] and transposed [C, R]): one CTA of 256 threads per 128 x 128
 //   tile of x; thread t holds column t % 128, rows 64 (t / 128) .. + 63 in registers (each warp
@@ -76,8 +76,11 @@ __device__ __forceinline__ void load4(const T* p, float* v) {
 }
 
 // ---------------------------------------------------------------------------------------
-// 1x128 tiles: one warp per tile
+// 1x128 tiles: a warp takes kTilesPerWarp consecutive tiles (of the row-major [R, tiles] grid),
+// all their loads issued before the first reduction (more bytes in flight per thread)
 // ---------------------------------------------------------------------------------------
+constexpr int kTilesPerWarp = 4;
+
 template <typename T, bool E4M3>
 __global__ void __launch_bounds__(256) tile_kernel(const T* __restrict__ x, uint8_t* __restrict__ q,
                                                    float* __restrict__ scale_out, float* __restrict__ descale_out,
@@ -85,38 +88,47 @@ __global__ void __launch_bounds__(256) tile_kernel(const T* __restrict__ x, uint
                                                    int64_t tiles_per_row, bool vec, float fmax, float pow2_margin,
                                                    bool pow2) {
   const int lane = threadIdx.x & 31;
-  const int64_t w = int64_t(blockIdx.x) * (256 / 32) + (threadIdx.x >> 5);
-  if (w >= R * tiles_per_row) return;  // the same for every lane of the warp
-  const int64_t row = w / tiles_per_row, tile = w % tiles_per_row;
-  const int64_t c = tile * kBlk + lane * 4;
-  const bool whole = vec && c + 4 <= C;
-  const T* xr = x + row * C;
-  float v[4];
-  if (whole) {
-    load4<T>(xr + c, v);
-  } else {
+  const int64_t first = (int64_t(blockIdx.x) * (256 / 32) + (threadIdx.x >> 5)) * kTilesPerWarp;
+  const int64_t total = R * tiles_per_row;
+  float v[kTilesPerWarp][4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) v[k] = c + k < C ? to_f32<T>(xr[c + k]) : 0.0f;
+  for (int u = 0; u < kTilesPerWarp; ++u) {  // the loads (the same tiles for every lane of the warp)
+    const int64_t w = first + u;
+    if (w >= total) break;
+    const int64_t row = w / tiles_per_row, c = (w % tiles_per_row) * kBlk + lane * 4;
+    const T* xr = x + row * C;
+    if (vec && c + 4 <= C) {
+      load4<T>(xr + c, v[u]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) v[u][k] = c + k < C ? to_f32<T>(xr[c + k]) : 0.0f;
+    }
   }
-  float m = fmax_nan(fmax_nan(fabsf(v[0]), fabsf(v[1])), fmax_nan(fabsf(v[2]), fabsf(v[3])));
-  const float amax = amax_canonical(fp8state_common::warp_max_nan(m));
-  float scale, descale;
-  tile_scale(amax, fmax, pow2_margin, pow2, &scale, &descale);
-  if (lane == 0) {
-    scale_out[w] = scale;  // [row, tile] of the row-major [R, tiles_per_row]
-    descale_out[w] = descale;
-    amax_out[w] = amax;
-  }
-  uint8_t* qr = q + row * C;
-  if (whole) {
-    uint32_t word = 0;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) word |= uint32_t(encode1<E4M3>(v[k] * scale)) << (8 * k);
-    *reinterpret_cast<uint32_t*>(qr + c) = word;
-  } else {
+  for (int u = 0; u < kTilesPerWarp; ++u) {
+    const int64_t w = first + u;
+    if (w >= total) break;
+    const int64_t row = w / tiles_per_row, c = (w % tiles_per_row) * kBlk + lane * 4;
+    const float m = fmax_nan(fmax_nan(fabsf(v[u][0]), fabsf(v[u][1])), fmax_nan(fabsf(v[u][2]), fabsf(v[u][3])));
+    const float amax = amax_canonical(fp8state_common::warp_max_nan(m));
+    float scale, descale;
+    tile_scale(amax, fmax, pow2_margin, pow2, &scale, &descale);
+    if (lane == 0) {
+      scale_out[w] = scale;  // [row, tile] of the row-major [R, tiles_per_row]
+      descale_out[w] = descale;
+      amax_out[w] = amax;
+    }
+    uint8_t* qr = q + row * C;
+    if (vec && c + 4 <= C) {
+      uint32_t word = 0;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (c + k < C) qr[c + k] = encode1<E4M3>(v[k] * scale);
+      for (int k = 0; k < 4; ++k) word |= uint32_t(encode1<E4M3>(v[u][k] * scale)) << (8 * k);
+      *reinterpret_cast<uint32_t*>(qr + c) = word;
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (c + k < C) qr[c + k] = encode1<E4M3>(v[u][k] * scale);
+      }
     }
   }
 }
@@ -224,7 +236,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fp8_tile_cud
   at::Tensor q = at::empty({R, C}, x.options().dtype(dtype));
   at::Tensor scale = at::empty({R, tiles}, f32), descale = at::empty({R, tiles}, f32), amax = at::empty({R, tiles}, f32);
   if (R == 0 || C == 0) return {q, scale, descale, amax};
-  const int64_t blocks = (R * tiles + 7) / 8;
+  const int64_t blocks = (R * tiles + 8 * kTilesPerWarp - 1) / (8 * kTilesPerWarp);
   TORCH_CHECK(blocks <= 0x7fffffff, "fp8state: quantize_fp8_tile: x too large");
   const bool vec = C % 4 == 0;  // contiguous16: every row then starts aligned for four elements
   const bool e4m3 = dtype == at::kFloat8_e4m3fn;

@@ -20,7 +20,9 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("recipe", ["fp8_delayed", "bf16", "fp8_current", "fp8_rowwise", "fp8_rowwise_gw_hp"])
+@pytest.mark.parametrize(
+    "recipe", ["fp8_delayed", "bf16", "fp8_current", "fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise"]
+)
 def test_cuda_graphed_blocks_train_bitwise_the_eager_run(recipe):
     ref_state, ref_model, ref_outs, _, _ = train(False, recipe=recipe, device="cuda")
     state, model, outs, _, _ = train(True, recipe=recipe, device="cuda", backend=CudaGraphBackend())
@@ -45,9 +47,9 @@ def test_cuda_graphed_blocks_naive_is_caught_on_replay():
         assert {"record_in_recompute", "second_commit"} <= kinds.get(event, set()), event
 
 
-@pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_current", "fp8_rowwise"])
+@pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_current", "fp8_rowwise", "fp8_blockwise"])
 def test_cuda_graphed_blocks_replays_never_sync(recipe):
-    backward = "e4m3" if "rowwise" in recipe else "e5m2"
+    backward = "e4m3" if "rowwise" in recipe or "blockwise" in recipe else "e5m2"
     state = f8s.Fp8State(f8s.QuantConfig(recipe=recipe, backward_format=backward))
     model = state.convert(Net()).cuda()
     model.runner = GraphedBlocks(model.blocks, warmup=1)

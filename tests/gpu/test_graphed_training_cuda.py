@@ -108,7 +108,7 @@ def test_cli_trainer_cuda_graphs_is_bitwise_the_eager_run_and_its_steady_steps_n
     assert len(logged[0]) == 12 and logged[0] == logged[1]
 
 
-@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_rowwise", "fp8_rowwise_gw_hp"])
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise"])
 def test_cli_cuda_graphs_with_a_stateless_recipe_is_bitwise_its_eager_run(tmp_path, monkeypatch, recipe):
     """A stateless recipe (scales from each call's own tensor, derived on the device) replays
     from the whole-step graph: weights and every step's loss and grad norm equal the eager run's.
@@ -118,7 +118,7 @@ def test_cli_cuda_graphs_with_a_stateless_recipe_is_bitwise_its_eager_run(tmp_pa
     from lightning_fp8state.telemetry.sinks import read_jsonl
 
     monkeypatch.chdir(tmp_path)
-    backward = "e4m3" if "rowwise" in recipe else "e5m2"  # as configs/quant/<recipe>.yaml ships it
+    backward = "e4m3" if "rowwise" in recipe or "blockwise" in recipe else "e5m2"  # as configs/quant/<recipe>.yaml
     common = [
         *CLI_ON_THE_GPU,
         f"quant.recipe={recipe}",

@@ -22,8 +22,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-STATELESS = ["fp8_current", "fp8_rowwise", "fp8_rowwise_gw_hp"]
+STATELESS = ["fp8_current", "fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise"]
 D = 256
+E4M3_GRADIENTS = ("fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise")  # as configs/quant/<recipe>.yaml ships them
 
 
 @pytest.mark.parametrize("op", [quantize_fp8_current, quantize_fp8_rowwise])
@@ -58,14 +59,14 @@ def test_rowwise_scaled_mm_agrees_with_the_emulation():
     assert torch.allclose(mm32, em.float(), rtol=2**-7, atol=1e-2)
 
 
-def run(recipe, ckpt, n_events=3):
-    state = f8s.Fp8State(f8s.QuantConfig(recipe=recipe, backward_format="e4m3" if "rowwise" in recipe else "e5m2"))
-    model = state.convert(make_stack(n=4, d=D, ckpt=ckpt)).cuda().bfloat16()
+def run(recipe, ckpt, n_events=3, d=D, tokens=64):
+    state = f8s.Fp8State(f8s.QuantConfig(recipe=recipe, backward_format="e4m3" if recipe in E4M3_GRADIENTS else "e5m2"))
+    model = state.convert(make_stack(n=4, d=d, ckpt=ckpt)).cuda().bfloat16()
     g = torch.Generator(device="cuda").manual_seed(0)
     outs, grads = [], []
     with f8s.RecomputeAuditor(state) as auditor:
         for i in range(n_events):
-            x = (torch.randn(64, D, device="cuda", generator=g) * 1.5**i).bfloat16().requires_grad_(True)
+            x = (torch.randn(tokens, d, device="cuda", generator=g) * 1.5**i).bfloat16().requires_grad_(True)
             model.zero_grad(set_to_none=True)
             with state.step(i):
                 y = model(x)
@@ -85,3 +86,16 @@ def test_recompute_and_gradients_are_bitwise_on_the_gpu(recipe, ckpt):
         assert bitwise_equal(outs_ref[e], outs[e])
         for name in a:
             assert bitwise_equal(a[name], b[name]), f"{recipe} event {e}: grad of {name} differs"
+
+
+@pytest.mark.parametrize("ckpt", ENGINES, ids=ENGINE_IDS)
+def test_blockwise_recompute_and_gradients_are_bitwise_with_the_block_scaled_gemm(ckpt):
+    """fp8_blockwise at a shape where all three GEMMs take cuBLASLt's block-scaled path (K a
+    multiple of 512, the tokens too for the weight gradient)."""
+    _, outs_ref, grads_ref = run("fp8_blockwise", None, d=512, tokens=512)
+    report, outs, grads = run("fp8_blockwise", ckpt, d=512, tokens=512)
+    assert report.ok, report.format_table()
+    for e, (a, b) in enumerate(zip(grads_ref, grads, strict=True)):
+        assert bitwise_equal(outs_ref[e], outs[e])
+        for name in a:
+            assert bitwise_equal(a[name], b[name]), f"event {e}: grad of {name} differs"

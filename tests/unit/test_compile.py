@@ -144,7 +144,7 @@ def test_compiled_gpt_is_one_graph_per_block_and_bitwise_the_eager_run(reentrant
     assert not state.ledger.violations
 
 
-@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_rowwise", "fp8_rowwise_gw_hp"])
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise"])
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused-prologues", "unfused"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
 def test_a_stateless_recipe_compiles_to_one_graph_per_block_bitwise_the_eager_run(reentrant, fuse, recipe, monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import lightning.pytorch  # noqa: F401  (below)
 import pytest
@@ -19,6 +20,11 @@ import lightning_fp8state as f8s
 # traceback (tests/cli alone failed test_faults' no-traceback checks that way).
 
 # (engine, use_reentrant) for the wrapper; "plain" = torch's checkpoint without the wrapper.
+# Under pytest-xdist (``-n 2``: one worker process per core) each worker computes on one thread:
+# torch's default (every core) in each would put two threads on each core.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 ENGINES = [("torch", False), ("torch", True), ("deepspeed", None)]
 ENGINE_IDS = ["torch-nonreentrant", "torch-reentrant", "deepspeed"]
 

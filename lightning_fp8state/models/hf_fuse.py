@@ -192,8 +192,8 @@ def fuse_decoder_projections(model: nn.Module, layers_path: str | None = None) -
         layers_path: the decoder layers' attribute path, where ``*.model.layers`` does not find them.
 
     Raises:
-        ConfigError: a layer is not of the Llama structure (its norms, SwiGLU MLP, plain bias-free
-        MLP projections), is already converted, or the model was fused already.
+        ConfigError: a layer is not of the Llama structure (its norms, SwiGLU MLP, plain
+            bias-free MLP projections), is already converted, or the model was fused already.
     """
     from ..graphs.hf_layers import find_decoder_layers  # noqa: PLC0415 (graphs imports models)
 

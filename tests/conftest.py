@@ -21,8 +21,12 @@ import lightning_fp8state as f8s
 
 # (engine, use_reentrant) for the wrapper; "plain" = torch's checkpoint without the wrapper.
 # Under pytest-xdist (``-n 2``: one worker process per core) each worker computes on one thread:
-# torch's default (every core) in each would put two threads on each core.
+# torch's default (every core) in each would put two threads on each core. OMP_NUM_THREADS too:
+# Lightning sets torch's thread count from the cores when it is unset (a Trainer in one test
+# changed the count under the next, whose bitwise comparison then compared reductions of two
+# thread counts), and the ranks the tests launch inherit it.
 if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
 
 ENGINES = [("torch", False), ("torch", True), ("deepspeed", None)]

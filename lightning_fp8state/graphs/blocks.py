@@ -120,6 +120,8 @@ class GraphedBlocks:
         self.backend = backend
         self.eager_calls = 0
         self.replays = 0
+        self.recaptures = 0  # captures after the first (a layer moved by QuantConfig.fallback)
+        self._fallback_version: int | None = None  # the fallback's moves the graphs hold
         self.graphs: list[_BlockGraphs] | None = None
         self._template: GraphTemplate | None = None
         self._side = None
@@ -200,6 +202,7 @@ class GraphedBlocks:
             return x
         side = self._side_inputs(0, args, kwargs)
         protocol = self.protocol
+        self._drop_if_stale(protocol)
         self._check_call(protocol, x)
         if self.graphs is not None:
             side.check_against(self._side_spec, "the blocks")
@@ -301,6 +304,7 @@ class GraphedBlocks:
                 )
             self._template = protocol.graph_template(since=before)
             self._captured_config = protocol.config
+            self._fallback_version = None if protocol.fallback is None else protocol.fallback.version
         self._captured_protocol = protocol
         self.graphs = graphs
         self._input_spec = (tuple(x.shape), x.dtype, x.device)
@@ -375,8 +379,18 @@ class GraphedBlocks:
         if self._side is None:
             self._side = self.backend.side_stream(x.device)
 
+    def _drop_if_stale(self, protocol: QuantProtocol | None) -> None:
+        """Drop the graphs when ``QuantConfig.fallback`` moved a layer since they were captured:
+        they hold its FP8 calls; the pass that finds it captures again (once per move)."""
+        monitor = None if protocol is None else protocol.fallback
+        if self.graphs is not None and monitor is not None and monitor.version != self._fallback_version:
+            self.graphs = None
+            self._input_spec = None
+            self.recaptures += 1
+
     def _begin_layer_pass(self, x: torch.Tensor) -> dict:
         protocol = self.protocol
+        self._drop_if_stale(protocol)
         self._check_call(protocol, x)
         self._open_pass(x)
         p = {"next": 0, "out": None, "protocol": protocol}

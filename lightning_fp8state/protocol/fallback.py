@@ -17,9 +17,10 @@ Two triggers, both measured on the device while the event runs (no host sync in 
 At the event's end the per-layer flags are stacked into one vector, MAX-reduced across the
 data-parallel group (the amax reduction's group; ranks register the same layers in the same
 order, which that reduction checks) and read on the host once: the one host read per event.
-Under per-block CUDA graphs only the non-finite trigger sees replayed calls (a replay runs no
-Python per call); a move bumps :attr:`FallbackMonitor.version`, meant for the graphs to capture
-again once (they do not read it yet: a run with graphs keeps its captured FP8 calls).
+Under per-block CUDA graphs only the non-finite trigger sees replayed calls (its flags are
+buffers updated in place, which the graphs hold; saturation is counted by Python per call, which
+a replay does not run); a move bumps :attr:`FallbackMonitor.version`, and ``GraphedBlocks``
+captures again once at its next pass (the whole-step ``GraphedStep`` does not yet).
 """
 
 from __future__ import annotations
@@ -81,10 +82,15 @@ class FallbackMonitor:
         self.streaks: dict[str, int] = {}  # layer -> consecutive saturated events so far
         self.version = 0  # +1 at every move (CUDA graphs captured before it are stale)
         self._slots: dict[str, int] = {}  # layer -> its place in the decision's vector, first-seen order
+        # layer -> bool, the non-finite trigger: one buffer per layer for the run, updated and zeroed
+        # in place, so that a CUDA graph captured over the calls updates the same buffers at replay
+        self._bad_output: dict[str, torch.Tensor] = {}
         self._clear_event()
 
     def _clear_event(self) -> None:
-        self._bad_output: dict[str, torch.Tensor] = {}  # layer -> bool: the non-finite trigger
+        for flag in self._bad_output.values():
+            flag.zero_()
+        # (saturation is counted by Python per call: not under a graph's replay)
         self._hits: dict[tuple[str, str], torch.Tensor] = {}  # (layer, role) -> saturated codes
         self._elements: dict[tuple[str, str], int] = {}
 
@@ -94,6 +100,7 @@ class FallbackMonitor:
         self.events.clear()
         self.streaks.clear()
         self._slots.clear()
+        self._bad_output = {}
         self._clear_event()
 
     # -- in the calls (device work only) ----------------------------------------------------
@@ -128,14 +135,19 @@ class FallbackMonitor:
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():
             return
         self._slot(record.layer)
-        bad = ~torch.isfinite(out).all()
+        # on the detached output: torch.isfinite is composite (abs, compare) and would save the
+        # output for a backward, so a checkpointed true forward saved one tensor more than its
+        # recompute (which skips this) and torch's checkpoint refused the recompute
+        bad = ~torch.isfinite(out.detach()).all()
         pending = self._protocol.bank.amax_pending
         for role in ("input", "weight"):
             index = record.indices.get(role, -1)
             if index >= 0:  # (a view per owner: no index tensor copied to the device)
                 bad = bad & torch.isfinite(pending[index]).to(bad.device)
-        prev = self._bad_output.get(record.layer)
-        self._bad_output[record.layer] = bad if prev is None else prev | bad
+        flag = self._bad_output.get(record.layer)
+        if flag is None or flag.device != bad.device:
+            flag = self._bad_output[record.layer] = torch.zeros((), dtype=torch.bool, device=bad.device)
+        flag.logical_or_(bad)
 
     # -- at the event's end (one host read) -------------------------------------------------
     def _flags(self) -> torch.Tensor | None:

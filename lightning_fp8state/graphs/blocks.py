@@ -61,6 +61,16 @@ from .side_inputs import SideInputs, argument_names
 __all__ = ["GraphedBlocks"]
 
 
+def _drop_if_stale(runner: GraphedBlocks, protocol: QuantProtocol | None) -> None:
+    """Drop ``runner``'s graphs when ``QuantConfig.fallback`` moved a layer since they were
+    captured: they hold its FP8 calls; the pass that finds it captures again (once per move)."""
+    monitor = None if protocol is None else protocol.fallback
+    if runner.graphs is not None and monitor is not None and monitor.version != runner._fallback_version:
+        runner.graphs = None
+        runner._input_spec = None
+        runner.recaptures += 1
+
+
 class GraphedBlocks:
     """Run a stack of blocks (``x = block(x)`` for each, checkpointed) from per-block CUDA graphs.
 
@@ -202,7 +212,7 @@ class GraphedBlocks:
             return x
         side = self._side_inputs(0, args, kwargs)
         protocol = self.protocol
-        self._drop_if_stale(protocol)
+        _drop_if_stale(self, protocol)
         self._check_call(protocol, x)
         if self.graphs is not None:
             side.check_against(self._side_spec, "the blocks")
@@ -379,18 +389,9 @@ class GraphedBlocks:
         if self._side is None:
             self._side = self.backend.side_stream(x.device)
 
-    def _drop_if_stale(self, protocol: QuantProtocol | None) -> None:
-        """Drop the graphs when ``QuantConfig.fallback`` moved a layer since they were captured:
-        they hold its FP8 calls; the pass that finds it captures again (once per move)."""
-        monitor = None if protocol is None else protocol.fallback
-        if self.graphs is not None and monitor is not None and monitor.version != self._fallback_version:
-            self.graphs = None
-            self._input_spec = None
-            self.recaptures += 1
-
     def _begin_layer_pass(self, x: torch.Tensor) -> dict:
         protocol = self.protocol
-        self._drop_if_stale(protocol)
+        _drop_if_stale(self, protocol)
         self._check_call(protocol, x)
         self._open_pass(x)
         p = {"next": 0, "out": None, "protocol": protocol}

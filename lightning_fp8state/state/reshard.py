@@ -122,6 +122,31 @@ def _check_alike(states: list[dict]) -> None:
                 )
 
 
+def _check_fallback_alike(states: list[dict]) -> None:
+    """The fallback's moves (QuantConfig.fallback) on every saved rank: decided from flags reduced
+    over the ranks, so equal on each; ranks that disagree did not save one run's state."""
+    moves = [(sd.get("fallback") or {}).get("events") for sd in states]
+    for r, m in enumerate(moves[1:], start=1):
+        if m != moves[0]:
+            raise StateLoadError(
+                f"the checkpoint's quantizer state differs between rank 0 and rank {r} in 'fallback' moves "
+                f"({moves[0]!r} vs {m!r}): the checkpoint cannot be resumed on another world size"
+            )
+
+
+def _mapped_fallback(states: list[dict]) -> dict | None:
+    """The fallback's state for every new rank: the saved moves, each layer's streak of saturated
+    events the longest any rank saw (equal where the flags were reduced)."""
+    first = states[0].get("fallback")
+    if first is None:
+        return None
+    streaks: dict[str, int] = {}
+    for sd in states:
+        for layer, n in sd["fallback"]["streaks"].items():
+            streaks[layer] = max(streaks.get(layer, 0), int(n))
+    return dict(first, streaks=streaks)
+
+
 def _columns(states: list[dict]) -> dict[tuple, dict[int, int]]:
     """identity -> {saved rank: column in that rank's bank}, identities in first-seen order."""
     found: dict[tuple, dict[int, int]] = {}
@@ -209,6 +234,7 @@ def plan_reshard(ranks: Mapping, world: int, rule: str) -> ReshardReport:
     require_choice("world_size_merge", rule, WORLD_SIZE_MERGES)
     states = _ranks_in_order(ranks, len(ranks))
     _check_alike(states)
+    _check_fallback_alike(states)
     copied, merged = _classify(states, _columns(states))
     report = ReshardReport(len(states), world, rule, tuple(map(_name, copied)), tuple(map(_name, merged)))
     if merged and rule == "refuse":
@@ -300,6 +326,7 @@ def _state_for(ranks: Mapping, rank: int, report: ReshardReport) -> dict:
             bank=_mapped_bank(states, columns, merged, rank, ranked),
             ledger=_mapped_ledger(states, rank, ranked),
             clock=dict(first["clock"]),
+            **({"fallback": _mapped_fallback(states)} if "fallback" in first else {}),
         )
     except (KeyError, TypeError, IndexError, ValueError) as exc:
         raise StateLoadError(f"the checkpoint's quantizer state is corrupt: cannot map it ({exc!r})") from None

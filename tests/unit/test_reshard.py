@@ -161,3 +161,27 @@ def test_per_stream_owners_are_merged_across_the_ranks_that_hold_them():
     fresh = f8s.Fp8State(f8s.QuantConfig(ownership="per_layer_rank_stream"), rank=0)
     fresh.convert(make_stack(n=2, ckpt=("torch", False)))
     fresh.load_state_dict(state)
+
+
+def test_the_fallbacks_moves_carry_over_to_every_new_rank_and_ranks_that_disagree_are_refused():
+    """QuantConfig.fallback's moves are decided from flags reduced over the ranks: equal on each
+    saved rank, they carry over to every new one (each layer's saturation streak the longest any
+    rank saw); saved ranks that disagree on the moves are refused."""
+    ranks = trained_ranks(2, fallback=True)
+    layer = ranks[0]["bank"]["owners"][0][0]
+    for sd in ranks.values():
+        sd["fallback"]["events"] = [[layer, 2, 0, "nonfinite"]]
+    mapped, _ = reshard_states(ranks, 3, "max")
+    for r, sd in mapped.items():
+        state = f8s.Fp8State(f8s.QuantConfig(fallback=True), rank=r)
+        state.convert(make_stack(n=2, ckpt=("torch", False)))
+        state.load_state_dict(sd)
+        assert state.protocol.fallen_back == {layer: 2}, r
+        streaks = {
+            k: max(ranks[0]["fallback"]["streaks"][k], ranks[1]["fallback"]["streaks"][k])
+            for k in ranks[0]["fallback"]["streaks"]
+        }
+        assert state.protocol.fallback.streaks == streaks, r
+    ranks[1]["fallback"]["events"] = []
+    with pytest.raises(StateLoadError, match="differs between rank 0 and rank 1 in 'fallback' moves"):
+        reshard_states(ranks, 1, "max")

@@ -26,6 +26,7 @@ end, the host's issue included, as a user runs it). Prints each variant and the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import time
@@ -36,7 +37,7 @@ import transformers
 
 import lightning_fp8state as f8s
 from lightning_fp8state.lightning import Fp8StateCallback
-from lightning_fp8state.models import Llama, LlamaConfig
+from lightning_fp8state.models import Llama, llama_config_from_hf
 from lightning_fp8state.models.blocks import next_token_loss
 
 VARIANTS = (
@@ -51,8 +52,8 @@ VARIANTS = (
 )
 
 
-def _hf_model(args) -> torch.nn.Module:
-    config = transformers.LlamaConfig(
+def _hf_config(args):
+    return transformers.LlamaConfig(
         vocab_size=args.vocab,
         hidden_size=args.d_model,
         intermediate_size=args.ffn,
@@ -64,24 +65,16 @@ def _hf_model(args) -> torch.nn.Module:
         tie_word_embeddings=True,
         attn_implementation="sdpa",
     )
-    return transformers.LlamaForCausalLM(config)
+
+
+def _hf_model(args) -> torch.nn.Module:
+    return transformers.LlamaForCausalLM(_hf_config(args))
 
 
 def _our_model(args, fused: bool) -> torch.nn.Module:
-    cfg = LlamaConfig(
-        vocab_size=args.vocab,
-        seq_len=args.seq,
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        ffn_hidden=args.ffn,
-        rope_theta=500000.0,
-        tie_embeddings=True,
-        checkpoint=True,
-        fused_projections=fused,
-    )
-    return Llama(cfg)
+    """Our Llama of the same shape: the transformers config read as a checkpoint's would be."""
+    cfg = llama_config_from_hf(_hf_config(args).to_dict())
+    return Llama(dataclasses.replace(cfg, seq_len=args.seq, checkpoint=True, fused_projections=fused))
 
 
 def _module(variant: str, args):

@@ -68,8 +68,16 @@ __all__ = [
 
 _NAME = "fp8state_cuda"
 # compiled: FP8, fused prologues (LayerNorm, GELU, RMSNorm), FP4, the LayerNorm and RMSNorm backward,
-# the stateless scalings, the SwiGLU prologue and its backward (as ops/ splits them)
-SOURCES = ("fp8_ops.cu", "fused_ops.cu", "fp4_ops.cu", "ln_ops.cu", "dynamic_ops.cu", "swiglu_ops.cu")
+# the stateless scalings, the SwiGLU prologue and its backward, the block scalings (as ops/ splits them)
+SOURCES = (
+    "fp8_ops.cu",
+    "fused_ops.cu",
+    "fp4_ops.cu",
+    "ln_ops.cu",
+    "dynamic_ops.cu",
+    "swiglu_ops.cu",
+    "blockwise_ops.cu",
+)
 # included by the sources; not compiled on their own
 HEADERS = ("fp8state_common.cuh", "fp8_encode.cuh", "swiglu_math.cuh")
 _HASHED_SUFFIXES = (".cu", ".cuh", ".h")
@@ -209,6 +217,7 @@ def _schema_hash() -> str:
         "library_fused.py",
         "library_rms.py",
         "library_swiglu.py",
+        "library_blockwise.py",
     ):
         h.update((Path(__file__).resolve().parent / name).read_bytes())
     return h.hexdigest()[:16]

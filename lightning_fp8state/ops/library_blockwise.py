@@ -4,10 +4,9 @@ and fake kernels (numerics: :mod:`.reference_blockwise`).
 Each returns the codes with the per-tile scale, descale and amax it derived from its input, so
 the caller pairs them in the call's snapshot. The reference (``CompositeExplicitAutograd``)
 serves every device until a CUDA kernel registers for the op under
-``TORCH_LIBRARY_IMPL(fp8state, CUDA, m)``; the recipe calls these wrappers only, so a kernel
-changes no line of it. A kernel must be bitwise the reference on the GPU before it is built in
-(the one written for these ops has not run on a GPU yet and is held back: the reference serves
-CUDA tensors, correct and slower).
+``TORCH_LIBRARY_IMPL(fp8state, CUDA, m)`` (``csrc/blockwise_ops.cu``); the recipe calls these
+wrappers only, so a kernel changes no line of it. A kernel must be bitwise the reference
+(``tests/ops/test_cuda_blockwise.py``).
 """
 
 from __future__ import annotations
@@ -36,21 +35,21 @@ def _check(x: torch.Tensor, dtype: torch.dtype, margin: int) -> None:
     require_that(x.dim() == 2, "x.dim()", x.dim(), "2")
 
 
-# CUDA kernel: held back until verified on a GPU (the reference serves CUDA tensors)
+# CUDA: csrc/blockwise_ops.cu (one pass: each warp a tile's amax, then its codes from registers)
 @torch.library.impl(LIB, "quantize_fp8_tile", "CompositeExplicitAutograd")
 def _quantize_fp8_tile(x: torch.Tensor, dtype: torch.dtype, margin: int, pow2: bool):
     _check(x, dtype, margin)
     return ref.quantize_fp8_tile_reference(x, dtype, margin, pow2)
 
 
-# CUDA kernel: held back until verified on a GPU
+# CUDA: csrc/blockwise_ops.cu (128 x 128 tiles through shared memory, written transposed)
 @torch.library.impl(LIB, "quantize_fp8_tile_t", "CompositeExplicitAutograd")
 def _quantize_fp8_tile_t(x: torch.Tensor, dtype: torch.dtype, margin: int, pow2: bool):
     _check(x, dtype, margin)
     return ref.quantize_fp8_tile_t_reference(x, dtype, margin, pow2)
 
 
-# CUDA kernel: held back until verified on a GPU
+# CUDA: csrc/blockwise_ops.cu (one block per 128 x 128 tile: its amax, then both layouts)
 @torch.library.impl(LIB, "quantize_fp8_block", "CompositeExplicitAutograd")
 def _quantize_fp8_block(x: torch.Tensor, dtype: torch.dtype, margin: int, pow2: bool):
     _check(x, dtype, margin)

@@ -394,19 +394,21 @@ class Fp8Experts(GroupedExperts):
 
     @torch.compiler.disable
     def grouped(self, x_sorted: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
-        rows = [n for n in counts if n]
         active = self._active(counts, x_sorted.device)
         if self.projections is EXPERT_PROJECTIONS:
             h = self._projection("gate_up_proj", self.gate_up_proj, x_sorted, counts, active)
-            pairs = (h_e.chunk(2, dim=-1) for h_e in h.split(rows))
+            gate, up = h.chunk(2, dim=-1)
         else:
             gate = self._projection("gate_proj", self.gate_proj, x_sorted, counts, active)
             up = self._projection("up_proj", self.up_proj, x_sorted, counts, active)
-            pairs = zip(gate.split(rows), up.split(rows), strict=True)
-        # the activation per expert, as the per-expert calls do (a vectorized op may round a
-        # tensor's tail elements otherwise than its body: one tensor would differ in the last bit)
-        act = [self.act_fn(g) * u for g, u in pairs]
-        a = torch.cat(act) if act else x_sorted.new_empty((0, self.intermediate_dim))
+        if self.grouped_gemm and x_sorted.is_cuda:
+            a = self.act_fn(gate) * up  # one kernel each over all experts (no per-expert copies)
+        else:
+            # the activation per expert, as the per-expert calls do (a vectorized op may round a
+            # tensor's tail elements otherwise than its body: one tensor would differ in the last bit)
+            rows = [n for n in counts if n]
+            act = [self.act_fn(g) * u for g, u in zip(gate.split(rows), up.split(rows), strict=True)]
+            a = torch.cat(act) if act else x_sorted.new_empty((0, self.intermediate_dim))
         return self._projection("down_proj", self.down_proj, a, counts, active)
 
     def _active(self, counts: tuple[int, ...], device: torch.device) -> tuple[bool, ...]:

@@ -67,9 +67,14 @@ def test_fp8_grouped_problem_names_each_refusal(monkeypatch, change, match):
     assert found is not None and re.search(match, found), found
 
 
-def test_only_the_per_tensor_recipes_have_the_grouped_products():
-    eligible = {name for name in recipe_names() if gg.per_tensor_gemms(recipe_for(_config(name)))}
-    assert eligible == {"fp8_delayed", "fp8_current"}
+@pytest.mark.parametrize("name", recipe_names())
+def test_only_the_per_tensor_recipes_have_the_grouped_products(name):
+    expected = {"fp8_delayed": True, "fp8_current": True, "bf16": False}
+    per_tensor = gg.per_tensor_gemms(recipe_for(_config(name)))
+    if name in expected:
+        assert per_tensor is expected[name]
+    elif name.startswith(("fp8_rowwise", "fp8_blockwise")):  # scales per row or per tile: GEMMs of their own
+        assert per_tensor is False
 
 
 def _config(recipe: str, **kw) -> f8s.QuantConfig:

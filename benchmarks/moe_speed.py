@@ -31,6 +31,7 @@ mode). ``--json PATH`` writes every number with the device and versions.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import traceback
@@ -58,10 +59,16 @@ def _ao_grouped_mm():
     ImportError saying why it is not there."""
     from torchao.prototype import moe_training  # noqa: PLC0415  (the peer is optional)
 
+    try:  # the recipe named where torchao's version has the choice (newer ones default to MXFP8)
+        from torchao.prototype.moe_training.conversion_utils import MoEScalingType  # noqa: PLC0415
+
+        kw = {"scaling_type": MoEScalingType.FP8_ROWWISE}
+    except ImportError:
+        kw = {}
     for name in ("_scaled_grouped_mm", "_quantize_then_scaled_grouped_mm"):
         fn = getattr(moe_training, name, None)
         if fn is not None:
-            return fn
+            return functools.partial(fn, out_dtype=torch.bfloat16, **kw)
     raise ImportError(f"torchao.prototype.moe_training has no _scaled_grouped_mm ({dir(moe_training)})")
 
 

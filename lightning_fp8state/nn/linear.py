@@ -98,6 +98,8 @@ class Fp8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.protocol = getattr(protocol, "protocol", protocol)  # an Fp8State's protocol
         self.layer_name = layer_name
+        if self.protocol.fallback is not None:  # QuantConfig.fallback may move it: _forward runs its route
+            self.protocol.fallback.movable.add(layer_name)
         self._op_key = op_key(self)  # names it to torch.compile's op (nn/linear_call.py)
 
     @classmethod

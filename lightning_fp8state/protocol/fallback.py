@@ -107,6 +107,10 @@ class FallbackMonitor:
         self.routes: dict[str, object] = {}
         self._recipes: dict[str, object] = {}  # target -> its recipe, bound to the config (one each)
         self.deferred: tuple[int, int] | None = None  # an event whose decision a CUDA graph capture deferred
+        # the layers whose module runs the route a move gives it (Fp8Linear adds its own): only those
+        # move; another converted module (FP4 attention operands, experts, Conv1D) would ignore the
+        # route, or find its owners gone under bf16, so it is watched but not moved
+        self.movable: set[str] = set()
         self.events: list[FallbackEvent] = []
         self.streaks: dict[str, int] = {}  # layer -> consecutive saturated events so far
         self.version = 0  # +1 at every move (CUDA graphs captured before it are stale)
@@ -227,7 +231,7 @@ class FallbackMonitor:
         nonfinite, saturated = self._reduce(flags).cpu().tolist()  # the one host read of the event
         moves = []
         for layer, slot in self._slots.items():
-            if layer in self.fallen:
+            if layer in self.fallen or layer not in self.movable:
                 continue
             self.streaks[layer] = self.streaks.get(layer, 0) + 1 if saturated[slot] else 0
             reason = "nonfinite" if nonfinite[slot] else "saturation" if self.streaks[layer] >= self.patience else None

@@ -208,3 +208,26 @@ def test_the_report_and_the_jsonl_name_the_target(tmp_path):
     assert summary["fallen back to current scaling"] == f"fc1 (step {MOVE_STEP})"
     assert "fallen back to high precision" not in summary
     assert summary["steps skipped"] == 1
+
+
+def test_a_module_without_a_route_is_watched_but_not_moved():
+    """Only Fp8Linear runs a moved layer's route: a converted Conv1D (GPT-2's) whose FP8 output
+    goes non-finite is not listed as moved (it would go on in FP8), and its calls go on."""
+    from transformers.pytorch_utils import Conv1D  # noqa: PLC0415  (transformers: this test only)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Conv1D(32, 32))
+    state = f8s.Fp8State(f8s.QuantConfig(fallback=True, fallback_to="current"))
+    state.convert(model)
+    gain = torch.ones(32)
+    for step in range(6):
+        with torch.no_grad():
+            if step == OUTLIER_STEP:
+                model[0].weight[0, 0] = 1e37  # Conv1D's weight is [in, out]
+            gain[0] = 1e8 if step == OUTLIER_STEP else 1.0
+        with state.step(step):
+            y = model(_batches()[step] * gain)
+            y.sum().backward()
+        model.zero_grad()
+    assert not torch.isfinite(y).all()  # the fault went on: the layer kept its delayed scaling
+    assert state.protocol.fallen_back == {} and state.protocol.layer_recipes == {}

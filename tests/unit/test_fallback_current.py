@@ -10,6 +10,8 @@ the input back down at once: after the move fc1's FP8 output is finite again.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -231,3 +233,70 @@ def test_a_module_without_a_route_is_watched_but_not_moved():
         model.zero_grad()
     assert not torch.isfinite(y).all()  # the fault went on: the layer kept its delayed scaling
     assert state.protocol.fallen_back == {} and state.protocol.layer_recipes == {}
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.register_buffer("gain", torch.ones(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x * self.gain))
+
+
+def _blocks_run(graphed: bool):
+    """The outlier on the first of two checkpointed blocks, per-block graphs (emulated) or eager."""
+    from lightning_fp8state.graphs import GraphedBlocks  # noqa: PLC0415
+    from tests.graph_emulation import EmulatedGraphBackend  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([_Block(), _Block()])
+    state = f8s.Fp8State(f8s.QuantConfig(fallback=True, fallback_to="current"))
+    state.convert(blocks)
+    runner = GraphedBlocks(blocks, warmup=2, backend=EmulatedGraphBackend()) if graphed else None
+    opt = torch.optim.SGD(blocks.parameters(), lr=1e-3)
+    losses, skipped = [], []
+    for step in range(STEPS):
+        with torch.no_grad():
+            if step == OUTLIER_STEP:
+                blocks[0].fc.weight[0, 0] = 1e37
+            blocks[0].gain[1] = 1e8 if step == OUTLIER_STEP else 1.0
+        with state.step(step):
+            y = _batches()[step]
+            if runner is not None:
+                y = runner(y)
+            else:
+                for block in blocks:
+                    y = f8s.checkpoint(block, y, engine="torch", use_reentrant=False)
+            loss = y.sum()
+            state.commit_forward()
+            loss.backward()
+        losses.append(loss.detach().clone())
+        if all(torch.isfinite(p.grad).all() for p in blocks.parameters()):
+            opt.step()
+        else:
+            skipped.append(step)
+        opt.zero_grad()
+    return state, runner, losses, skipped
+
+
+def test_per_block_graphs_capture_the_current_route_once_and_match_eager():
+    ref_state, _, ref_losses, ref_skipped = _blocks_run(False)
+    state, runner, losses, skipped = _blocks_run(True)
+    assert ref_state.protocol.fallen_back == state.protocol.fallen_back == {"0.fc": MOVE_STEP}
+    assert state.protocol.recipe_of("0.fc").name == "fp8_current"
+    assert runner.recaptures == 1 and skipped == ref_skipped == [MOVE_STEP]
+    for i, (a, b) in enumerate(zip(ref_losses, losses, strict=True)):
+        assert bitwise_equal(a, b), f"step {i}: loss"
+
+
+def test_a_move_saved_before_targets_existed_loads_as_bf16():
+    """tests/golden/state_v3.pt holds a four-field move (no target): it went to bf16, and stays
+    there under a config that says current."""
+    saved = torch.load(Path(__file__).parent.parent / "golden" / "state_v3.pt", weights_only=True)
+    assert saved["fallback"]["events"] == [["0", 3, 0, "nonfinite"]]
+    state = f8s.Fp8State(f8s.QuantConfig(history_len=4, fallback=True, fallback_to="current"))
+    state.load_state_dict(saved)
+    assert state.protocol.recipe_of("0").name == "bf16"
+    assert state.state_dict()["fallback"]["events"] == [["0", 3, 0, "nonfinite", "bf16"]]

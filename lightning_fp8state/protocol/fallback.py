@@ -12,7 +12,9 @@ the :class:`~lightning_fp8state.quant_recipes.Recipe` its calls ask; the protoco
 it where they read the protocol's recipe. Under ``current`` the layer's roles are stateless
 owners of the same keys: stamped snapshots, counted in the ledger, committed there only, and a
 recompute re-derives its scale from its own input, recording nothing (as under ``fp8_current``).
-Its delayed owners stay in the bank, never observed again (their history is frozen).
+Its delayed owners stay in the bank, never observed again (their history is frozen). Only a
+layer whose module runs that route moves (:attr:`FallbackMonitor.movable`: ``Fp8Linear`` adds its
+own); the other converted modules are watched, not moved.
 
 Two triggers, both measured on the device while the event runs (no host sync in a call):
 

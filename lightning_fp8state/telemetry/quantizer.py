@@ -167,7 +167,8 @@ def _stateless_health(protocol, per_owner: bool) -> dict[str, float]:
     snaps = protocol.dynamic_snapshots() if hasattr(protocol, "dynamic_snapshots") else {}
     names, values = [], []
     for owner, snap in snaps.items():
-        for key, value in protocol.recipe.telemetry(snap).items():
+        recipe = protocol.recipe_of(owner.layer) if getattr(protocol, "layer_recipes", None) else protocol.recipe
+        for key, value in recipe.telemetry(snap).items():
             names.append((owner, key))
             values.append(value.detach().reshape(()).to(torch.float32))
     if not values:
@@ -189,13 +190,17 @@ def _stateless_health(protocol, per_owner: bool) -> dict[str, float]:
 def fallback_health(protocol) -> dict[str, float]:
     """The fallback's moves (``QuantConfig.fallback``), from the host (no device read):
     ``fp8state/fallback_layers`` and, per moved layer, ``fp8state/fallback/<layer>`` = the step
-    at whose end it moved to high precision. Empty when the fallback is off."""
+    at whose end it moved; a layer moved to current scaling (``fallback_to=current``) also as
+    ``fp8state/fallback_current/<layer>`` (the others went to high precision). Empty when the
+    fallback is off."""
     monitor = getattr(protocol, "fallback", None)
     if monitor is None:
         return {}
     out = {"fp8state/fallback_layers": float(len(monitor.fallen))}
-    for layer, step in monitor.fallen.items():
-        out[f"fp8state/fallback/{layer}"] = float(step)
+    for move in monitor.events:
+        out[f"fp8state/fallback/{move.layer}"] = float(move.step)
+        if move.target == "current":
+            out[f"fp8state/fallback_current/{move.layer}"] = float(move.step)
     return out
 
 

@@ -133,9 +133,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         s["non-finite amax events"] = h.get("fp8state/nonfinite_amax_events")
         if "fp8state/recompute_mismatches" in h:
             s["recompute mismatches"] = h["fp8state/recompute_mismatches"]
-        moved = _fallback_moves(health)
-        if moved:
-            s["fallen back to high precision"] = moved
+        for target, moved in _fallback_moves(health).items():
+            s[f"fallen back to {target}"] = moved
     return {k: v for k, v in s.items() if v is not None}
 
 
@@ -295,16 +294,24 @@ def _plot_throughput(plt, rows, path: Path) -> bool:
     )
 
 
-def _fallback_moves(health: list[dict]) -> str:
-    """``layer (step N), ...``: the layers QuantConfig.fallback moved, each with the step at whose
-    end it moved (``fp8state/fallback/<layer>`` rows; the first row that names it)."""
-    prefix = "fp8state/fallback/"
-    moves: dict[str, float] = {}
+def _fallback_moves(health: list[dict]) -> dict[str, str]:
+    """Per target (``high precision``, ``current scaling``), ``layer (step N), ...``: the layers
+    QuantConfig.fallback moved there, each with the step at whose end it moved
+    (``fp8state/fallback/<layer>`` rows, ``fp8state/fallback_current/<layer>`` for those moved to
+    current scaling; the first row that names it). Targets that no layer went to are left out."""
+    found: dict[str, dict[str, float]] = {"fp8state/fallback/": {}, "fp8state/fallback_current/": {}}
     for row in health:
         for key, value in row.items():
-            if key.startswith(prefix) and isinstance(value, (int, float)):
-                moves.setdefault(key[len(prefix) :], value)
-    return ", ".join(f"{layer} (step {int(step)})" for layer, step in sorted(moves.items(), key=lambda m: m[1]))
+            for prefix, moves in found.items():
+                if key.startswith(prefix) and isinstance(value, (int, float)):
+                    moves.setdefault(key[len(prefix) :], value)
+    current = found.pop("fp8state/fallback_current/")
+    high = {layer: step for layer, step in found.popitem()[1].items() if layer not in current}
+    out = {}
+    for target, moves in (("high precision", high), ("current scaling", current)):
+        if moves:
+            out[target] = ", ".join(f"{n} (step {int(s)})" for n, s in sorted(moves.items(), key=lambda m: m[1]))
+    return out
 
 
 def format_summary(summary: dict[str, Any]) -> str:

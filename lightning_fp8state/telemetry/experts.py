@@ -61,7 +61,7 @@ class ExpertTelemetry:
     def __init__(self, modules: list[Fp8Experts]) -> None:
         self.modules = modules
         self._calls: dict[str, list[tuple[int, ...]]] = {m.layer_name: [] for m in modules}
-        self._owners: tuple[int, list[int], list[str]] | None = None  # (bank size, indices, key suffixes)
+        self._owners: tuple[tuple, list[int], list[str]] | None = None  # ((bank, size), indices, key suffixes)
         for module in modules:
             module.routing_observer = self._observe
 
@@ -91,8 +91,8 @@ class ExpertTelemetry:
 
     def _owner_keys(self, bank) -> tuple[list[int], list[str]]:
         """The bank indices of the experts' owners and each one's key suffix
-        ``<experts>/<projection>.<role>/<e>`` (cached until owners are added)."""
-        if self._owners is None or self._owners[0] != len(bank):
+        ``<experts>/<projection>.<role>/<e>`` (cached until owners are added or the bank replaced)."""
+        if self._owners is None or self._owners[0] != (id(bank), len(bank)):
             where = {
                 layer: (module.layer_name, projection, e)
                 for module in self.modules
@@ -106,7 +106,7 @@ class ExpertTelemetry:
                     role = owner_label(owner)[len(owner.layer) + 1 :]  # role, plus #site/@rank/@stream
                     indices.append(i)
                     suffixes.append(f"{experts}/{projection}.{role}/{e}")
-            self._owners = (len(bank), indices, suffixes)
+            self._owners = ((id(bank), len(bank)), indices, suffixes)
         return self._owners[1], self._owners[2]
 
     def health(self, protocol) -> dict[str, float]:

@@ -21,6 +21,7 @@ import lightning_fp8state as f8s
 from lightning_fp8state.cli.main import main
 from lightning_fp8state.nn import GroupedExperts
 from lightning_fp8state.telemetry import TrainingTelemetry, read_jsonl, write_report
+from tests.telemetry.helpers import wandb_history
 
 TOKENS = "fp8state/expert_tokens/"
 SCALE = "fp8state/expert_scale/"
@@ -83,6 +84,15 @@ def test_the_tiny_moe_run_logs_tokens_per_expert_and_the_report_shows_them(run_r
                         assert amax == row[f"fp8state/amax/{layer}.{proj}.{e}.{role}"]
                         checked += 1
         assert checked == len(layers) * 2 * 3 * n_experts
+    # the same keys in the offline W&B run (the idle experts' ids as text)
+    history = wandb_history(next(run.glob("wandb/offline-run-*/*.wandb")))
+    logged_tokens = [h for h in history if f"{TOKENS}{layers[0]}/0" in h]
+    assert [h[f"{TOKENS}{layers[0]}/0"] for h in logged_tokens] == [r[f"{TOKENS}{layers[0]}/0"] for r in rows]
+    assert all(
+        h[f"fp8state/experts_idle_ids/{layers[0]}"] == r[f"fp8state/experts_idle_ids/{layers[0]}"]
+        for h, r in zip(logged_tokens, rows, strict=True)
+    )
+    assert any(f"{SCALE}{layers[1]}/down_proj.weight/3" in h for h in history)
     capsys.readouterr()
     assert main(["report", str(run)]) == 0
     printed = capsys.readouterr().out

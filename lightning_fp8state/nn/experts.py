@@ -363,6 +363,11 @@ class Fp8Experts(GroupedExperts):
 
     grouped_gemm: bool = True
 
+    # Telemetry's hook (lightning_fp8state.telemetry.experts): while set, a function called with
+    # (this module, the per-expert token counts) once per true-forward call; the counts are the
+    # host ints routing made anyway (no device read). None: no work per call.
+    routing_observer = None
+
     def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, *, protocol, layer_name: str, **kw) -> None:
         super().__init__(num_experts, hidden, ffn_hidden, **kw)
         self.protocol = getattr(protocol, "protocol", protocol)  # an Fp8State's protocol
@@ -447,6 +452,9 @@ class Fp8Experts(GroupedExperts):
                     "precision on bitwise-equal inputs, ties broken by position)"
                 )
             entries.append(_Entry(e, rows, phase, record))
+        observer = self.routing_observer
+        if observer is not None and projection == self.projections[0] and entries and entries[0].phase is Phase.FORWARD:
+            observer(self, counts)  # once per call (its first projection), never for a recompute
         return tuple(entries)
 
     def _projection(self, projection: str, weight: torch.Tensor, x: torch.Tensor, counts, active) -> torch.Tensor:

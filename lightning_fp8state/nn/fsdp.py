@@ -38,6 +38,7 @@ from ..config import QuantConfig, require_that
 from ..errors import ConfigError
 from ..protocol import ShardSource
 from ..quant_recipes import recipe_for
+from .experts import Fp8Experts
 from .linear import Fp8Linear
 
 __all__ = [
@@ -296,7 +297,13 @@ def mark_sharded(model: nn.Module, *, every_layer: bool = False) -> list[str]:
     the forward would then hold a full weight's codes per call until its backward, a byte a
     parameter of the whole model on every rank. A marked layer keeps none, and its recompute
     encodes the re-gathered weight again, to the same codes. Layers gathered in FP8
-    (:func:`enable_fp8_all_gather`) keep none either way: their codes come from the gather."""
+    (:func:`enable_fp8_all_gather`) keep none either way: their codes come from the gather.
+
+    The experts of a mixture-of-experts layer (:class:`~lightning_fp8state.nn.Fp8Experts`) are
+    marked too, every expert of every projection (``<experts>.<projection>.<e>``): FSDP2 shards
+    their 3-D parameters along the expert dimension and gathers them whole before the unit's
+    forward, so each expert's weight is quantized from the gathered parameter, and a call that kept
+    its codes would hold an expert's full weight until the backward."""
     from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415  (FSDP2, torch >= 2.6)
 
     units = [model] if every_layer else [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -306,6 +313,9 @@ def mark_sharded(model: nn.Module, *, every_layer: bool = False) -> list[str]:
             if isinstance(module, Fp8Linear):
                 module.protocol.sharded_layers.add(module.layer_name)
                 names.add(module.layer_name)
+            elif isinstance(module, Fp8Experts):
+                module.protocol.sharded_layers.update(module.owner_layers())
+                names.update(module.owner_layers())
     return sorted(names)
 
 

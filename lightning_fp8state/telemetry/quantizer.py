@@ -16,7 +16,7 @@ from torch import nn
 
 from ..audit import RecomputeAuditor
 from ..formats import fp8_format
-from ..nn import Fp8Linear
+from ..nn import Fp8Experts, Fp8Linear
 from ..recompute import CallRecord, Phase
 from ..state import OwnerKey
 
@@ -36,11 +36,12 @@ def owner_label(owner: OwnerKey) -> str:
 
 
 def find_protocol(model: nn.Module | None):
-    """The quantizer protocol (``Fp8State``) driving the first converted module of ``model``."""
+    """The quantizer protocol (``Fp8State``) driving the first converted module of ``model`` (a
+    converted linear, or a mixture-of-experts layer's experts)."""
     if model is None:
         return None
     for module in model.modules():
-        if isinstance(module, Fp8Linear):
+        if isinstance(module, (Fp8Linear, Fp8Experts)):
             return module.protocol
     return None
 

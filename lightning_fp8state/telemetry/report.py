@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .expert_panel import ExpertRow, expert_summary, expert_table, format_expert_table, plot_experts
 from .sinks import JSONL_NAME, read_telemetry
 
 __all__ = [
@@ -44,6 +45,8 @@ class TelemetryReport:
     # lines of the JSONL that are not rows (torn, garbage), each naming its line number
     warnings: list[str] = field(default_factory=list)
     superseded: int = 0  # rows of steps a resume re-ran (the later attempt counts)
+    # the per-expert panel's table (mixture-of-experts runs; empty otherwise): one row per expert
+    experts: list[ExpertRow] = field(default_factory=list)
 
 
 def find_jsonl(run_dir: str | os.PathLike) -> Path:
@@ -135,6 +138,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             s["recompute mismatches"] = h["fp8state/recompute_mismatches"]
         for target, moved in _fallback_moves(health).items():
             s[f"fallen back to {target}"] = moved
+    s.update(expert_summary(rows))
     return {k: v for k, v in s.items() if v is not None}
 
 
@@ -405,6 +409,9 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
             report.plots[name] = path
         else:
             report.notes.append(f"{name}.png not drawn: the run has no {name} data")
+    report.experts = expert_table(rows)
+    if report.experts and plot_experts(plt, rows, out / "experts.png", _save):  # MoE runs only
+        report.plots["experts"] = out / "experts.png"
     report.summary = summarize(rows)
     if show:
         for warning in report.warnings:
@@ -412,6 +419,9 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
         print_summary(report.summary, f"telemetry: {jsonl} ({len(rows)} steps)")
         for name, path in report.plots.items():
             print(f"{name:>10}: {path}")
+        if report.experts:
+            print(f"experts (per MoE layer, over {len(rows)} steps):")
+            print(format_expert_table(report.experts))
         for note in report.notes:
             print(note)
     return report

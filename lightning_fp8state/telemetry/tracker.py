@@ -32,6 +32,7 @@ from torch import nn
 
 from ..config import require_choice, require_int, require_number
 from .engines import FOUND_INF_ATTR, read_engine_step
+from .experts import ExpertTelemetry
 from .metrics import (
     CLIP_ALGORITHMS,
     SOURCE_GROUPINGS,
@@ -145,6 +146,9 @@ class TrainingTelemetry:
         dominant_by: the gradient source granularity, ``"layer"`` or ``"parameter"``.
         saturation: measure saturated fractions on log steps (needs a model with converted layers).
         per_owner: add per-owner quantizer keys (``fp8state/scale/<owner>``, ...).
+        per_expert: add per-expert keys for the model's mixture-of-experts layers (tokens per
+            expert and idle experts per step, scales and amaxes by expert on log steps;
+            :mod:`~lightning_fp8state.telemetry.experts`).
         sinks: more sinks (Lightning loggers, :class:`WandbSink`); the JSONL is always there.
         write: whether this process writes (False on ranks other than 0: it still guards).
     """
@@ -163,6 +167,7 @@ class TrainingTelemetry:
         dominant_by: str = "layer",
         saturation: bool = True,
         per_owner: bool = True,
+        per_expert: bool = True,
         sinks: Iterable[Sink] = (),
         jsonl_name: str = JSONL_NAME,
         write: bool = True,
@@ -188,6 +193,7 @@ class TrainingTelemetry:
         self.probe = None
         if saturation and self.protocol is not None and model is not None and self.protocol.recipe.quantized:
             self.probe = SaturationProbe(self.protocol, model)
+        self.experts = ExpertTelemetry.attach(model) if per_expert else None
         # cumulative counters (host)
         self.attempted = self.applied = self.skipped = 0
         self.nonfinite = self.clip_events = 0
@@ -394,6 +400,8 @@ class TrainingTelemetry:
         host.update({"step": self.attempted if step is None else int(step), "time": time.time()})
         if self._tokens_seen:
             host["train/tokens"] = tokens
+        if self.experts is not None:  # every rank: the count restarts with the step
+            host.update(self.experts.take_step())
         if self.write:
             self.recorder.append(device, host)
         self._loss, self._tokens = None, 0
@@ -454,6 +462,8 @@ class TrainingTelemetry:
                 self.protocol, saturation=saturation, after_event=self._after_event, per_owner=self.per_owner
             )
             last.update(health)
+            if self.experts is not None:
+                last.update(self.experts.health(self.protocol))
         self.sink.write(rows)
         self.last_row = last
         return last
@@ -474,6 +484,9 @@ class TrainingTelemetry:
         if self.probe is not None:
             self.probe.close()
             self.probe = None
+        if self.experts is not None:
+            self.experts.close()
+            self.experts = None
 
     # -- checkpoint --------------------------------------------------------------------
     def state_dict(self) -> dict[str, int | None]:

@@ -24,6 +24,15 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
+
+@pytest.fixture(autouse=True)
+def grouped_on(monkeypatch):
+    """The grouped path is opt-in until this file has passed on a GPU (Fp8Experts.grouped_gemm)."""
+    from lightning_fp8state.nn.experts import Fp8Experts
+
+    monkeypatch.setattr(Fp8Experts, "grouped_gemm", True)
+
+
 E, D, FF, K, T = 8, 256, 512, 2, 1000
 IDLE = 3  # an expert in the middle that receives no token
 E4M3 = torch.float8_e4m3fn

@@ -320,7 +320,8 @@ def gathered_layers(model: nn.Module) -> list[str]:
             mesh = getattr(module.weight, "device_mesh", None)
             world = 1 if mesh is None else mesh.size(mesh.ndim - 1)
             if isinstance(local, Fp8GatheredWeight) or (
-                isinstance(local, Fp8ShardedWeight) and _shard_gather_problem(module, module.weight.shape, world) is None
+                isinstance(local, Fp8ShardedWeight)
+                and _shard_gather_problem(module, module.weight.shape, world) is None
             ):
                 out.append(module.layer_name)
     return out

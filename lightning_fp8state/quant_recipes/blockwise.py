@@ -43,10 +43,9 @@ multiple of 128, or an uneven split), that weight gathers in high precision and 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
-
-from dataclasses import replace
 
 from ..formats import BLOCK_128X128, TILE_1X128, ScaleLayout
 from ..ops.library_blockwise import quantize_fp8_block, quantize_fp8_tile, quantize_fp8_tile_t

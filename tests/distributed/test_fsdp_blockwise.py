@@ -65,7 +65,10 @@ class _PreGatherLog:
 
 
 def _full_grads(model) -> dict:
-    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for n, p in model.named_parameters()}
+    return {
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def _train(rank: int, *, fsdp: bool) -> dict:
@@ -168,7 +171,7 @@ def test_aligned_shards_send_fp8_codes_with_their_block_scales(ranks):
         gathers = [(e, backward, q) for e, layer, backward, q in run["gathers"] if layer == "fc1"]
         assert {layer for _, layer, _, _ in run["gathers"]} == {"fc1"} and len(gathers) == 2 * N_EVENTS
         forward = {e: q for e, backward, q in gathers if not backward}
-        for e, backward, q in gathers:
+        for e, _, q in gathers:
             assert q.dtype == torch.float8_e4m3fn and bitwise_equal(q, forward[e])
             full_codes = run["weights"][(e, "fc1", "FORWARD")]
             assert bitwise_equal(q, full_codes[r * 256 : (r + 1) * 256]), (r, e)

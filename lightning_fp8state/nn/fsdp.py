@@ -21,6 +21,10 @@ snapshot, with the parameter's dtype and shape for autograd; Fp8Linear consumes 
 FSDP2 reduce-scatters as usual. Quantization is elementwise, so the gathered codes are bitwise
 those of quantizing the full weight at that scale. A backward re-gather (FSDP2 reshards after
 the forward; a checkpointed region's recompute) quantizes with the same snapshot: same bytes.
+What travels and how the full weight's codes and snapshot are assembled is the recipe's
+(``Recipe.all_gather_inputs`` / ``Recipe.all_gathered``: block scales travel with the codes);
+a weight whose split the recipe cannot gather in FP8 (``Recipe.shard_gather_problem``: block
+scales need shards of whole blocks) gathers in high precision, warned about once per layer.
 
 Call :func:`enable_fp8_all_gather` on a converted model before ``fully_shard``.
 """

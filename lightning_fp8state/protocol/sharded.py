@@ -3,7 +3,9 @@
 The one place of the protocol that knows about sharding. A layer whose weight FSDP2 gathers
 in FP8 (:mod:`lightning_fp8state.nn.fsdp`) has its shard quantized here, before the
 all-gather, with the snapshot its call will use (:class:`ShardedWeights`); the call then
-adopts the gathered codes instead of quantizing. A layer whose weight is sharded at all
+adopts the gathered codes instead of quantizing. A recipe whose shards carry scales of their
+own blocks (``Recipe.shard_scales``: ``fp8_blockwise``) encodes each shard at those, from the
+shard's values, and the recipe gathers them with the codes. A layer whose weight is sharded at all
 (FSDP2, or ZeRO-3 partitions, ``nn.fsdp.mark_sharded``) keeps no weight codes from its true
 forward for the recompute (``QuantConfig.weight_codes_once``): they would hold a full weight
 per call from the forward to the backward, the memory sharding exists to free; the recompute

@@ -188,9 +188,10 @@ class Recipe:
     def all_gather_problem(self) -> str | None:
         """Why FSDP2 cannot all-gather this recipe's weights as FP8 (``None``: it can: at the
         event's frozen weight scale where the weight is ``stateful``, else at the full weight's
-        per-call scale, :meth:`gather_scales`; nn/fsdp.py). Read from the layouts: an FP8
-        all-gather brings the weight's codes at its snapshot's layout only, so every GEMM must
-        read the weight at that layout, and the gathered scale is one per weight."""
+        per-call scale, :meth:`gather_scales`; or at scales of each shard's own blocks,
+        :attr:`shard_scales`; nn/fsdp.py). Read from the layouts: an FP8 all-gather brings the
+        weight's codes at its snapshot's layout only, so every GEMM must read the weight at that
+        layout, and the gathered scale is one per weight unless the shards carry their own."""
         if not self.quantized:
             return None
         stored = self.scale_layout("weight")

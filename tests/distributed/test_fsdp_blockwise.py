@@ -3,12 +3,16 @@
 Each rank encodes its own rows of a weight in 128x128 blocks and sends the codes with the
 blocks' scales (``Recipe.shard_scales``): where every shard holds a multiple of 128 rows its
 blocks are the full weight's, so what is gathered is bitwise the full weight's encode. The
-model has one weight of each kind: ``fc1`` [512, 256] (256 rows a rank: FP8), ``fc2``
+model has one weight of each kind: ``fc1`` [512, 512] (256 rows a rank: FP8), ``fc2``
 [192, 512] (96 rows a rank: high precision, warned about) and ``fc3`` [131, 192] (an uneven
 split, 66 and 65 rows: high precision, warned about). Every layer is an FSDP2 unit run through
 ``lightning_fp8state.checkpoint`` (torch non-reentrant): FSDP2 re-gathers in the backward, the
 recompute reads the re-gather. Each sharded run is compared with the single-process
 fp8_blockwise run of the same model and data.
+
+``run_pair`` is shared with ``tests/gpu/test_fsdp_blockwise.py`` (two GPUs, NCCL, the CUDA
+block kernels; fc1's forward and input-gradient GEMMs are shaped for the block-scaled
+``torch._scaled_mm``: K a multiple of 512, N of 128, M of 16).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ class _Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.fc1, self.fc2, self.fc3 = nn.Linear(256, 512), nn.Linear(512, 192), nn.Linear(192, 131)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(512, 512), nn.Linear(512, 192), nn.Linear(192, 131)
 
     def forward(self, x):
         for i, fc in enumerate((self.fc1, self.fc2, self.fc3)):
@@ -71,17 +75,17 @@ def _full_grads(model) -> dict:
     }
 
 
-def _train(rank: int, *, fsdp: bool) -> dict:
+def _train(rank: int, device: torch.device, *, fsdp: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     state = f8s.Fp8State(f8s.QuantConfig(recipe="fp8_blockwise"), rank=rank)
-    model = state.convert(_Net())
+    model = state.convert(_Net().to(device))
     log = _PreGatherLog() if fsdp else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if fsdp:
-            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            mesh = init_device_mesh(device.type, (dist.get_world_size(),))
             enable_fp8_all_gather(model)
             for name in LAYERS:
                 fully_shard(getattr(model, name), mesh=mesh)
@@ -94,7 +98,7 @@ def _train(rank: int, *, fsdp: bool) -> dict:
             with f8s.RecomputeAuditor(state) as auditor:
                 for i in range(N_EVENTS):
                     full_before.append(_full_weights(model))
-                    x = torch.randn(32, 256, generator=g) * (2.0**i)
+                    x = (torch.randn(32, 512, generator=g) * (2.0**i)).to(device)
                     with state.step(i):
                         loss = model(x).float().pow(2).mean()
                         state.commit_forward()
@@ -124,16 +128,28 @@ def _train(rank: int, *, fsdp: bool) -> dict:
 
 def _worker(rank: int, port: int, out: str, device_type: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    results = {"sharded": _train(rank, fsdp=True)}
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+    results = {"sharded": _train(rank, device, fsdp=True)}
     if rank == 0:  # the single-process run: the same model and data
-        results["single"] = _train(rank, fsdp=False)
+        results["single"] = _train(rank, device, fsdp=False)
+    results["cuda_kernels"] = device_type == "cuda" and f8s.ops.cuda.is_loaded()
     save_rank_results(out, rank, results)
+
+
+def run_pair(out, device_type: str = "cpu", timeout: float = 300) -> list[dict]:
+    """Both runs in two spawned ranks (gloo on the CPU, NCCL on two GPUs); what each saw."""
+    return spawn_pair_results(_worker, out, device_type, timeout)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return spawn_pair_results(_worker, tmp_path_factory.mktemp("fsdp_blockwise"))
+    return run_pair(tmp_path_factory.mktemp("fsdp_blockwise"))
 
 
 def _equal_trees(a: dict, b: dict) -> bool:
@@ -160,14 +176,14 @@ def test_sharded_run_trains_bitwise_as_the_single_process(ranks):
 
 
 def test_aligned_shards_send_fp8_codes_with_their_block_scales(ranks):
-    """fc1 (256 rows a rank) sends 1 byte an element and its [2, 3, 2] float32 block scales,
+    """fc1 (256 rows a rank) sends 1 byte an element and its [2, 3, 4] float32 block scales,
     descales and amaxes, in the forward and the backward's re-gather; the re-gather's shard codes
     are the forward's, which are the shard's rows of the full weight's block encode."""
     for r, d in enumerate(ranks):
         run = d["sharded"]
         sent = run["sent"]["fc1"]
         assert len(sent) == 2 * N_EVENTS
-        assert all(row == [(torch.uint8, (256, 256), 256 * 256), (torch.float32, (2, 3, 2), 48)] for row in sent)
+        assert all(row == [(torch.uint8, (256, 512), 256 * 512), (torch.float32, (2, 3, 4), 96)] for row in sent)
         gathers = [(e, backward, q) for e, layer, backward, q in run["gathers"] if layer == "fc1"]
         assert {layer for _, layer, _, _ in run["gathers"]} == {"fc1"} and len(gathers) == 2 * N_EVENTS
         forward = {e: q for e, backward, q in gathers if not backward}

@@ -107,12 +107,15 @@ def _train(rank: int, device: torch.device, *, fsdp: bool) -> dict:
                     grads.append(_full_grads(model))
                     opt.step()
                     opt.zero_grad(set_to_none=True)
+            with torch.no_grad():  # evaluation: no event, each shard's blocks encoded as in training
+                evaluated = model((torch.randn(32, 512, generator=g)).to(device)).clone()
         finally:
             if log is not None:
                 log.close()
     report = auditor.report()
     return {
         "losses": losses,
+        "evaluated": evaluated,
         "grads": grads,
         "full_before": full_before,
         "full_after": _full_weights(model),
@@ -157,9 +160,10 @@ def _equal_trees(a: dict, b: dict) -> bool:
 
 
 def test_sharded_run_trains_bitwise_as_the_single_process(ranks):
-    """Losses, every parameter's gradient and the parameters after every step, and the weight
-    codes and block scales every call consumed (forward and recompute; fc1's from the FP8
-    gather): bitwise the single-process fp8_blockwise run's, on both ranks."""
+    """Losses, every parameter's gradient and the parameters after every step, an evaluation
+    forward after training, and the weight codes and block scales every call consumed (forward,
+    recompute, evaluation; fc1's from the FP8 gather): bitwise the single-process fp8_blockwise
+    run's, on both ranks."""
     ref = ranks[0]["single"]
     for d in ranks:
         run = d["sharded"]
@@ -167,7 +171,9 @@ def test_sharded_run_trains_bitwise_as_the_single_process(ranks):
         assert all(_equal_trees(a, b) for a, b in zip(run["grads"], ref["grads"], strict=True))
         assert all(_equal_trees(a, b) for a, b in zip(run["full_before"], ref["full_before"], strict=True))
         assert _equal_trees(run["full_after"], ref["full_after"])
-        assert run["weights"].keys() == ref["weights"].keys() and len(ref["weights"]) == N_EVENTS * 3 * 2
+        assert bitwise_equal(run["evaluated"], ref["evaluated"])
+        # forward and recompute of every call, and the evaluation's (no event)
+        assert run["weights"].keys() == ref["weights"].keys() and len(ref["weights"]) == N_EVENTS * 3 * 2 + 3
         for key, codes in ref["weights"].items():
             assert bitwise_equal(run["weights"][key], codes), key
             assert bitwise_equal(run["snapshots"][key], ref["snapshots"][key]), key
@@ -182,12 +188,14 @@ def test_aligned_shards_send_fp8_codes_with_their_block_scales(ranks):
     for r, d in enumerate(ranks):
         run = d["sharded"]
         sent = run["sent"]["fc1"]
-        assert len(sent) == 2 * N_EVENTS
+        assert len(sent) == 2 * N_EVENTS + 1  # forward and backward of each event, the evaluation
         assert all(row == [(torch.uint8, (256, 512), 256 * 512), (torch.float32, (2, 3, 4), 96)] for row in sent)
         gathers = [(e, backward, q) for e, layer, backward, q in run["gathers"] if layer == "fc1"]
-        assert {layer for _, layer, _, _ in run["gathers"]} == {"fc1"} and len(gathers) == 2 * N_EVENTS
+        assert {layer for _, layer, _, _ in run["gathers"]} == {"fc1"} and len(gathers) == 2 * N_EVENTS + 1
         forward = {e: q for e, backward, q in gathers if not backward}
         for e, _, q in gathers:
+            if e is None:  # the evaluation's: checked against the single process in the test above
+                continue
             assert q.dtype == torch.float8_e4m3fn and bitwise_equal(q, forward[e])
             full_codes = run["weights"][(e, "fc1", "FORWARD")]
             assert bitwise_equal(q, full_codes[r * 256 : (r + 1) * 256]), (r, e)
@@ -201,7 +209,7 @@ def test_unaligned_shards_gather_in_high_precision_and_say_so_once(ranks):
         run = d["sharded"]
         for layer, rows, width in (("fc2", 96, 512), ("fc3", 66, 192)):
             sent = run["sent"][layer]
-            assert len(sent) == 2 * N_EVENTS
+            assert len(sent) == 2 * N_EVENTS + 1
             assert all(row == [(torch.float32, (rows, width), rows * width * 4)] for row in sent), layer
         warned = run["warnings"]
         assert len(warned) == 2, warned

@@ -231,6 +231,10 @@ class Fp8Blockwise(PerCallScales, Recipe):
 
     # -- FSDP2's FP8 all-gather (the module doc) ----------------------------------------
     def shard_gather_problem(self, full_shape, shard_rows):
+        if len(full_shape) != 2:  # a stack of weights (experts): its dim 0 is no weight's rows
+            return (
+                f"recipe={self.name!r}: block scales gather with the codes of 2-D weights only, not {tuple(full_shape)}"
+            )
         if len(set(shard_rows)) == 1 and shard_rows[0] % BLOCK == 0:
             return None
         return (

@@ -47,6 +47,11 @@ def test_splits_that_cut_blocks_are_named(rows, split):
     assert problem is not None and str(split) in problem and "multiple of 128" in problem
 
 
+def test_a_stack_of_weights_is_named():
+    problem = recipe_for(f8s.QuantConfig(recipe="fp8_blockwise")).shard_gather_problem((4, 256, 256), [2, 2])
+    assert problem is not None and "2-D" in problem
+
+
 def test_per_tensor_recipes_gather_any_split_and_send_the_codes_alone():
     r = recipe_for(f8s.QuantConfig(recipe="fp8_current"))
     assert not r.shard_scales and r.shard_gather_problem((192, 16), [96, 96]) is None

@@ -72,7 +72,7 @@ class GraphedBlocks:
 
         model.blocks_runner = f8s.GraphedBlocks(model.blocks, warmup=3)
         # in the model's forward, while training:  x = self.blocks_runner(x)
-        # under DDP / DeepSpeed, inside the events the Lightning callback opens
+        # under DDP / DeepSpeed / FSDP2, inside the events the Lightning callback opens
         # blocks with side inputs (every block gets the same):  x = runner(x, cos, sin, mask=mask)
         # a loop that calls each block itself:  x = runner.call_block(i, x, mask=mask)
 
@@ -80,7 +80,9 @@ class GraphedBlocks:
     is a constant of the step's shape (see :mod:`.side_inputs`): tensors become static inputs
     of the graphs, copied in before each replay; plain values must not change; tensors that
     require grad are refused. A block may return a tuple whose first element is the hidden
-    state and whose others are None.
+    state and whose others are None. An FSDP2 unit gets them as its ``MixedPrecisionPolicy``
+    casts them: the whole-stack capture casts the static buffers inside the graphs, and a
+    per-call pass runs inside the unit's call, after its hooks (see :mod:`.layer_pass`).
 
     Args:
         blocks: the blocks, in the order they run; each takes the previous one's output.

@@ -194,8 +194,10 @@ class GraphedBlocks:
             raise StateTransitionError("GraphedBlocks: the state's config changed after the capture: capture again")
 
     # -- running -------------------------------------------------------------------------
-    def _side_inputs(self, i: int, args: tuple, kwargs: dict) -> SideInputs:
-        forward = self.forwards[i] or self.blocks[i].forward
+    def _side_inputs(self, i: int, args: tuple, kwargs: dict, forward: Callable | None = None) -> SideInputs:
+        """Block ``i``'s side inputs, named after ``forward``'s parameters (what runs the block;
+        by default its own forward: under call_through_hooks that is a stand-in, not named)."""
+        forward = forward or self.forwards[i] or self.blocks[i].forward
         return SideInputs(args, kwargs, argument_names(forward, len(args)))
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -352,7 +354,7 @@ class GraphedBlocks:
         forward = self.forwards[i] or (unit_forward(block) if fsdp_unit(block) else None)
         if not torch.is_grad_enabled():
             return (block if forward is None else forward)(x, *args, **kwargs)
-        side = self._side_inputs(i, args, kwargs)
+        side = self._side_inputs(i, args, kwargs, forward)
         p = self._begin_layer_pass(x) if i == 0 else self._layer_pass
         if p is None or p.next != i:
             expected = 0 if p is None else p.next

@@ -5,7 +5,8 @@ pre-forward hands the block bf16 copies of the float32 cos/sin: the whole-stack 
 that cast inside the graphs (a replay casts what it is given, as the hook does), and call_block
 runs each block inside the unit's own call (hooks first) and captures with the inputs as cast.
 Both are bitwise the eager checkpointed run (outputs, weights, scales), one commit per owner per
-event; a per-call pass over units without checkpointing is refused by name."""
+event; a per-call pass over units without checkpointing, and a side input that requires grad,
+are refused by name."""
 
 from __future__ import annotations
 
@@ -65,6 +66,30 @@ def _train(mode: str) -> dict:
     return result
 
 
+def _side_input_that_requires_grad() -> tuple[str, str]:
+    """call_block on a unit (through its hooks) given a cos that requires grad: the refusal."""
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    import lightning_fp8state as f8s  # noqa: PLC0415
+    from lightning_fp8state.graphs import GraphedBlocks  # noqa: PLC0415
+    from tests.graph_emulation import EmulatedGraphBackend  # noqa: PLC0415
+    from tests.unit.test_block_graphs_side_inputs import SideNet, side  # noqa: PLC0415
+
+    state = f8s.Fp8State(f8s.QuantConfig(strict=False))
+    model = state.convert(SideNet())
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    runner = GraphedBlocks(model.blocks, warmup=1, backend=EmulatedGraphBackend())
+    x, cos, sin, mask = side(0)
+    with state.step(0):
+        try:
+            runner.call_block(0, x.requires_grad_(), cos.requires_grad_(), sin, mask=mask)
+        except Exception as exc:  # noqa: BLE001
+            return type(exc).__name__, str(exc)
+    return "", "no error"
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist  # noqa: PLC0415
 
@@ -76,6 +101,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             results[mode] = _train(mode)
         except Exception as exc:  # noqa: BLE001  (a refusal is a result)
             results[mode] = {"error": (type(exc).__name__, str(exc))}
+    results["grad_side"] = _side_input_that_requires_grad()
     torch.save(results, os.path.join(out, "results.pt"))
     dist.destroy_process_group()
 
@@ -110,3 +136,10 @@ def test_a_per_call_pass_over_units_without_checkpointing_is_refused_by_name(res
     kind, message = results["unchecked"]["error"]
     assert kind == "ConfigError"
     assert "GraphedBlocks(checkpoint=False) is not allowed with FSDP2 units called block by block: expected" in message
+
+
+def test_a_side_input_that_requires_grad_is_refused_by_its_name_through_the_units_hooks(results):
+    """call_block runs a unit through its own call, where the unit's forward is a stand-in; the
+    argument is still named after the block's forward (``cos``, not ``args[0]``)."""
+    kind, message = results["grad_side"]
+    assert kind == "ConfigError" and "argument 'cos' requires grad" in message, (kind, message)

@@ -132,14 +132,13 @@ def test_units_with_side_inputs_cast_by_their_policy_replay_bitwise_the_eager_ru
     assert graphed["static_dtypes"] == (["torch.float32"] if mode == "whole" else ["torch.bfloat16"])
 
 
-def test_a_per_call_pass_over_units_without_checkpointing_is_refused_by_name(results):
+def test_per_call_refusals_over_units_name_what_they_refuse(results):
+    """A per-call pass over units without checkpointing (its forwards run before the backwards
+    are captured); a side input that requires grad, named after the block's forward (``cos``,
+    not ``args[0]``) although call_block runs the unit through its own call, where the unit's
+    forward is a stand-in."""
     kind, message = results["unchecked"]["error"]
     assert kind == "ConfigError"
     assert "GraphedBlocks(checkpoint=False) is not allowed with FSDP2 units called block by block: expected" in message
-
-
-def test_a_side_input_that_requires_grad_is_refused_by_its_name_through_the_units_hooks(results):
-    """call_block runs a unit through its own call, where the unit's forward is a stand-in; the
-    argument is still named after the block's forward (``cos``, not ``args[0]``)."""
     kind, message = results["grad_side"]
     assert kind == "ConfigError" and "argument 'cos' requires grad" in message, (kind, message)

@@ -24,7 +24,6 @@ parameters as gathered now, so FSDP2 reduce-scatters the gradients it returns.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,9 +32,6 @@ from .capture import autocast_cache_off, capture_backwards, capture_forward
 from .fsdp_units import _refuse_nested_units, fsdp_unit
 from .replay import _BlockGraphs, _BlockReplay
 from .side_inputs import SideInputs
-
-if TYPE_CHECKING:
-    from .blocks import GraphedBlocks
 
 __all__: list[str] = []  # internal to GraphedBlocks
 
@@ -57,7 +53,9 @@ class LayerPass:
     """One pass of ``call_block`` over the blocks: how it runs, the block it expects next, the
     last block's output, and (a capture) what the capture builds until its last block."""
 
-    def __init__(self, runner: GraphedBlocks, mode: str, protocol) -> None:
+    def __init__(
+        self, runner, mode: str, protocol
+    ) -> None:  # runner: the GraphedBlocks (not imported: it imports this)
         self.runner, self.mode, self.protocol = runner, mode, protocol
         self.next, self.out = 0, None
         n = len(runner.blocks)
@@ -127,7 +125,7 @@ class LayerPass:
         return _BlockReplay.apply(g, x, *g.live_params())
 
 
-def open_layer_pass(runner: GraphedBlocks, x: torch.Tensor, protocol) -> LayerPass:
+def open_layer_pass(runner, x: torch.Tensor, protocol) -> LayerPass:  # runner: the GraphedBlocks
     """The pass block 0's call opens, after the event's checks: eager (warm-up), capture or replay.
 
     Raises:

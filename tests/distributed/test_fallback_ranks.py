@@ -18,26 +18,15 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning_fp8state as f8s
 from tests.conftest import bitwise_equal
 from tests.distributed.spawn import spawn
+from tests.unit.test_fallback import _Net  # the two-layer net the fallback tests share
 
 STEPS, OUTLIER_STEP, MOVE_STEP = 7, 3, 4
 TARGETS = ("bf16", "current")
-
-
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(32, 32)
-        self.fc2 = nn.Linear(32, 32)
-        self.register_buffer("gain", torch.ones(32))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.fc2(torch.tanh(self.fc1(x * self.gain))))
 
 
 def _run(rank: int, target: str) -> dict:

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import lightning_fp8state as f8s
 from tests.conftest import bitwise_equal
+from tests.unit.test_fallback import _Net  # the two-layer net the fallback tests share
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,17 +27,6 @@ pytestmark = [
 ]
 
 STEPS, OUTLIER_STEP, MOVE_STEP, WARMUP = 8, 3, 4, 2
-
-
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(32, 32)
-        self.fc2 = nn.Linear(32, 32)
-        self.register_buffer("gain", torch.ones(32))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.fc2(torch.tanh(self.fc1(x * self.gain))))
 
 
 def _run(graphed: bool, target: str):

@@ -19,8 +19,18 @@ keys here give that view:
 
 The counts come from the module's routing, which reads them on the host anyway (one copy per MoE
 call): recording them costs an append per call and no device read; a recompute is not counted
-(its routing is the true forward's, checked by the module). Counts are this rank's (the row of
-rank 0 is what is written). With no telemetry attached the module's hook is ``None``.
+(its routing is the true forward's, checked by the module). With no telemetry attached the
+module's hook is ``None``.
+
+Under data parallelism the written tokens and idle experts are the run's, not one rank's: every
+rank keeps its window's per-step counts on the host, and when the window is written (the log
+step, a checkpoint, the end of the run: the points every rank reaches at the same step) one SUM
+all-reduce of the window's ``[steps, experts]`` int64 matrix over the amax reduction's group (the
+default group without one) gives the sums, from which rank 0's buffered rows get their tokens and
+idle experts. That collective is the window's only one (no sync between log steps);
+``expert_calls`` stays the rank's own (the ranks run the same calls). A window written while an
+exception is being handled keeps the rank's own counts: the other ranks may never reach the
+collective. A single process, or a group of one rank, reduces nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..nn import Fp8Experts
@@ -62,6 +73,7 @@ class ExpertTelemetry:
         self.modules = modules
         self._calls: dict[str, list[tuple[int, ...]]] = {m.layer_name: [] for m in modules}
         self._owners: tuple[tuple, list[int], list[str]] | None = None  # ((bank, size), indices, key suffixes)
+        self._window: list[list[int]] = []  # per step of the window: every module's totals, in order
         for module in modules:
             module.routing_observer = self._observe
 
@@ -75,19 +87,56 @@ class ExpertTelemetry:
         self._calls[module.layer_name].append(counts)  # summed once per step (take_step)
 
     def take_step(self) -> dict[str, Any]:
-        """The step's per-expert keys (host values); starts the next step's count."""
+        """The step's per-expert keys (host values, this rank's); starts the next step's count."""
         out: dict[str, Any] = {}
+        step: list[int] = []
         for module in self.modules:
             name = module.layer_name
             calls, self._calls[name] = self._calls[name], []
             totals = [sum(column) for column in zip(*calls, strict=True)] if calls else [0] * module.num_experts
-            idle = [e for e, n in enumerate(totals) if n == 0]
-            for e, n in enumerate(totals):
-                out[f"{EXPERT_TOKENS}{name}/{e}"] = n
+            _count_keys(out, name, totals)
             out[f"{EXPERT_CALLS}{name}"] = len(calls)
-            out[f"{EXPERTS_IDLE}{name}"] = len(idle)
-            out[f"{EXPERTS_IDLE_IDS}{name}"] = ",".join(map(str, idle))
+            step.extend(totals)
+        self._window.append(step)
         return out
+
+    def reduce_window(self, rows: list[dict[str, Any]], *, across_ranks: bool = True) -> None:
+        """Sum the window's counts over the data-parallel ranks and write the sums (tokens, idle
+        experts) into ``rows`` (this rank's buffered rows of the window's steps, or none on a rank
+        that does not write). One all-reduce, which every rank must reach with the same number of
+        steps: called once per written window on every rank; nothing to do for an empty window."""
+        window, self._window = self._window, []
+        where = self._reduction() if across_ranks and window else None
+        if where is None:
+            return
+        group, device = where
+        counts = torch.tensor(window, dtype=torch.int64, device=device)
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+        if not rows:
+            return
+        for row, sums in zip(rows, counts.cpu().tolist(), strict=True):
+            at = 0
+            for module in self.modules:
+                _count_keys(row, module.layer_name, sums[at : at + module.num_experts])
+                at += module.num_experts
+
+    def _reduction(self) -> tuple[Any, torch.device] | None:
+        """The group and buffer device of the window's all-reduce: the amax reducer's when one is
+        configured, else the default group (gloo takes CPU tensors, NCCL CUDA ones); ``None``
+        without an initialized process group of more than one rank."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        reducers = (getattr(m.protocol, "amax_reducer", None) for m in self.modules)
+        reducer = next((r for r in reducers if r is not None), None)
+        group = reducer.group if reducer is not None else None
+        if dist.get_world_size(group) <= 1:
+            return None
+        if reducer is not None and reducer.device is not None:
+            return group, torch.device(reducer.device)
+        backend = str(dist.get_backend(group))
+        if "nccl" in backend and "gloo" not in backend:
+            return group, torch.device("cuda", torch.cuda.current_device())
+        return group, torch.device("cpu")
 
     def _owner_keys(self, bank) -> tuple[list[int], list[str]]:
         """The bank indices of the experts' owners and each one's key suffix
@@ -130,3 +179,13 @@ class ExpertTelemetry:
                 module.routing_observer = None
         for calls in self._calls.values():
             calls.clear()
+        self._window.clear()
+
+
+def _count_keys(out: dict[str, Any], name: str, totals: list[int]) -> None:
+    """The tokens per expert of one ``Fp8Experts`` and its idle experts, from its totals."""
+    idle = [e for e, n in enumerate(totals) if n == 0]
+    for e, n in enumerate(totals):
+        out[f"{EXPERT_TOKENS}{name}/{e}"] = n
+    out[f"{EXPERTS_IDLE}{name}"] = len(idle)
+    out[f"{EXPERTS_IDLE_IDS}{name}"] = ",".join(map(str, idle))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterable, Mapping
@@ -148,7 +149,9 @@ class TrainingTelemetry:
         per_owner: add per-owner quantizer keys (``fp8state/scale/<owner>``, ...).
         per_expert: add per-expert keys for the model's mixture-of-experts layers (tokens per
             expert and idle experts per step, scales and amaxes by expert on log steps;
-            :mod:`~lightning_fp8state.telemetry.experts`).
+            :mod:`~lightning_fp8state.telemetry.experts`). Under data parallelism the tokens
+            and idle experts written are sums over the ranks (one all-reduce per window, which
+            every rank runs: keep ``per_expert`` the same on all ranks).
         sinks: more sinks (Lightning loggers, :class:`WandbSink`); the JSONL is always there.
         write: whether this process writes (False on ranks other than 0: it still guards).
     """
@@ -418,6 +421,9 @@ class TrainingTelemetry:
                 return row
         self._resolve()
         rows = self.recorder.drain()  # the one device-to-host transfer of the window
+        if self.experts is not None:  # every rank, each window: the counts summed over the ranks
+            # (not while an exception is handled: the other ranks may never join the collective)
+            self.experts.reduce_window(rows, across_ranks=sys.exc_info()[0] is None)
         elapsed = max(time.perf_counter() - self._win_start, 1e-9)
         window = (self._win_steps, self._win_applied, self._win_tokens, self._win_eff_tokens)
         saturation = self.probe.take() if self.probe is not None else None

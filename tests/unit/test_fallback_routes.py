@@ -23,8 +23,8 @@ def _batches() -> list[torch.Tensor]:
     return [torch.randn(8, 4, 32, generator=g) for _ in range(STEPS)]
 
 
-def _run(model: nn.Module, weight: torch.Tensor, to: str, forward):
-    state = f8s.Fp8State(f8s.QuantConfig(fallback=True, fallback_to=to))
+def _run(model: nn.Module, weight: torch.Tensor, to: str, forward, fallback: bool = True):
+    state = f8s.Fp8State(f8s.QuantConfig(fallback=fallback, fallback_to=to))
     state.convert(model)
     gain = torch.ones(32)
     outs = []
@@ -73,3 +73,29 @@ def test_attention_projection_moves():
     state, outs = _run(model, model[0].in_proj_weight, "bf16", fwd)
     assert "0.in_proj" in state.protocol.fallen_back  # the packed in-projection, an Fp8Projection
     assert torch.isfinite(outs[-1][1]).all()
+
+
+def _conv1d_steps(fallback: bool, checkpointed: bool):
+    from transformers.pytorch_utils import Conv1D  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Conv1D(32, 32))
+
+    def fwd(m, x):
+        if checkpointed:
+            return f8s.checkpoint(m, x, engine="torch", use_reentrant=False)
+        return m(x)
+
+    state, outs = _run(model, model[0].weight, "current", fwd, fallback=fallback)
+    return state, [y for _, y in outs]
+
+
+def test_conv1d_fallback_faults_fewer_steps_and_checkpointing_is_bitwise_the_plain_run():
+    _, off = _conv1d_steps(fallback=False, checkpointed=False)
+    _, on = _conv1d_steps(fallback=True, checkpointed=False)
+    state, ckpt = _conv1d_steps(fallback=True, checkpointed=True)
+    faulty = [i for i, y in enumerate(on) if not torch.isfinite(y).all()]
+    assert len(faulty) < sum(not torch.isfinite(y).all() for y in off)
+    assert "0" in state.protocol.fallen_back
+    for a, b in zip(on, ckpt, strict=True):
+        assert bitwise_equal(a, b)

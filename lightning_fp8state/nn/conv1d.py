@@ -44,6 +44,8 @@ class Fp8Conv1D(nn.Module):
         self.bias = nn.Parameter(torch.empty(nf, device="meta"))
         self.protocol = protocol
         self.layer_name = layer_name
+        if protocol.fallback is not None:  # QuantConfig.fallback may move it: _forward runs its route
+            protocol.fallback.movable.add(layer_name)
         self._op_key = op_key(self)  # names it to torch.compile's op (nn/linear_call.py)
 
     @classmethod
@@ -60,7 +62,9 @@ class Fp8Conv1D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # under torch.compile: Fp8Linear's op on the weight view (nn/linear_call.py), no graph break
         if torch.compiler.is_compiling():
-            if self.protocol.recipe.quantized and self.protocol.recipe.compiled_op:
+            protocol = self.protocol
+            moved = protocol.fallen_back and self.layer_name in protocol.fallen_back  # a graph of its own
+            if protocol.recipe.quantized and protocol.recipe.compiled_op and not moved:
                 return fp8_linear_op(self, x, self.weight.t(), self.bias, None, None)
             return self._forward_outside_graph(x)
         return self._forward(x)
@@ -68,7 +72,9 @@ class Fp8Conv1D(nn.Module):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         protocol = self.protocol
         config = protocol.config
-        quantized = protocol.recipe.quantized
+        # a layer the fallback moved (QuantConfig.fallback) runs its target's recipe, as Fp8Linear does
+        recipe = protocol.recipe_of(self.layer_name) if protocol.layer_recipes else protocol.recipe
+        quantized = recipe.quantized
         roles = LINEAR_ROLES if quantized else ()
         phase, record = protocol.enter_call(self.layer_name, roles, x.device)
         weight = self.weight.t()  # [out, in]: the Linear layout, a view (gradients flow back to W)

@@ -55,11 +55,15 @@ class Fp8Projection:
     def __init__(self, protocol: QuantProtocol, layer_name: str) -> None:
         self.protocol = protocol
         self.layer_name = layer_name
+        if protocol.fallback is not None:  # QuantConfig.fallback may move it: _call runs its route
+            protocol.fallback.movable.add(layer_name)
         self._op_key = op_key(self)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            if self.protocol.recipe.quantized and self.protocol.recipe.compiled_op:
+            protocol = self.protocol
+            moved = protocol.fallen_back and self.layer_name in protocol.fallen_back  # a graph of its own
+            if protocol.recipe.quantized and protocol.recipe.compiled_op and not moved:
                 return fp8_linear_op(self, x, weight, bias, None, None)
             return self._call_outside_graph(x, weight, bias)
         return self._call(x, weight, bias)
@@ -67,7 +71,9 @@ class Fp8Projection:
     def _call(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         protocol = self.protocol
         config = protocol.config
-        quantized = protocol.recipe.quantized
+        # a layer the fallback moved (QuantConfig.fallback) runs its target's recipe, as Fp8Linear does
+        recipe = protocol.recipe_of(self.layer_name) if protocol.layer_recipes else protocol.recipe
+        quantized = recipe.quantized
         phase, record = protocol.enter_call(self.layer_name, LINEAR_ROLES if quantized else (), x.device)
         if not quantized:
             out = F.linear(x, weight, bias)

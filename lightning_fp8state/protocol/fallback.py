@@ -13,8 +13,9 @@ it where they read the protocol's recipe. Under ``current`` the layer's roles ar
 owners of the same keys: stamped snapshots, counted in the ledger, committed there only, and a
 recompute re-derives its scale from its own input, recording nothing (as under ``fp8_current``).
 Its delayed owners stay in the bank, never observed again (their history is frozen). Only a
-layer whose module runs that route moves (:attr:`FallbackMonitor.movable`: ``Fp8Linear`` adds its
-own); the other converted modules are watched, not moved.
+layer whose module runs that route moves (:attr:`FallbackMonitor.movable`: ``Fp8Linear``,
+``Fp8Conv1D`` and the attention projections add their own); experts and FP4 attention operands are
+watched, not moved.
 
 Two triggers, both measured on the device while the event runs (no host sync in a call):
 
@@ -110,7 +111,7 @@ class FallbackMonitor:
         self._recipes: dict[str, object] = {}  # target -> its recipe, bound to the config (one each)
         self.deferred: tuple[int, int] | None = None  # an event whose decision a CUDA graph capture deferred
         # the layers whose module runs the route a move gives it (Fp8Linear adds its own): only those
-        # move; another converted module (FP4 attention operands, experts, Conv1D) would ignore the
+        # move; another converted module (FP4 attention operands, experts) would ignore the
         # route, or find its owners gone under bf16, so it is watched but not moved
         self.movable: set[str] = set()
         self.events: list[FallbackEvent] = []

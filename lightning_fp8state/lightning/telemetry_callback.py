@@ -104,7 +104,8 @@ class TelemetryCallback(Callback):
         state: the ``Fp8State`` to report on (default: the one driving the model's
             converted layers, if any).
         dominant_by: ``"layer"`` or ``"parameter"``.
-        saturation: count saturated elements per owner on log steps.
+        saturation: report each owner's saturated fraction over the logging window (counted
+            by the quantize kernels on the device: eager and CUDA graph replays alike).
         per_owner: per-owner quantizer keys (scales, amaxes, saturation).
         progress_bar: show loss, effective tokens/s and skipped steps (refreshed on log steps,
             as host numbers: the bar reads nothing from the device between them).

@@ -13,7 +13,15 @@ import torch
 
 from ..config import require_that
 from . import reference_fused as ref
-from .library import _IN_DTYPES, LIB, SATURATION_ARG, _check_pending, _check_saturation, check_quantize_args, count_clips
+from .library import (
+    _IN_DTYPES,
+    LIB,
+    SATURATION_ARG,
+    _check_pending,
+    _check_saturation,
+    check_quantize_args,
+    count_clips,
+)
 from .reference import amax_reference, canonical_nan, quantize_fp8_reference
 from .reference_ln import layer_norm_backward_reference
 

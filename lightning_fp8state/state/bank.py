@@ -56,7 +56,8 @@ class FrozenScales:
 class StateBank:
     """Contiguous per-owner state: ``amax_history [H, n]``, ``scale``/``descale [n]``
     (rows of one ``[2, n]`` buffer), ``amax_pending [n]``, ``nonfinite_count [n]``,
-    ``fmax [n]``, and the registry owner -> index, with each owner's format name
+    ``fmax [n]``, ``saturation [2, n]`` (int64: elements clipped, elements quantized, added by
+    the recording quantize kernels; the telemetry reads and resets it), and the registry owner -> index, with each owner's format name
     (``e4m3``, ``e5m2``, ``nvfp4``, ``mxfp4``).
 
     Centered FP4 owners also keep a running center: ``center [n, C]`` (C = the widest
@@ -93,6 +94,7 @@ class StateBank:
         self.scales = torch.ones(2, n, **f32)
         self.amax_pending = torch.zeros(n, **f32)
         self.nonfinite_count = torch.zeros(n, dtype=torch.int32, device=device)
+        self.saturation = torch.zeros(2, n, dtype=torch.int64, device=device)
         self.center = torch.zeros(n, c, **f32)
         self.center_max = torch.full((n, c), float("-inf"), **f32)
         self.center_min = torch.full((n, c), float("inf"), **f32)
@@ -120,6 +122,7 @@ class StateBank:
             "scales": self.scales,
             "amax_pending": self.amax_pending,
             "nonfinite_count": self.nonfinite_count,
+            "saturation": self.saturation,
             "center": self.center,
             "center_max": self.center_max,
             "center_min": self.center_min,

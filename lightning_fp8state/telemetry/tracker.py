@@ -41,7 +41,7 @@ from .metrics import (
     loss_summary,
     source_groups,
 )
-from .quantizer import SaturationProbe, find_protocol, quantizer_health
+from .quantizer import SaturationWindow, find_protocol, quantizer_health
 from .recorder import StepRecorder
 from .sinks import JSONL_NAME, FanOut, JsonlSink, Sink
 
@@ -133,7 +133,7 @@ class TrainingTelemetry:
 
     Args:
         run_dir: the run directory; ``telemetry.jsonl`` is appended there.
-        model: the trained module: names the gradient sources and hosts the saturation probe.
+        model: the trained module: names the gradient sources (and finds the ``Fp8State``).
         state: the ``Fp8State`` to report on; found from ``model``'s converted layers if omitted.
         log_every: optimizer steps per window (one host transfer and one sink write each).
         guard: skip a step whose gradients are not all finite: on the device with a fused
@@ -143,7 +143,8 @@ class TrainingTelemetry:
         apply_clipping: also clip (reusing the norm already computed); default: when
             ``max_grad_norm`` is given. The Lightning callback only counts: Lightning clips.
         dominant_by: the gradient source granularity, ``"layer"`` or ``"parameter"``.
-        saturation: measure saturated fractions on log steps (needs a model with converted layers).
+        saturation: report each owner's saturated fraction over the window, from the clip counts
+            the quantize kernels keep on the device (eager and CUDA graph replays alike).
         per_owner: add per-owner quantizer keys (``fp8state/scale/<owner>``, ...).
         sinks: more sinks (Lightning loggers, :class:`WandbSink`); the JSONL is always there.
         write: whether this process writes (False on ranks other than 0: it still guards).
@@ -185,9 +186,9 @@ class TrainingTelemetry:
         self.write = write
         self.sink = FanOut([JsonlSink(self.jsonl_path), *sinks] if write else [])
         self.recorder = StepRecorder()
-        self.probe = None
-        if saturation and self.protocol is not None and model is not None and self.protocol.recipe.quantized:
-            self.probe = SaturationProbe(self.protocol, model)
+        self.saturation = None
+        if saturation and self.protocol is not None and self.protocol.recipe.quantized:
+            self.saturation = SaturationWindow()
         # cumulative counters (host)
         self.attempted = self.applied = self.skipped = 0
         self.nonfinite = self.clip_events = 0
@@ -206,7 +207,6 @@ class TrainingTelemetry:
         self._outcomes: list[list] = []
         self._counted = 0  # outcomes already in the cumulative counters
         self.reset_window()
-        self._arm()
 
     # -- the window --------------------------------------------------------------------
     def reset_window(self) -> None:
@@ -216,10 +216,6 @@ class TrainingTelemetry:
         self._win_start = time.perf_counter()
         self._win_steps = self._win_applied = 0
         self._win_tokens = self._win_eff_tokens = 0
-
-    def _arm(self) -> None:
-        if self.probe is not None:
-            self.probe.armed = (self.attempted + 1) % self.log_every == 0
 
     def _resolve(self) -> None:
         """Count the window's steps not counted yet; the device's decisions among them move to
@@ -398,7 +394,6 @@ class TrainingTelemetry:
             self.recorder.append(device, host)
         self._loss, self._tokens = None, 0
         row = self.flush() if self.attempted % self.log_every == 0 else None
-        self._arm()
         return row
 
     def flush(self) -> dict[str, Any] | None:
@@ -412,7 +407,6 @@ class TrainingTelemetry:
         rows = self.recorder.drain()  # the one device-to-host transfer of the window
         elapsed = max(time.perf_counter() - self._win_start, 1e-9)
         window = (self._win_steps, self._win_applied, self._win_tokens, self._win_eff_tokens)
-        saturation = self.probe.take() if self.probe is not None else None
         # each row's cumulative counts: the totals less what the window's later steps added
         outcomes = self._outcomes
         applied = self.applied - sum(bool(a) for a, _ in outcomes)
@@ -451,7 +445,7 @@ class TrainingTelemetry:
             last["train/effective_tokens_per_s"] = eff_tokens / elapsed
         if self.protocol is not None:
             health, self._after_event = quantizer_health(
-                self.protocol, saturation=saturation, after_event=self._after_event, per_owner=self.per_owner
+                self.protocol, saturation=self.saturation, after_event=self._after_event, per_owner=self.per_owner
             )
             last.update(health)
         self.sink.write(rows)
@@ -465,15 +459,12 @@ class TrainingTelemetry:
         self.sink.sync()
 
     def close(self) -> None:
-        """Write what is left of the window, close the sinks and detach the probe. A sink that
+        """Write what is left of the window and close the sinks. A sink that
         failed during the run is summed up once more here (a warning per sink)."""
         self.flush()
         self.sink.close()
         for line in self.sink.failure_report():
             warnings.warn(f"end of run: {line}", RuntimeWarning, stacklevel=2)
-        if self.probe is not None:
-            self.probe.close()
-            self.probe = None
 
     # -- checkpoint --------------------------------------------------------------------
     def state_dict(self) -> dict[str, int | None]:
@@ -493,4 +484,3 @@ class TrainingTelemetry:
             setattr(self, key, int(sd.get(key, 0)))
         skipped = sd.get("engine_skipped_steps")
         self.engine_skipped_steps = None if skipped is None else int(skipped)
-        self._arm()

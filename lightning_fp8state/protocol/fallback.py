@@ -90,8 +90,15 @@ class FallbackMonitor:
     def _clear_event(self) -> None:
         for flag in self._bad_output.values():
             flag.zero_()
+
+    def _event_counts(self) -> torch.Tensor:
+        """``[2, n]``: the saturation counters' growth since the last event's end (this event's
+        clipped and encoded elements per owner); the next event counts from here."""
         sat = self._protocol.bank.saturation
-        self._baseline(sat).copy_(sat)  # the next event counts from here
+        seen = self._baseline(sat)
+        grown = sat - seen
+        seen.copy_(sat)
+        return grown
 
     def _baseline(self, sat: torch.Tensor) -> torch.Tensor:
         """The counters' values at the last event's end, shaped as the bank's now (an owner
@@ -113,6 +120,7 @@ class FallbackMonitor:
         self._slots.clear()
         self._bad_output = {}
         self._owners = {}
+        self._seen = None
         self._clear_event()
 
     # -- in the calls (device work only) ----------------------------------------------------
@@ -159,15 +167,15 @@ class FallbackMonitor:
     # -- at the event's end (one host read) -------------------------------------------------
     def _flags(self) -> torch.Tensor | None:
         """``[2, layers]`` float32: per layer, its output went non-finite; it saturated."""
+        grown = self._event_counts()
         if not self._slots:
             return None
-        sat = self._protocol.bank.saturation
-        device = sat.device
+        device = grown.device
         flags = torch.zeros(2, len(self._slots), dtype=torch.float32, device=device)
         for layer, bad in self._bad_output.items():
             flags[0, self._slots[layer]] = bad.to(device, torch.float32)
         if self._owners:
-            clipped, elements = (sat - self._baseline(sat)).to(torch.float64)
+            clipped, elements = grown.to(torch.float64)
             over = (clipped / elements.clamp(min=1)) > self.threshold  # per owner, this event
             for layer, indices in self._owners.items():
                 flags[1, self._slots[layer]] = over[sorted(indices)].any().to(torch.float32)
@@ -212,6 +220,7 @@ class FallbackMonitor:
 
     def discard(self) -> None:
         """Drop an aborted event's counts."""
+        self._event_counts()
         self._clear_event()
 
     # -- checkpoint --------------------------------------------------------------------------

@@ -186,7 +186,6 @@ def test_without_an_fp8_state_the_step_runs_as_a_bf16_control(tmp_path):
     ("setup", "needle"),
     [
         ("audit", "Fp8StateCallback(audit=True)"),
-        ("saturation", "TelemetryCallback(saturation=True)"),
         ("automatic", "automatic_optimization"),
     ],
 )

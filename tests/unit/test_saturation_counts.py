@@ -198,3 +198,31 @@ def test_graphed_and_eager_runs_count_and_log_the_same_saturation(tmp_path):
     for a, b in zip(ref_rows, rows, strict=True):
         assert [a.get(k) for k in keys] == [b.get(k) for k in keys]
     assert any(r.get("fp8state/saturated_frac_max", 0) > 0 for r in rows[1:])
+
+
+def _fallback_run(graphed: bool):
+    """Inputs 30x the last from step 2 on: the delayed input scales clip most of each event."""
+    cfg = f8s.QuantConfig(fallback=True, fallback_on_nonfinite=False, fallback_patience=2, strict=False)
+    state = f8s.Fp8State(cfg)
+    model = state.convert(_Net())
+    if graphed:
+        model.runner = GraphedBlocks(model.blocks, warmup=1, backend=EmulatedGraphBackend())
+    g = torch.Generator().manual_seed(2)
+    moved = []
+    for step in range(6):
+        x = torch.randn(8, D, generator=g) * (30.0 ** max(step - 1, 0))
+        with state.step(step):
+            model(x).float().pow(2).mean().backward()
+        model.zero_grad(set_to_none=True)
+        moved.append(dict(state.protocol.fallen_back))
+    return state, model, moved
+
+
+def test_the_fallbacks_saturation_trigger_sees_replayed_calls():
+    """The fallback's saturation streaks read the kernels' counters, so replayed blocks move the
+    same layers at the same steps as the eager run (they saw no saturation when Python counted)."""
+    ref_state, _, ref_moved = _fallback_run(False)
+    state, model, moved = _fallback_run(True)
+    assert model.runner.replays > 0
+    assert moved == ref_moved and moved[-1], moved
+    assert {e.reason for e in state.protocol.fallback.events} == {"saturation"}

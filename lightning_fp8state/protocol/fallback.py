@@ -93,10 +93,11 @@ class FallbackMonitor:
 
     def _event_counts(self) -> torch.Tensor:
         """``[2, n]``: the saturation counters' growth since the last event's end (this event's
-        clipped and encoded elements per owner); the next event counts from here."""
+        clipped and encoded elements per owner); the next event counts from here. A counter
+        that went back (a bank built afresh by a load) counts from zero."""
         sat = self._protocol.bank.saturation
         seen = self._baseline(sat)
-        grown = sat - seen
+        grown = torch.where(sat >= seen, sat - seen, sat)
         seen.copy_(sat)
         return grown
 

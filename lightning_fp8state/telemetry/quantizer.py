@@ -53,20 +53,20 @@ class SaturationWindow:
 
     def __init__(self) -> None:
         self._seen: list[list[int]] = [[], []]  # [clipped, elements] per bank index, at the last read
-        self._bank_counts = None  # the counter tensor those values were read from
 
-    def take(self, counts: torch.Tensor, host: list[list[float]]) -> dict[int, tuple[int, int]]:
+    def take(self, host: list[list[float]]) -> dict[int, tuple[int, int]]:
         """``(clipped, elements)`` per bank index quantized in this window, from ``host`` (the
-        counters ``counts`` read as floats, exact below 2**53); remembers them for the next window."""
+        bank's counters read as floats, exact below 2**53); remembers them for the next window.
+        An owner whose counters went back (a bank built afresh: a load, a reset) counts from zero."""
         now = [[int(v) for v in row] for row in host]
-        seen = self._seen if counts is self._bank_counts else [[], []]  # a new bank starts from zero
+        seen = self._seen
         out = {}
-        for i in range(len(now[0])):
-            old = (seen[0][i], seen[1][i]) if i < len(seen[0]) else (0, 0)
-            clipped, elements = now[0][i] - old[0], now[1][i] - old[1]
+        for i, (clipped, elements) in enumerate(zip(*now, strict=True)):
+            if i < len(seen[0]) and seen[0][i] <= clipped and seen[1][i] <= elements:
+                clipped, elements = clipped - seen[0][i], elements - seen[1][i]
             if elements > 0:
                 out[i] = (clipped, elements)
-        self._seen, self._bank_counts = now, counts
+        self._seen = now
         return out
 
 
@@ -147,12 +147,11 @@ def quantizer_health(
     n = len(bank)
     if n:
         rows = [bank.scale, bank.amax_history[0], bank.nonfinite_count.to(torch.float32)]
-        clip_counts = bank.saturation
         if saturation is not None:  # float64: the counts exact up to 2**53
-            rows.extend(clip_counts.to(bank.scale.device))
+            rows.extend(bank.saturation.to(bank.scale.device))
         host = torch.stack([r.to(torch.float64) for r in rows]).cpu().tolist()
         scale, amax, nonfinite = host[0], host[1], host[2]
-        window = saturation.take(clip_counts, host[3:5]) if saturation is not None else {}
+        window = saturation.take(host[3:5]) if saturation is not None else {}
         out["fp8state/scale_min"] = min(scale)
         out["fp8state/scale_max"] = max(scale)
         out["fp8state/amax_max"] = max(amax)

@@ -207,3 +207,19 @@ def test_graphed_blocks_count_what_the_eager_run_counts():
     assert model.runner.replays == N_EVENTS - WARMUP
     assert torch.equal(ref_state.bank.saturation.cpu(), state.bank.saturation.cpu())
     assert int(state.bank.saturation[1].min()) > 0 and int(state.bank.saturation[0].sum()) > 0
+
+
+def test_opcheck_with_a_counter_on_cuda():
+    """The schema's mutation annotations, the fake kernel and the CUDA kernel agree (the counter
+    is a declared mutated argument)."""
+    x, s = torch.randn(64, 128, device="cuda"), torch.tensor([2.0], device="cuda")
+    pending, sat = torch.zeros(2, device="cuda"), torch.zeros(2, 2, dtype=torch.int64, device="cuda")
+    f8 = torch.ops.fp8state
+    torch.library.opcheck(f8.quantize_fp8_record_amax.default, (x, s, pending, 1, E4M3, sat))
+    torch.library.opcheck(f8.quantize_fp8_t_record_amax.default, (x, s, pending, 1, E5M2, True, sat))
+    torch.library.opcheck(f8.gelu_quantize_fp8_record_amax.default, (x, s, pending, 0, E4M3, sat))
+    torch.library.opcheck(f8.rms_norm_quantize_fp8_record_amax.default, (x, None, 1e-6, s, pending, 0, E4M3, sat))
+    torch.library.opcheck(f8.swiglu_quantize_fp8_record_amax.default, (x, s, pending, 0, E4M3, sat))
+    torch.library.opcheck(
+        f8.layer_norm_quantize_fp8_record_amax.default, (x, None, None, 1e-5, s, pending, 0, E4M3, sat)
+    )

@@ -113,6 +113,10 @@ def test_opcheck_with_a_counter():
     torch.library.opcheck(
         torch.ops.fp8state.layer_norm_quantize_fp8_record_amax.default, (x, None, None, 1e-5, s, pending, 0, E4M3, sat)
     )
+    f8 = torch.ops.fp8state
+    torch.library.opcheck(f8.gelu_quantize_fp8_record_amax.default, (x, s, pending, 0, E4M3, sat))
+    torch.library.opcheck(f8.rms_norm_quantize_fp8_record_amax.default, (x, None, 1e-6, s, pending, 0, E4M3, sat))
+    torch.library.opcheck(f8.swiglu_quantize_fp8_record_amax.default, (x, s, pending, 0, E4M3, sat))
 
 
 # -- the telemetry's window ------------------------------------------------------------------

@@ -7,8 +7,12 @@ times, best of ``--reps`` runs with CUDA events after a warm-up:
 
 - ``bf16_ms``: ``torch.mm`` of a bf16 ``[m, k]`` by the transpose of a bf16 ``[n, k]`` (the peer);
 - ``fp8_ms``: ``torch._scaled_mm`` of the same operands in E4M3 with per-tensor scales, bf16 out;
-- ``cast_ms``: quantizing both operands from bf16 (amax, scale, cast to E4M3) with torch ops: an
-  upper bound of the fused quantize kernels, which the policy adds to the FP8 time.
+- ``cast_ms``: quantizing both operands from bf16 to E4M3, which the policy adds to the FP8 time.
+  ``--cast ours`` (the default where the CUDA extension loads) times the fused quantize-and-record-
+  amax kernel a delayed-scaling call runs per operand; ``--cast torch`` times torch ops (amax, scale,
+  cast: several kernels each, an upper bound that makes small GEMMs look hopeless). Either is
+  conservative: a weight is quantized once per step, not per GEMM, and an input whose norm or
+  activation is fused into its encode costs no pass of its own.
 
 The device's entry (keyed by ``torch.cuda.get_device_name()``) is added to ``--out`` or replaces
 the one there; other devices' entries are kept.
@@ -28,13 +32,15 @@ import torch
 import yaml
 
 from lightning_fp8state.nn.policy import GEMM_TABLE_FORMAT
+from lightning_fp8state.ops import cuda
 
 HEADER = """\
 # Measured GEMM speeds per device, read by quant.policy.by_size (lightning_fp8state/nn/policy.py).
 # Not a recipe piece. Written by benchmarks/gemm_table.py on the device it measures (never by
 # hand), keyed by torch.cuda.get_device_name(). Each shape: (m x k) @ (k x n), best of N runs
 # timed with CUDA events. bf16_ms: torch.mm in bfloat16; fp8_ms: torch._scaled_mm (e4m3 x e4m3
-# -> bf16, per-tensor scales); cast_ms: quantizing both operands (amax, scale, cast to e4m3).
+# -> bf16, per-tensor scales); cast_ms: quantizing both operands to e4m3 (the entry's "casts" says
+# how: the fused quantize kernel, or torch ops).
 """
 E4M3_MAX = 448.0
 
@@ -61,8 +67,15 @@ def to_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() * scale).to(torch.float8_e4m3fn), scale.reciprocal()
 
 
-def measure(m: int, n: int, k: int, reps: int) -> dict:
-    """One shape's row of the table."""
+def our_cast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in E4M3 through the fused delayed-scaling kernel (one pass: scale, cast, amax)."""
+    scale = torch.ones((), device=x.device)
+    pending = torch.zeros(1, device=x.device)
+    return torch.ops.fp8state.quantize_fp8_record_amax(x, scale, pending, 0, torch.float8_e4m3fn)
+
+
+def measure(m: int, n: int, k: int, reps: int, cast: str = "torch") -> dict:
+    """One shape's row of the table (``cast``: how the operands' quantize is timed)."""
     dev = torch.device("cuda")
     a, b = torch.randn(m, k, device=dev, dtype=torch.bfloat16), torch.randn(n, k, device=dev, dtype=torch.bfloat16)
     (a8, sa), (b8, sb) = to_e4m3(a), to_e4m3(b)
@@ -72,11 +85,12 @@ def measure(m: int, n: int, k: int, reps: int) -> dict:
     row["fp8_ms"] = round(
         best_ms(lambda: torch._scaled_mm(a8, b8t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), reps), 5
     )
-    row["cast_ms"] = round(best_ms(lambda: (to_e4m3(a), to_e4m3(b)), reps), 5)
+    quantize = our_cast if cast == "ours" else to_e4m3
+    row["cast_ms"] = round(best_ms(lambda: (quantize(a), quantize(b)), reps), 5)
     return row
 
 
-def write_table(path: Path, device: str, rows: list[dict]) -> None:
+def write_table(path: Path, device: str, rows: list[dict], cast: str = "torch") -> None:
     """Add (or replace) ``device``'s entry in the table at ``path``, keeping the others."""
     data = yaml.safe_load(path.read_text()) if path.is_file() else None
     data = data if isinstance(data, dict) and data.get("format") == GEMM_TABLE_FORMAT else {}
@@ -84,6 +98,7 @@ def write_table(path: Path, device: str, rows: list[dict]) -> None:
     devices[device] = {
         "torch": str(torch.__version__),
         "measured": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "casts": "fused quantize kernel" if cast == "ours" else "torch ops",
         "shapes": rows,
     }
     body = yaml.safe_dump({"format": GEMM_TABLE_FORMAT, "version": 1, "devices": devices}, sort_keys=False)
@@ -94,19 +109,22 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--reps", type=int, default=10, help="runs per GEMM; the best is kept")
+    p.add_argument("--cast", choices=("ours", "torch"), default=None, help="how the casts are timed (see above)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "configs/gemm/tables.yaml")
     args = p.parse_args(argv)
     device = torch.cuda.get_device_name()
-    print(f"device: {device}, torch {torch.__version__}; best of {args.reps}, ms")
+    if args.cast is None:
+        args.cast = "ours" if cuda.ensure_loaded() else "torch"
+    print(f"device: {device}, torch {torch.__version__}; best of {args.reps}, ms; casts timed with {args.cast}")
     print(f"{'m':>6} {'n':>6} {'k':>6} {'bf16':>9} {'fp8':>9} {'casts':>9} {'gain':>6}")
     rows = []
     for m, n, k in itertools.product(args.sizes, repeat=3):
-        row = measure(m, n, k, args.reps)
+        row = measure(m, n, k, args.reps, args.cast)
         rows.append(row)
         gain = row["bf16_ms"] / (row["fp8_ms"] + row["cast_ms"])
         print(f"{m:>6} {n:>6} {k:>6} {row['bf16_ms']:>9.4f} {row['fp8_ms']:>9.4f} {row['cast_ms']:>9.4f} {gain:>5.2f}x")
         torch.cuda.empty_cache()
-    write_table(args.out, device, rows)
+    write_table(args.out, device, rows, args.cast)
     print(f"wrote {len(rows)} shapes for {device!r} to {args.out}")
     return rows
 

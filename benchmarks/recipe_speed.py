@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 from pathlib import Path
 
 from scaling import throughput, train
@@ -53,6 +54,11 @@ def main() -> None:
     p.add_argument("--skip-windows", type=int, default=2)
     p.add_argument("--repeat", type=int, default=1, help="run the pair this many times, interleaved; keep the fastest")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=["recipe"])
+    p.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep each run's checkpoints (by default removed once the run ends: the 1B recipes write ~14 GiB each)",
+    )
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     out = Path(args.out)
@@ -74,6 +80,8 @@ def main() -> None:
                 run_name = key.replace(" ", "_").replace("+", "_")
                 run_name = run_name if args.repeat == 1 else f"{run_name}_{rep}"
                 code, rows = train(out, run_name, [*common, *MODES[mode], *extra])
+                if not args.keep_checkpoints:  # the throughput is in the telemetry; the disk is finite
+                    shutil.rmtree(out / run_name / "checkpoints", ignore_errors=True)
                 tps = throughput(rows, args.skip_windows, "train/effective_tokens_per_s") if code == 0 else float("nan")
                 loss = rows[-1]["train/loss"] if rows else float("nan")
                 runs = result.setdefault(key, {"runs": [], "mode": mode, "variant": name})["runs"]

@@ -13,6 +13,9 @@ optimizer step; medians). Variants:
   mirrors: ``torchao`` (tensorwise), ``torchao_rowwise`` and ``torchao_rowwise_gw_hp`` (on request);
 - ``safe_unfused`` (on request): ``safe`` with ``fuse_prologues=false``, the LayerNorm and
   GELU running on their own before the input's quantize (the A/B of the fusion);
+- ``safe_policy`` (on request): ``safe`` with ``quant.policy.by_size=auto``: the GEMMs the
+  device's measured table predicts to gain too little stay in bf16;
+- ``blockwise`` (on request): ``fp8_blockwise`` (1x128 tiles, 128x128 weight blocks);
 - ``safe_percall_w`` (on request): ``safe`` with the weight encoded at every run of a call (the
   recompute encodes it again, the backward transposes it), as before the weight's codes were
   made once per event (``quant.weight_codes_once=false``; the A/B of that change).
@@ -65,13 +68,20 @@ VARIANTS = ("bf16", "safe", "naive", "torchao")
 EXTRA_VARIANTS = (
     "safe_unfused",  # safe with fuse_prologues=false (LayerNorm / GELU not fused)
     "safe_percall_w",  # safe with the weight encoded at every run of a call (no codes once per event)
+    "safe_policy",  # safe with quant.policy.by_size=auto (the device's GEMM table keeps small GEMMs in bf16)
     "current",  # quant.recipe=fp8_current
     "rowwise",  # quant.recipe=fp8_rowwise
     "rowwise_gw_hp",  # quant.recipe=fp8_rowwise_gw_hp
+    "blockwise",  # quant.recipe=fp8_blockwise (1x128 tiles, 128x128 weight blocks)
     "torchao_rowwise",  # torchao's "rowwise" recipe
     "torchao_rowwise_gw_hp",  # torchao's "rowwise_with_gw_hp"
 )
-OUR_RECIPES = {"current": "fp8_current", "rowwise": "fp8_rowwise", "rowwise_gw_hp": "fp8_rowwise_gw_hp"}
+OUR_RECIPES = {
+    "current": "fp8_current",
+    "rowwise": "fp8_rowwise",
+    "rowwise_gw_hp": "fp8_rowwise_gw_hp",
+    "blockwise": "fp8_blockwise",
+}
 TORCHAO_RECIPES = {"torchao": None, "torchao_rowwise": "rowwise", "torchao_rowwise_gw_hp": "rowwise_with_gw_hp"}
 
 
@@ -84,11 +94,13 @@ def batches(cfg: GPTConfig, batch: int, n: int, device) -> list[tuple[torch.Tens
     return out
 
 
-def build(variant: str, cfg: GPTConfig, compile_blocks: bool, exclude: tuple[str, ...] = (), graphs: bool = False):
+def build(
+    variant: str, cfg: GPTConfig, compile_blocks: bool, exclude: tuple[str, ...] = (), graphs: bool = False, tokens=0
+):
     torch.manual_seed(0)
     model = (Llama if isinstance(cfg, LlamaConfig) else GPT)(cfg).cuda()
     state = None
-    if variant in ("safe", "naive", "safe_unfused", "safe_percall_w"):
+    if variant in ("safe", "naive", "safe_unfused", "safe_percall_w", "safe_policy"):
         # naive mode violates the ledger on purpose (that is the defect): count, do not raise
         mode = "naive" if variant == "naive" else "safe"
         config = f8s.QuantConfig(
@@ -98,12 +110,13 @@ def build(variant: str, cfg: GPTConfig, compile_blocks: bool, exclude: tuple[str
             exclude=exclude,
             fuse_prologues=variant != "safe_unfused",
             weight_codes_once=variant != "safe_percall_w",
+            policy={"by_size": "auto", "tokens": tokens} if variant == "safe_policy" else {},
         )
         state = f8s.Fp8State(config)
         state.convert(model)
     elif variant in OUR_RECIPES:  # stateless: nothing to commit, the protocol's owners and stamps
         recipe = OUR_RECIPES[variant]  # rowwise: E4M3 grad_output, as configs/quant/fp8_rowwise*.yaml ship it
-        backward = "e4m3" if "rowwise" in recipe else "e5m2"
+        backward = "e4m3" if "rowwise" in recipe or "blockwise" in recipe else "e5m2"
         config = f8s.QuantConfig(recipe=recipe, ownership="per_layer", exclude=exclude, backward_format=backward)
         state = f8s.Fp8State(config)
         state.convert(model)
@@ -191,7 +204,8 @@ def measure(variant: str, cfg: GPTConfig, args, data, mode: str = "eager") -> di
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     compiled, graphs = mode.startswith("compile"), mode.endswith("graphs")
-    model, state, opt = build(variant, cfg, compiled, ("*head",) if args.exclude_head else (), graphs)
+    exclude = ("*head",) if args.exclude_head else ()
+    model, state, opt = build(variant, cfg, compiled, exclude, graphs, tokens=args.batch * args.seq)
     step = make_step(model, state, opt, data, graphs, warmup=max(1, args.warmup - 1))
     collector = None
     if args.gc == "managed":  # Python's collector at step boundaries, for every variant alike

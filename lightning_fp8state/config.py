@@ -68,8 +68,9 @@ DEFAULT_AMAX_REDUCTION = (("weight", "data_parallel"),)
 # histories, the scale of the largest amax) or the resume is refused (refuse).
 WORLD_SIZE_MERGES = ("max", "refuse")
 # What a fallen-back layer runs as (QuantConfig.fallback_to): bf16, high precision (the bf16
-# recipe's plain F.linear). A per-layer current-scaling target is not there yet.
-FALLBACK_TARGETS = ("bf16",)
+# recipe's plain F.linear); current, per-tensor FP8 scaled from each call's own amax (the
+# fp8_current recipe's encoders and GEMM, for that layer only: no delayed state to go stale).
+FALLBACK_TARGETS = ("bf16", "current")
 FP4_LAYOUT_NAMES = tuple(FP4_LAYOUTS)  # ("nvfp4", "mxfp4")
 # scale = fmax / amax / 2**margin, margin in [0, MARGIN_MAX]. The CUDA update_scales takes
 # 2**margin as a float32 (ldexpf) and checks margin < MARGIN_MAX + 1 (csrc/fp8_ops.cu);
@@ -390,7 +391,8 @@ class QuantConfig:
     - ``sharing``: ownership, amax_reduction, world_size_merge — who shares delayed state,
       across layers, ranks and streams, and how it maps onto another number of ranks;
     - ``resilience``: fallback, fallback_to, fallback_on_nonfinite, fallback_saturation,
-      fallback_patience — an opt-in move of a layer FP8 fails on to high precision;
+      fallback_patience — an opt-in move of a layer FP8 fails on to high precision or to
+      per-call current scaling;
     - ``diagnostics``: mode, strict, ledger_window — the protocol's policy on violations.
 
     Every field is validated on construction; a bad value raises ``ConfigError`` naming
@@ -471,7 +473,8 @@ class QuantConfig:
     # next event on, on every rank at once; which layers and when is carried in the state.
     fallback: bool = False
     # What a fallen-back layer runs as (see FALLBACK_TARGETS): bf16, the plain high-precision
-    # F.linear of the bf16 recipe.
+    # F.linear of the bf16 recipe; current, FP8 at each call's own per-tensor scale (the
+    # fp8_current recipe's route, for that layer only). A move keeps its target in the state.
     fallback_to: str = "bf16"
     # Move a layer whose output goes non-finite in an event while its quantized operands' amaxes
     # are finite (the fault starts in that layer's FP8 call, not upstream of it).

@@ -8,6 +8,8 @@ Two ways to graph a step, one module each, on shared capture machinery:
   graphs of their own, so a data-parallel strategy's gradient hooks stay eager between them;
 - :mod:`.capture`: what a capture runs on (side stream, warm-up, :class:`CudaGraphBackend`)
   and the chained capture of a stack of blocks;
+- :mod:`.layer_pass`: a pass of :meth:`GraphedBlocks.call_block` over the stack (warm-up,
+  capture or replay decided at block 0; FSDP2 units run inside their own call);
 - :mod:`.replay`: one block's graphs, their static buffers and the autograd Function that
   replays them;
 - :mod:`.fsdp_units`: FSDP2 units inside per-block graphs (static parameter copies, their

@@ -46,15 +46,9 @@ from ..config import require_bool
 from ..errors import ConfigError, StateTransitionError
 from ..protocol import GraphTemplate, QuantProtocol
 from ..recompute import checkpoint
-from .capture import (
-    CudaGraphBackend,
-    autocast_cache_off,
-    capture_backwards,
-    capture_chain,
-    capture_forward,
-    require_warmup,
-)
-from .fsdp_units import _refuse_nested_units, _warn_unit_hooks, fsdp_unit
+from .capture import CudaGraphBackend, capture_chain, require_warmup
+from .fsdp_units import _refuse_nested_units, _warn_unit_hooks, call_through_hooks, fsdp_unit, unit_forward
+from .layer_pass import LayerPass, open_layer_pass
 from .replay import _BlockGraphs, _BlockReplay, run_block
 from .side_inputs import SideInputs, argument_names
 
@@ -78,7 +72,7 @@ class GraphedBlocks:
 
         model.blocks_runner = f8s.GraphedBlocks(model.blocks, warmup=3)
         # in the model's forward, while training:  x = self.blocks_runner(x)
-        # under DDP / DeepSpeed, inside the events the Lightning callback opens
+        # under DDP / DeepSpeed / FSDP2, inside the events the Lightning callback opens
         # blocks with side inputs (every block gets the same):  x = runner(x, cos, sin, mask=mask)
         # a loop that calls each block itself:  x = runner.call_block(i, x, mask=mask)
 
@@ -86,7 +80,9 @@ class GraphedBlocks:
     is a constant of the step's shape (see :mod:`.side_inputs`): tensors become static inputs
     of the graphs, copied in before each replay; plain values must not change; tensors that
     require grad are refused. A block may return a tuple whose first element is the hidden
-    state and whose others are None.
+    state and whose others are None. An FSDP2 unit gets them as its ``MixedPrecisionPolicy``
+    casts them: the whole-stack capture casts the static buffers inside the graphs, and a
+    per-call pass runs inside the unit's call, after its hooks (see :mod:`.layer_pass`).
 
     Args:
         blocks: the blocks, in the order they run; each takes the previous one's output.
@@ -141,7 +137,7 @@ class GraphedBlocks:
         self._input_spec: tuple | None = None
         self._side_spec: tuple = ()  # the whole-stack call's side inputs, as captured
         self._passes = 0  # training calls of the stack so far (a static side input's fill is per pass)
-        self._layer_pass: dict | None = None  # call_block's pass in progress
+        self._layer_pass: LayerPass | None = None  # call_block's pass in progress
         # per block the length of the tuple it returns (hidden state and Nones; absent: a tensor),
         # seen in the warm-up: call_block returns the same
         self._extra_outputs: dict[int, int] = {}
@@ -198,8 +194,10 @@ class GraphedBlocks:
             raise StateTransitionError("GraphedBlocks: the state's config changed after the capture: capture again")
 
     # -- running -------------------------------------------------------------------------
-    def _side_inputs(self, i: int, args: tuple, kwargs: dict) -> SideInputs:
-        forward = self.forwards[i] or self.blocks[i].forward
+    def _side_inputs(self, i: int, args: tuple, kwargs: dict, forward: Callable | None = None) -> SideInputs:
+        """Block ``i``'s side inputs, named after ``forward``'s parameters (what runs the block;
+        by default its own forward: under call_through_hooks that is a stand-in, not named)."""
+        forward = forward or self.forwards[i] or self.blocks[i].forward
         return SideInputs(args, kwargs, argument_names(forward, len(args)))
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -257,11 +255,6 @@ class GraphedBlocks:
         before = None if protocol is None else protocol.graph_template()  # what eager calls did first
         pool = self.backend.new_pool()
         units = [block for block in self.blocks if fsdp_unit(block)]
-        if units and not side.empty:
-            raise ConfigError(
-                "GraphedBlocks: side inputs for FSDP2 units are not captured yet (FSDP2's hooks cast them); "
-                "call the blocks with their hidden state alone, or train without graphs"
-            )
         _refuse_nested_units(self.blocks)
         _warn_unit_hooks(units)
         # gathered for the capture, which reads copies of them, and left gathered: the event's
@@ -335,25 +328,36 @@ class GraphedBlocks:
         that the caller drives (a Hugging Face model's loop over its decoder layers): block 0
         opens the pass (the event's checks, warm-up, capture or replay decided there), the
         blocks follow in order, each once. Returns what the block returns (a tensor, or a
-        tuple of the hidden state and Nones).
+        tuple of the hidden state and Nones). An FSDP2 unit is run through its own call (its
+        hooks gather the parameters and cast the inputs), then as :meth:`call_inside`.
 
         The capture's pass captures each block's forward graph at its call and, at the last
-        block's, every backward graph in reverse, then replays the forwards: the order and
-        the memory pool of the whole-stack capture. Until then the returned hidden states are
-        the graphs' static buffers, so block ``i`` must be given block ``i-1``'s output as is.
+        block's, every backward graph in reverse (see :mod:`.layer_pass`). Until the pass ends
+        the returned hidden states are the graphs' static buffers, so block ``i`` must be given
+        block ``i-1``'s output as is.
 
         Raises:
             ConfigError: as :class:`GraphedBlocks`; a block's input that is not the previous
-                block's output in the capture's pass; FSDP2 units (not captured per call yet).
+                block's output in the capture's pass; FSDP2 units with ``checkpoint=False``.
             StateTransitionError: blocks called out of order, or the checks of block 0.
         """
-        block, forward = self.blocks[i], self.forwards[i]
+        block = self.blocks[i]
+        if fsdp_unit(block):
+            return call_through_hooks(block, functools.partial(self.call_inside, i), x, *args, **kwargs)
+        return self.call_inside(i, x, *args, **kwargs)
+
+    def call_inside(self, i: int, x: torch.Tensor, *args, **kwargs):
+        """:meth:`call_block` from inside block ``i``'s own call, its module hooks run (an FSDP2
+        unit's parameters gathered, its inputs cast): a layer whose forward routes here
+        (:func:`~.hf_layers.graph_decoder_layers`)."""
+        block = self.blocks[i]
+        forward = self.forwards[i] or (unit_forward(block) if fsdp_unit(block) else None)
         if not torch.is_grad_enabled():
             return (block if forward is None else forward)(x, *args, **kwargs)
-        side = self._side_inputs(i, args, kwargs)
+        side = self._side_inputs(i, args, kwargs, forward)
         p = self._begin_layer_pass(x) if i == 0 else self._layer_pass
-        if p is None or p["next"] != i:
-            expected = 0 if p is None else p["next"]
+        if p is None or p.next != i:
+            expected = 0 if p is None else p.next
             self._layer_pass = None
             raise StateTransitionError(
                 f"GraphedBlocks: block {i} was called, block {expected} was expected: call_block runs the blocks "
@@ -361,23 +365,22 @@ class GraphedBlocks:
             )
         out = None
         try:
-            if p["mode"] == "eager":
-                call = functools.partial(run_block, block, forward, side.args, side.kwargs, self._extra_outputs, i)
-                out = self._on_side_without_rng(x, p["protocol"], lambda: self._region(call, x))
-            elif p["mode"] == "capture":
-                out = self._capture_layer(i, x, side, p)
-            else:
-                out = self._replay_layer(i, x, side)
+            out = p.run(i, x, side, forward)
         finally:
             if out is None:  # a refusal mid-pass: the pass is over (a capture's partial graphs dropped)
                 self._layer_pass = None
-        p["next"], p["out"] = i + 1, out
+        p.next, p.out = i + 1, out
         if i == len(self.blocks) - 1:
             self._layer_pass = None
-            if p["mode"] != "eager":  # the capture's pass ran its graphs too (as the whole-stack call counts)
+            if p.mode != "eager":  # the capture's pass ran its graphs too (as the whole-stack call counts)
                 self.replays += 1
         extra = self._extra_outputs.get(i, 0)  # a tuple's Nones after the hidden state, as the block returned
         return out if not extra else (out,) + (None,) * (extra - 1)
+
+    def _eager_layer(self, i: int, x: torch.Tensor, side: SideInputs, forward, protocol) -> torch.Tensor:
+        """A warm-up pass's block ``i``: checkpointed, on the side stream, without random numbers."""
+        call = functools.partial(run_block, self.blocks[i], forward, side.args, side.kwargs, self._extra_outputs, i)
+        return self._on_side_without_rng(x, protocol, lambda: self._region(call, x))
 
     def _open_pass(self, x: torch.Tensor) -> None:
         """Count a training pass (whole stack or layer by layer) and make what a capture needs:
@@ -389,80 +392,10 @@ class GraphedBlocks:
         if self._side is None:
             self._side = self.backend.side_stream(x.device)
 
-    def _begin_layer_pass(self, x: torch.Tensor) -> dict:
+    def _begin_layer_pass(self, x: torch.Tensor) -> LayerPass:
         protocol = self.protocol
         _drop_if_stale(self, protocol)
         self._check_call(protocol, x)
         self._open_pass(x)
-        p = {"next": 0, "out": None, "protocol": protocol}
-        if self.graphs is None and self.eager_calls < self.warmup:
-            self.eager_calls += 1
-            p["mode"] = "eager"
-        elif self.graphs is None:
-            if any(fsdp_unit(block) for block in self.blocks):
-                raise ConfigError(
-                    "GraphedBlocks.call_block: FSDP2 units are not captured per call yet; call the whole stack "
-                    "(runner(x)), or train without graphs"
-                )
-            self._require_calibrated(protocol)
-            if protocol is not None and protocol.recipe.quantized:
-                protocol.freeze_event(x.device)  # eagerly, outside the graphs' memory: they read it
-            p.update(
-                mode="capture",
-                version=None if protocol is None else protocol.bank.version,
-                before=None if protocol is None else protocol.graph_template(),
-                pool=self.backend.new_pool(),
-                graphs=[_BlockGraphs(b, forward=f) for b, f in zip(self.blocks, self.forwards, strict=True)],
-                statics={},
-            )
-        else:
-            self._check_replayable(protocol)
-            if protocol is not None:
-                protocol.replay_template(self._template)
-            p["mode"] = "replay"
-        self._layer_pass = p
-        return p
-
-    def _capture_layer(self, i: int, x: torch.Tensor, side: SideInputs, p: dict) -> torch.Tensor:
-        graphs, backend = p["graphs"], self.backend
-        g = graphs[i]
-        if i == 0:
-            inp = x.detach().clone().requires_grad_(x.requires_grad)
-        elif x is not p["out"]:
-            raise ConfigError(
-                f"GraphedBlocks: block {i}'s input is not block {i - 1}'s output: in the capture's pass the blocks "
-                "must be chained directly (nothing may read or change the hidden state between them)"
-            )
-        else:
-            inp = graphs[i - 1].static_out.detach().requires_grad_(True)
-        g.sides, g.side_args, g.side_kwargs = side.static(p["statics"], self._passes)
-        g.side_spec = side.spec()
-
-        def capture():
-            with autocast_cache_off(x.device.type):
-                capture_forward(g, inp, backend, p["pool"], self._side, self._region)
-                if i == len(graphs) - 1:
-                    capture_backwards(graphs, backend, p["pool"], self._side)
-
-        backend.on_side(self._side, p["protocol"], capture)
-        g.defer_forward = True
-        out = _BlockReplay.apply(g, x, *g.params)
-        if i == len(graphs) - 1:
-            self._finish_capture(p["protocol"], p["version"], p["before"], graphs, graphs[0].static_in)
-            for h in graphs:  # every block captured: this pass's forwards run now, in order
-                h.fwd.replay()
-        return out
-
-    def _replay_layer(self, i: int, x: torch.Tensor, side: SideInputs) -> torch.Tensor:
-        g = self.graphs[i]
-        spec = (tuple(g.static_in.shape), g.static_in.dtype, g.static_in.device)
-        if (tuple(x.shape), x.dtype, x.device) != spec:
-            raise ConfigError(
-                f"GraphedBlocks: dynamic shapes are not captured: block {i}'s input changed from {spec[0]}, "
-                f"{spec[1]} on {spec[2]} to {tuple(x.shape)}, {x.dtype} on {x.device}: keep batch shapes fixed "
-                "(drop_last=True)"
-            )
-        side.check_against(g.side_spec, f"block {i}")
-        side.load(g.sides, self._passes)
-        g.check_addresses()
-        return _BlockReplay.apply(g, x, *g.params)
+        self._layer_pass = open_layer_pass(self, x, protocol)
+        return self._layer_pass

@@ -9,16 +9,18 @@ forward past its hooks while every replay runs through them.
 
 from __future__ import annotations
 
+import types
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from ..errors import ConfigError
 from ..nn.fsdp import Fp8GatheredWeight
 
-__all__ = ["fsdp_unit"]
+__all__ = ["call_through_hooks", "fsdp_unit", "unit_forward"]
 
 
 def fsdp_unit(block: nn.Module) -> bool:
@@ -57,18 +59,64 @@ def _static_copies(block: nn.Module, shared: dict) -> dict[str, torch.Tensor]:
     }
 
 
+def _unit_cast_dtype(block: nn.Module) -> torch.dtype | None:
+    """The dtype an FSDP2 unit's pre-forward casts floating inputs to (its
+    ``MixedPrecisionPolicy.param_dtype`` with ``cast_forward_inputs``), or None: no cast."""
+    state = block._get_fsdp_state() if hasattr(block, "_get_fsdp_state") else None
+    policy = getattr(state, "_mp_policy", None)
+    dtype = getattr(policy, "param_dtype", None)
+    if policy is None or not getattr(policy, "cast_forward_inputs", False):
+        return None
+    return dtype
+
+
 def _unit_input(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x`` as an FSDP2 unit's pre-forward hands it to the unit's forward: cast to the unit's
     ``MixedPrecisionPolicy.param_dtype`` when the policy casts forward inputs (a leaf again, for
     the capture). The capture calls the forward past the hooks; a replay runs through them."""
-    state = block._get_fsdp_state() if hasattr(block, "_get_fsdp_state") else None
-    policy = getattr(state, "_mp_policy", None)
-    dtype = getattr(policy, "param_dtype", None)
-    if policy is None or not getattr(policy, "cast_forward_inputs", False) or dtype is None:
-        return x
-    if not x.is_floating_point() or x.dtype == dtype:
+    dtype = _unit_cast_dtype(block)
+    if dtype is None or not x.is_floating_point() or x.dtype == dtype:
         return x
     return x.detach().to(dtype).requires_grad_(x.requires_grad)
+
+
+def _unit_side_inputs(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A block's side inputs as an FSDP2 unit's pre-forward casts them: every floating tensor
+    (inside tuples, lists and dicts too) to the policy's ``param_dtype``, the rest as it is.
+    Run inside the capture on the graphs' static buffers, so each replay casts what it was
+    given, as the hook does on every call; a tensor already of that dtype is left alone (a
+    call from inside the unit's hook gets it cast already)."""
+    dtype = _unit_cast_dtype(block)
+    if dtype is None:
+        return args, kwargs
+
+    def cast(value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+
+    return tree_map(cast, args), tree_map(cast, kwargs)
+
+
+def unit_forward(block: nn.Module) -> Callable:
+    """An FSDP2 unit's own forward, past its ``__call__`` (and so past FSDP2's hooks): what runs
+    the block from inside the unit's call, where the hooks ran already."""
+    return types.MethodType(type(block).forward, block)
+
+
+def call_through_hooks(block: nn.Module, forward: Callable, *args, **kwargs):
+    """``block(*args, **kwargs)`` with ``forward`` in place of the block's forward for this call:
+    the module's hooks (an FSDP2 unit's: gather the parameters, cast the inputs, hook the
+    backward) run around ``forward``. An instance forward the block had is put back after."""
+    own = block.__dict__.get("forward")
+    block.forward = forward
+    try:
+        return block(*args, **kwargs)
+    finally:
+        if own is None:
+            del block.forward
+        else:
+            block.forward = own
 
 
 def _warn_unit_hooks(units: Sequence[nn.Module]) -> None:

@@ -3,9 +3,12 @@
 A Hugging Face model loops over ``model.model.layers`` itself, calling each layer with the
 hidden state and the step's side inputs (rotary cos/sin, mask, position ids, flags). So the
 layers stay where they are (the state-dict keys, ``isinstance`` checks and hooks unchanged) and
-each one's ``forward`` is routed, while training, to :meth:`GraphedBlocks.call_block` of one
+each one's ``forward`` is routed, while training, to :meth:`GraphedBlocks.call_inside` of one
 runner shared by the stack; the runner runs the layer's original forward (checkpointed) in the
-warm-up and the capture, and its graphs after.
+warm-up and the capture, and its graphs after. The routing sits inside the layer's call, past
+its module hooks: under FSDP2 each layer is a unit whose hooks gather its parameters, cast its
+inputs (a ``MixedPrecisionPolicy``) and hook its backward around what the runner does, as
+around the layer's own forward.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ class _GraphedLayerForward:
                 f"graph_decoder_layers: layer {self.index} has Hugging Face gradient checkpointing on; the graphed "
                 "runner checkpoints every layer itself. Call model.gradient_checkpointing_disable()"
             )
-        return self.runner.call_block(self.index, hidden_states, *args, **kwargs)
+        # inside the layer's own call: an FSDP2 unit's hooks ran (parameters gathered, inputs cast)
+        return self.runner.call_inside(self.index, hidden_states, *args, **kwargs)
 
 
 def find_decoder_layers(module: nn.Module, path: str | None = None) -> nn.ModuleList:

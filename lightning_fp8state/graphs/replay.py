@@ -12,7 +12,7 @@ from torch import nn
 
 from ..errors import ConfigError, StateTransitionError
 from ..nn.fsdp import Fp8GatheredWeight
-from .fsdp_units import _static_copies
+from .fsdp_units import _static_copies, _unit_side_inputs, call_through_hooks
 
 __all__: list[str] = []  # internal to GraphedBlocks
 
@@ -103,6 +103,7 @@ class _BlockGraphs:
         self.sides: list = []
         self.side_spec: tuple = ()
         self.defer_forward = False  # a per-layer capture replays the forwards after the last block
+        self.input_filled = False  # a per-layer capture's first block: static_in holds the call's x already
         self.params = [p for p in block.parameters() if p.requires_grad]
         if copy_params:
             self.aliases = _static_copies(block, {} if shared is None else shared)
@@ -144,7 +145,9 @@ class _BlockGraphs:
     def call_with_aliases(self, x: torch.Tensor) -> torch.Tensor:
         args, kwargs = self.side_args, self.side_kwargs
         if self.copy_params:
-            # the unit's own forward, past FSDP2's hooks (they would gather inside the capture)
+            # the unit's own forward, past FSDP2's hooks (they would gather inside the capture),
+            # its side inputs cast as the hooks cast them (from the static buffers, every replay)
+            args, kwargs = _unit_side_inputs(self.block, args, kwargs)
             with torch.nn.utils.stateless._reparametrize_module(self.block, self.aliases, tie_weights=True):
                 return hidden_state(type(self.block).forward(self.block, x, *args, **kwargs), self.block)
         if self.forward is not None:  # a layer whose own call routes here: its forward, under aliases
@@ -207,26 +210,21 @@ class _BlockGraphs:
         it = iter(views)
         return tuple(None if g is None else next(it) for g in static)
 
+    def live_params(self) -> list[torch.Tensor]:
+        """What a replay hands the autograd Function: the parameters that require grad (aliased
+        by the graphs), or an FSDP2 unit's every parameter as gathered now, in the static
+        copies' order (FSDP2 registers the gathered ones on the module at each gather)."""
+        if not self.copy_params:
+            return self.params
+        live = dict(self.block.named_parameters())
+        return [live[n] for n in self.aliases]
+
     def run_unit(self, x: torch.Tensor) -> torch.Tensor:
         """The replayed block, called through the FSDP2 unit's ``__call__``: its pre-forward hook
         gathers the parameters (registered on the module until its post-forward reshards them)
         and hooks the backward (gather again, then reduce-scatter the gradients autograd
         accumulates into the gathered parameters)."""
-        block, names = self.block, list(self.aliases)
-
-        def forward(inp):
-            live = dict(block.named_parameters())
-            return _BlockReplay.apply(self, inp, *(live[n] for n in names))
-
-        own = block.__dict__.get("forward")  # an instance's own forward, put back after
-        block.forward = forward
-        try:
-            return block(x)
-        finally:
-            if own is None:
-                del block.forward
-            else:
-                block.forward = own
+        return call_through_hooks(self.block, lambda inp: _BlockReplay.apply(self, inp, *self.live_params()), x)
 
 
 class _BlockReplay(torch.autograd.Function):
@@ -243,7 +241,9 @@ class _BlockReplay(torch.autograd.Function):
             # every block is captured
             graphs.defer_forward = False
         else:
-            if x.data_ptr() != graphs.static_in.data_ptr():  # chained blocks read the last output in place
+            if graphs.input_filled:  # cloned from this x at the capture: no copy before the backwards' capture
+                graphs.input_filled = False
+            elif x.data_ptr() != graphs.static_in.data_ptr():  # chained blocks read the last output in place
                 graphs.static_in.copy_(x)
             graphs.fwd.replay()
         ctx.graphs = graphs

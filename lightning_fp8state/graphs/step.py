@@ -20,6 +20,13 @@ and checked there by the usual rules:
 The first events run eagerly (``warmup``): owners register and calibrate their first scale
 there (both host decisions that a replay could not repeat). Warm-up and capture run on a
 side stream that the protocol treats as the caller's stream (one entrant, not two).
+
+Under ``QuantConfig.fallback`` the capture records the event's end too, whose decision reads its
+flags on the host: the monitor defers it while the graph captures, and each replay (the capture's
+first included) takes it right after the graph ran, reading the flags the replay updated in place
+(one host read per event, as eagerly). A move changes what the moved layer's calls do, which the
+graph holds: the next call drops the graph and captures again, once per move
+(:meth:`GraphedStep.drop_if_stale`; no new warm-up: a move registers no owner).
 """
 
 from __future__ import annotations
@@ -112,6 +119,8 @@ class GraphedStep:
         self._template: dict | None = None
         self._captured_version: int | None = None
         self._captured_config = None
+        self.recaptures = 0  # captures after the first (a layer moved by QuantConfig.fallback)
+        self._fallback_version: int | None = None  # the fallback's moves the graph holds
 
     # -- checks ----------------------------------------------------------------------
     @staticmethod
@@ -139,6 +148,23 @@ class GraphedStep:
             )
         if state.config is not self._captured_config:
             raise StateTransitionError("GraphedStep: the state's config changed after the capture: build a new one")
+
+    def drop_if_stale(self) -> bool:
+        """Drop the graph if ``QuantConfig.fallback`` moved a layer since its capture (the graph
+        holds that layer's old calls); the next call captures again. Returns whether it dropped
+        it (a caller that keeps the gradients in the graph clears them before that capture)."""
+        monitor = None if self.state is None else _protocol_of(self.state).fallback
+        if self.graph is None or monitor is None or monitor.version == self._fallback_version:
+            return False
+        self.graph, self.outputs, self._template = None, None, None
+        self.recaptures += 1
+        return True
+
+    def _decide_replayed(self, event) -> None:
+        """The fallback's decision of the event a replay just ran (deferred at the capture)."""
+        monitor = None if self.state is None else _protocol_of(self.state).fallback
+        if monitor is not None:
+            monitor.decide_replayed(event)
 
     # -- running ---------------------------------------------------------------------
     def _load_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
@@ -169,6 +195,7 @@ class GraphedStep:
 
     def __call__(self, step: int, *inputs: torch.Tensor):
         """Run event ``(step, microbatch)`` on ``inputs``; returns ``body``'s outputs."""
+        self.drop_if_stale()
         if self.graph is not None:
             self._check_replayable()
             self._load_inputs(inputs)
@@ -181,6 +208,8 @@ class GraphedStep:
                     state.clock.end()
             self.graph.replay()
             self.replays += 1
+            if state is not None:
+                self._decide_replayed(event)
             return self.outputs
         self._refuse_auditors(self.state)
         self._load_inputs(inputs)
@@ -224,9 +253,13 @@ class GraphedStep:
         if state is not None:
             self._template = self._captured_template(version)
             self._captured_version, self._captured_config = version, state.config
+            monitor = _protocol_of(state).fallback
+            self._fallback_version = None if monitor is None else monitor.version
         self.graph, self.outputs = graph, outputs
         graph.replay()  # the capture recorded the work of this call's event; run it
         self.replays += 1
+        if state is not None:
+            self._decide_replayed(state.clock.last)
         return outputs
 
     def _captured_template(self, version: int) -> dict:

@@ -16,6 +16,9 @@ step. :class:`~lightning_fp8state.GraphedStep` removes it by capturing one event
   schedule and the checkpoints stay Lightning's;
 - the gradients live in the graph: they are cleared before the warm-up events and the capture,
   never after; every replay writes them afresh into the same tensors, which the optimizer reads;
+- a layer moved by ``QuantConfig.fallback`` makes the graph stale (it holds the layer's old calls):
+  the next batch captures again (``GraphedStep.drop_if_stale``), once per move, its gradients
+  cleared before that capture as before the first;
 - ``on_before_backward`` and ``on_after_backward`` of the callbacks and the module are called
   after the event with its loss (its backward ran inside the event);
 - the autocast weight cache is off inside the event: a cast cached outside the capture would
@@ -167,6 +170,10 @@ class GraphedTrainingStep:
         if self.runner is None:
             factory = self.runner_factory or GraphedStep
             self.runner = factory(self._state, self._event_body, *inputs, warmup=self.warmup, microbatch=microbatch)
+        if self.runner.graph is not None:
+            # a layer QuantConfig.fallback moved since the capture: the graph holds its old calls, so it
+            # is dropped and this batch captures again, its gradients cleared first (below) as at the first
+            self.runner.drop_if_stale()
         if self.runner.graph is None:
             # warm-up and capture: gradients start from None, so the capture allocates them in
             # the graph's memory and every replay writes them afresh (no accumulation)

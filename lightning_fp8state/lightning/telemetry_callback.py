@@ -107,6 +107,9 @@ class TelemetryCallback(Callback):
         saturation: report each owner's saturated fraction over the logging window (counted
             by the quantize kernels on the device: eager and CUDA graph replays alike).
         per_owner: per-owner quantizer keys (scales, amaxes, saturation).
+        per_expert: per-expert keys of the model's mixture-of-experts layers: tokens per expert
+            and idle experts per step, scales and amaxes by expert on log steps (read from the
+            routing's host counts: no device read between log steps).
         progress_bar: show loss, effective tokens/s and skipped steps (refreshed on log steps,
             as host numbers: the bar reads nothing from the device between them).
         clip_threshold: count clip events against this (default: ``trainer.gradient_clip_val``).
@@ -129,6 +132,7 @@ class TelemetryCallback(Callback):
         dominant_by: str = "layer",
         saturation: bool = True,
         per_owner: bool = True,
+        per_expert: bool = True,
         progress_bar: bool = True,
         clip_threshold: float | None = None,
         apply_clipping: bool = False,
@@ -140,7 +144,8 @@ class TelemetryCallback(Callback):
                 "tokens_per_batch", tokens_per_batch, (int, type(None)), "an int, a function of the batch or None"
             )
         require_choice("dominant_by", dominant_by, SOURCE_GROUPINGS)
-        flags = {"guard": guard, "saturation": saturation, "per_owner": per_owner, "progress_bar": progress_bar}
+        flags = {"guard": guard, "saturation": saturation, "per_owner": per_owner, "per_expert": per_expert}
+        flags["progress_bar"] = progress_bar
         for key, value in {**flags, "apply_clipping": apply_clipping}.items():
             require_bool(key, value)
         require_number(
@@ -159,6 +164,7 @@ class TelemetryCallback(Callback):
         self.dominant_by = dominant_by
         self.saturation = saturation
         self.per_owner = per_owner
+        self.per_expert = per_expert
         self.progress_bar = progress_bar
         self.clip_threshold = clip_threshold
         self.apply_clipping = apply_clipping
@@ -221,6 +227,7 @@ class TelemetryCallback(Callback):
             dominant_by=self.dominant_by,
             saturation=self.saturation,
             per_owner=self.per_owner,
+            per_expert=self.per_expert,
             sinks=sinks,
             jsonl_name=self.jsonl_name,
             write=trainer.is_global_zero,

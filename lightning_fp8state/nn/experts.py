@@ -18,11 +18,18 @@ stay aligned.) Routing is deterministic (a stable sort by expert; ties by positi
 recompute routes the same tokens to the same experts in the same order; each expert's call record
 keeps the true forward's token counts and a recompute that routes differently fails closed.
 
-The GEMMs of one projection are one grouped GEMM: :func:`expert_gemms` is the single place a
-device path (``torch._scaled_grouped_mm``) plugs in; here it runs, per expert, the recipe's GEMM
-that an Fp8Linear call runs (on the CPU: the exact emulation), so the module is bitwise a loop of
-per-expert Fp8Linear calls. Knowing which experts are active takes the per-expert counts on the
-host: one device-to-host copy per MoE call.
+The GEMMs of one projection are one grouped GEMM: :func:`expert_gemms` is the single place the
+device path plugs in. On a GPU that has it, a per-tensor FP8 recipe's forward, input- and
+weight-gradient products each run as one ``torch._scaled_grouped_mm`` across the active experts
+(:mod:`.grouped_gemm`: per-expert scales as rowwise scale vectors; equal to the loop up to the
+accumulation order); elsewhere (the CPU, E5M2 operands, another output dtype, shapes the kernel
+refuses, a recipe with GEMMs of its own) it runs, per expert, the recipe's GEMM that an Fp8Linear
+call runs (on the CPU: the exact emulation), so the module there is bitwise a loop of per-expert
+Fp8Linear calls. The choice reads dtypes, shapes, device and backend only, so a recompute takes
+the true forward's path. The high-precision experts (the ``bf16`` recipe) run one
+``torch._grouped_mm`` per projection where the device allows. ``grouped_gemm = False`` on a
+module keeps the loop everywhere (the default while the grouped path awaits its first GPU run). Knowing which experts are active takes the per-expert counts
+on the host: one device-to-host copy per MoE call, and none more.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from ..config import require_bool, require_int, require_that
 from ..errors import StateTransitionError
 from ..protocol import QuantProtocol, release_weight_codes
 from ..recompute import Phase
+from .grouped_gemm import bf16_grouped_problem, grouped_expert_gemms, grouped_linear
 from .linear import autocast_off
 from .linear_call import LINEAR_ROLES
 
@@ -133,29 +141,33 @@ def combine(
     return out
 
 
-def expert_gemms(kind: str, recipe, left: list, right: list, left_snaps: list, right_snaps: list, out_dtype, backend):
+def expert_gemms(
+    kind: str, recipe, left: list, right: list, left_snaps: list, right_snaps: list, out_dtype, backend, grouped=True
+):
     """The grouped GEMM of one projection: one product per active expert, in expert order.
 
     ``kind``: ``"forward"`` (``y = x @ W^T``: left the inputs' codes, right the weights'),
     ``"grad_input"`` (``dX = g @ W``: grad_output's codes, the saved weights) or ``"grad_weight"``
     (``dW = g^T @ x``: grad_output's weight-gradient operands, the saved inputs); the snapshots
-    pair with each side. Returns the products (a list).
+    pair with each side; at least one expert. Returns, for the forward and the input gradient,
+    the products' rows one expert after another (one tensor); for the weight gradient, the
+    products in expert order (a list, or one ``[G, out, in]`` tensor).
 
-    This is the seam of the device path: a grouped GEMM over all experts at once (per-tensor FP8
-    scales per expert, the experts' row counts as offsets) replaces the loop where the device and
-    recipe allow it. Here: the recipe's GEMM per expert, exactly what an Fp8Linear call runs.
+    ``grouped`` (and the device, the recipe and the shapes: :mod:`.grouped_gemm`) lets one FP8
+    grouped GEMM over all experts at once run; else the recipe's GEMM runs per expert, exactly
+    what an Fp8Linear call runs.
     """
+    if grouped:
+        out = grouped_expert_gemms(kind, recipe, left, right, left_snaps, right_snaps, out_dtype, backend)
+        if out is not None:
+            return out
+    pairs = zip(left, right, left_snaps, right_snaps, strict=True)
     if kind == "forward":
         gemm = recipe.linear_gemm
-        return [
-            gemm(a, b, sa, sb, out_dtype, backend, None)
-            for a, b, sa, sb in zip(left, right, left_snaps, right_snaps, strict=True)
-        ]
+        return torch.cat([gemm(a, b, sa, sb, out_dtype, backend, None) for a, b, sa, sb in pairs])
     gemm = recipe.grad_input if kind == "grad_input" else recipe.grad_weight
-    return [
-        gemm(a, b, sa, sb, out_dtype, backend)
-        for a, b, sa, sb in zip(left, right, left_snaps, right_snaps, strict=True)
-    ]
+    products = [gemm(a, b, sa, sb, out_dtype, backend) for a, b, sa, sb in pairs]
+    return products if kind == "grad_weight" else torch.cat(products)
 
 
 class _Entry(NamedTuple):
@@ -174,12 +186,13 @@ class _Call(NamedTuple):
     entries: tuple
     snaps: tuple  # per entry: (input, weight) snapshots
     backend: str
+    grouped: bool  # whether the device's grouped GEMM may run (expert_gemms)
     x_dtype: torch.dtype
     w_dtype: torch.dtype
     w_shape: torch.Size
 
 
-def _projection_forward(x, weight, protocol: QuantProtocol, entries: tuple, out_dtype, backend):
+def _projection_forward(x, weight, protocol: QuantProtocol, entries: tuple, out_dtype, backend, grouped: bool):
     """Quantize each active expert's input rows and weight (its own owners), then the grouped
     GEMM: ``(y [rows, out], saved tensors, _Call)``."""
     recipe = protocol.recipe
@@ -198,9 +211,12 @@ def _projection_forward(x, weight, protocol: QuantProtocol, entries: tuple, out_
         sxs.append(sx)
         sws.append(sw)
         saved += recipe.saved_for_backward(xq, wq, x_e, w_e)
-    ys = expert_gemms("forward", recipe, xqs, wqs, sxs, sws, out_dtype, backend)
-    y = torch.cat(ys) if ys else x.new_empty((0, weight.shape[1]), dtype=out_dtype)
-    call = _Call(protocol, entries, tuple(zip(sxs, sws, strict=True)), backend, x.dtype, weight.dtype, weight.shape)
+    if entries:
+        y = expert_gemms("forward", recipe, xqs, wqs, sxs, sws, out_dtype, backend, grouped)
+    else:
+        y = x.new_empty((0, weight.shape[1]), dtype=out_dtype)
+    snaps = tuple(zip(sxs, sws, strict=True))
+    call = _Call(protocol, entries, snaps, backend, grouped, x.dtype, weight.dtype, weight.shape)
     return y, saved, call
 
 
@@ -225,24 +241,40 @@ def _projection_backward(grad_out, saved, call: _Call, needs) -> tuple:
     sxs, sws = [s[0] for s in call.snaps], [s[1] for s in call.snaps]
     grad_x = grad_w = None
     if needs[1]:
-        grad_w = torch.zeros(call.w_shape, dtype=call.w_dtype, device=grad_out.device)
-        products = expert_gemms("grad_weight", recipe, gws, x_saved, sgs, sxs, call.w_dtype, call.backend)
-        for entry, product in zip(call.entries, products, strict=True):
-            grad_w[entry.expert] = product
+        grad_w = _weight_gradient(call, gws, x_saved, sgs, sxs, grad_out.device)
     del gws
     if needs[0]:
-        parts = expert_gemms("grad_input", recipe, gqs, w_saved, sgs, sws, call.x_dtype, call.backend)
-        grad_x = torch.cat(parts) if parts else grad_out.new_empty((0, call.w_shape[2]), dtype=call.x_dtype)
+        if call.entries:
+            grad_x = expert_gemms(
+                "grad_input", recipe, gqs, w_saved, sgs, sws, call.x_dtype, call.backend, call.grouped
+            )
+        else:
+            grad_x = grad_out.new_empty((0, call.w_shape[2]), dtype=call.x_dtype)
     return grad_x, grad_w
 
 
+def _weight_gradient(call: _Call, gws, x_saved, sgs, sxs, device) -> torch.Tensor:
+    """``[E, out, in]``: each active expert's product, an idle expert's zero. The grouped GEMM's
+    ``[E, out, in]`` is the gradient itself when every expert is active."""
+    recipe = call.protocol.recipe
+    if not call.entries:
+        return torch.zeros(call.w_shape, dtype=call.w_dtype, device=device)
+    products = expert_gemms("grad_weight", recipe, gws, x_saved, sgs, sxs, call.w_dtype, call.backend, call.grouped)
+    if isinstance(products, torch.Tensor) and products.shape == call.w_shape and products.dtype == call.w_dtype:
+        return products  # every expert active, in expert order
+    grad_w = torch.zeros(call.w_shape, dtype=call.w_dtype, device=device)
+    for entry, product in zip(call.entries, products, strict=True):
+        grad_w[entry.expert] = product
+    return grad_w
+
+
 class _ExpertsProjectionFn(torch.autograd.Function):
-    """One projection of the active experts; ``call``: ``(protocol, entries, out_dtype, backend)``."""
+    """One projection of the active experts; ``call``: ``(protocol, entries, out_dtype, backend,
+    grouped)``."""
 
     @staticmethod
     def forward(ctx, x, weight, call):
-        protocol, entries, out_dtype, backend = call
-        y, saved, ctx.call = _projection_forward(x, weight, protocol, entries, out_dtype, backend)
+        y, saved, ctx.call = _projection_forward(x, weight, *call)
         ctx.save_for_backward(*saved)
         return y
 
@@ -323,7 +355,19 @@ class Fp8Experts(GroupedExperts):
     """:class:`GroupedExperts` driven by a :class:`QuantProtocol`: each active expert's projection
     is one quantized call (see the module doc), the GEMMs of a projection one grouped GEMM. Under
     the ``bf16`` recipe it runs the high-precision experts, reporting each expert's call to the
-    audit. Under torch.compile the experts run eagerly (a graph break)."""
+    audit. Under torch.compile the experts run eagerly (a graph break).
+
+    ``grouped_gemm``: whether a projection's GEMMs may run as one grouped GEMM on the device
+    (:mod:`.grouped_gemm`); False keeps the per-expert loop. False by default until the grouped
+    path's GPU test (``tests/gpu/test_experts_grouped_cuda.py``) has passed on a GPU: set it True
+    on a module (or the class) to opt in."""
+
+    grouped_gemm: bool = False
+
+    # Telemetry's hook (lightning_fp8state.telemetry.experts): while set, a function called with
+    # (this module, the per-expert token counts) once per true-forward call; the counts are the
+    # host ints routing made anyway (no device read). None: no work per call.
+    routing_observer = None
 
     def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, *, protocol, layer_name: str, **kw) -> None:
         super().__init__(num_experts, hidden, ffn_hidden, **kw)
@@ -356,19 +400,21 @@ class Fp8Experts(GroupedExperts):
 
     @torch.compiler.disable
     def grouped(self, x_sorted: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
-        rows = [n for n in counts if n]
         active = self._active(counts, x_sorted.device)
         if self.projections is EXPERT_PROJECTIONS:
             h = self._projection("gate_up_proj", self.gate_up_proj, x_sorted, counts, active)
-            pairs = (h_e.chunk(2, dim=-1) for h_e in h.split(rows))
+            gate, up = h.chunk(2, dim=-1)
         else:
             gate = self._projection("gate_proj", self.gate_proj, x_sorted, counts, active)
             up = self._projection("up_proj", self.up_proj, x_sorted, counts, active)
-            pairs = zip(gate.split(rows), up.split(rows), strict=True)
-        # the activation per expert, as the per-expert calls do (a vectorized op may round a
-        # tensor's tail elements otherwise than its body: one tensor would differ in the last bit)
-        act = [self.act_fn(g) * u for g, u in pairs]
-        a = torch.cat(act) if act else x_sorted.new_empty((0, self.intermediate_dim))
+        if self.grouped_gemm and x_sorted.is_cuda:
+            a = self.act_fn(gate) * up  # one kernel each over all experts (no per-expert copies)
+        else:
+            # the activation per expert, as the per-expert calls do (a vectorized op may round a
+            # tensor's tail elements otherwise than its body: one tensor would differ in the last bit)
+            rows = [n for n in counts if n]
+            act = [self.act_fn(g) * u for g, u in zip(gate.split(rows), up.split(rows), strict=True)]
+            a = torch.cat(act) if act else x_sorted.new_empty((0, self.intermediate_dim))
         return self._projection("down_proj", self.down_proj, a, counts, active)
 
     def _active(self, counts: tuple[int, ...], device: torch.device) -> tuple[bool, ...]:
@@ -407,6 +453,9 @@ class Fp8Experts(GroupedExperts):
                     "precision on bitwise-equal inputs, ties broken by position)"
                 )
             entries.append(_Entry(e, rows, phase, record))
+        observer = self.routing_observer
+        if observer is not None and projection == self.projections[0] and entries and entries[0].phase is Phase.FORWARD:
+            observer(self, counts)  # once per call (its first projection), never for a recompute
         return tuple(entries)
 
     def _projection(self, projection: str, weight: torch.Tensor, x: torch.Tensor, counts, active) -> torch.Tensor:
@@ -416,19 +465,33 @@ class Fp8Experts(GroupedExperts):
         if not x.is_contiguous():
             x = x.contiguous()
         if not quantized:
-            parts = [
-                F.linear(x_e, weight[en.expert])
-                for en, x_e in zip(entries, x.split([en.rows for en in entries]), strict=True)
-            ]
-            y = torch.cat(parts) if parts else x.new_empty((0, weight.shape[1]))
+            y = self._high_precision(weight, x, entries, counts)
         else:
             device = x.device.type
+            grouped = bool(self.grouped_gemm)
             if torch.is_autocast_enabled(device):
-                call = (protocol, entries, torch.get_autocast_dtype(device), protocol.config.gemm)
+                call = (protocol, entries, torch.get_autocast_dtype(device), protocol.config.gemm, grouped)
                 y = autocast_off(device, _ExpertsProjectionFn.apply, x, weight, call)
             else:
-                y = _ExpertsProjectionFn.apply(x, weight, (protocol, entries, x.dtype, protocol.config.gemm))
+                y = _ExpertsProjectionFn.apply(x, weight, (protocol, entries, x.dtype, protocol.config.gemm, grouped))
         if protocol.auditors:
             for en, y_e in zip(entries, y.split([en.rows for en in entries]), strict=True):
                 protocol.observe_output(en.record, en.phase, y_e, en.record.used)
         return y
+
+    def _high_precision(self, weight: torch.Tensor, x: torch.Tensor, entries: tuple, counts) -> torch.Tensor:
+        """The ``bf16`` recipe's projection: one ``torch._grouped_mm`` over all experts where the
+        device and dtype allow (:func:`~.grouped_gemm.bf16_grouped_problem`), else ``F.linear`` per
+        active expert."""
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            dtypes = (torch.get_autocast_dtype(device),) * 2
+        else:
+            dtypes = (x.dtype, weight.dtype)
+        if entries and self.grouped_gemm and bf16_grouped_problem(dtypes, weight.shape[1:], x.device) is None:
+            return grouped_linear(x, weight, counts)
+        parts = [
+            F.linear(x_e, weight[en.expert])
+            for en, x_e in zip(entries, x.split([en.rows for en in entries]), strict=True)
+        ]
+        return torch.cat(parts) if parts else x.new_empty((0, weight.shape[1]))

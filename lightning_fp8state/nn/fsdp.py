@@ -21,6 +21,10 @@ snapshot, with the parameter's dtype and shape for autograd; Fp8Linear consumes 
 FSDP2 reduce-scatters as usual. Quantization is elementwise, so the gathered codes are bitwise
 those of quantizing the full weight at that scale. A backward re-gather (FSDP2 reshards after
 the forward; a checkpointed region's recompute) quantizes with the same snapshot: same bytes.
+What travels and how the full weight's codes and snapshot are assembled is the recipe's
+(``Recipe.all_gather_inputs`` / ``Recipe.all_gathered``: block scales travel with the codes);
+a weight whose split the recipe cannot gather in FP8 (``Recipe.shard_gather_problem``: block
+scales need shards of whole blocks) gathers in high precision, warned about once per layer.
 
 Call :func:`enable_fp8_all_gather` on a converted model before ``fully_shard``.
 """
@@ -28,6 +32,7 @@ Call :func:`enable_fp8_all_gather` on a converted model before ``fully_shard``.
 from __future__ import annotations
 
 import inspect
+import warnings
 import weakref
 
 import torch
@@ -35,9 +40,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ..config import QuantConfig, require_that
-from ..errors import ConfigError
+from ..errors import ConfigError, ConversionWarning
 from ..protocol import ShardSource
 from ..quant_recipes import recipe_for
+from .experts import Fp8Experts
 from .linear import Fp8Linear
 
 __all__ = [
@@ -125,6 +131,9 @@ class Fp8ShardedWeight(torch.Tensor):
             type(module).__name__,
             "an Fp8Linear (call enable_fp8_all_gather on the converted model)",
         )
+        problem = _shard_gather_problem(module, outer_size, mesh.size())
+        if problem is not None:  # the recipe cannot gather this split in FP8: high precision
+            return self._high_precision_input(module, problem, outer_size, mesh.size(), mp_policy), None
         if self.size(0) * mesh.size() != outer_size[0]:
             raise ConfigError(
                 f"layer {module.layer_name!r}: its weight {tuple(outer_size)} is sharded unevenly over "
@@ -133,7 +142,23 @@ class Fp8ShardedWeight(torch.Tensor):
             )
         protocol = module.protocol
         q, snap = protocol.gather_weight(module.layer_name, self._tensor, mesh.get_group())
-        return (q.view(torch.uint8),), (snap, q.dtype)
+        return protocol.recipe.all_gather_inputs(q, snap), (snap, q.dtype, protocol.recipe)
+
+    def _high_precision_input(self, module, problem: str, outer_size, world: int, mp_policy) -> tuple:
+        """This rank's shard as FSDP2's own gather sends it (in the parameter dtype, padded to
+        the largest shard's rows), warned about once per layer."""
+        if module not in _WARNED_HIGH_PRECISION:
+            _WARNED_HIGH_PRECISION.add(module)
+            warnings.warn(
+                f"layer {module.layer_name!r}: its weight gathers in high precision under FSDP2, not FP8: {problem}",
+                ConversionWarning,
+                stacklevel=2,
+            )
+        shard = self._tensor.to(mp_policy.param_dtype or self.dtype)
+        rows = -(-outer_size[0] // world)
+        if shard.size(0) != rows:  # an uneven split: FSDP2 gathers padded shards
+            shard = torch.cat([shard, shard.new_zeros((rows - shard.size(0), *shard.shape[1:]))])
+        return (shard,)
 
     # FSDP2 reads this method's signature before every gather (to tell its two hook forms
     # apart): a signature kept on the function is returned as it is, not rebuilt from the code
@@ -141,13 +166,18 @@ class Fp8ShardedWeight(torch.Tensor):
     fsdp_pre_all_gather.__signature__ = inspect.signature(fsdp_pre_all_gather)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        """The layer's unsharded weight: the gathered codes and the snapshot they were made with."""
-        (data,) = all_gather_outputs
-        snap, dtype = metadata
-        if out is not None:  # the same buffer was refilled: only the snapshot is new
+        """The layer's unsharded weight: the gathered codes and the snapshot they were made with
+        (assembled by the recipe, :meth:`~lightning_fp8state.quant_recipes.Recipe.all_gathered`);
+        or, gathered in high precision, the gathered values themselves."""
+        outputs = tuple(all_gather_outputs)
+        if metadata is None:  # high precision (_high_precision_input): FSDP2's own result
+            return None if out is not None else (outputs[0], outputs)
+        snap, dtype, recipe = metadata
+        codes, snap = recipe.all_gathered(outputs, snap, dtype)
+        if out is not None:  # the same buffers were refilled: only the snapshot is new
             out._snapshot = snap
             return None
-        return Fp8GatheredWeight(data.view(dtype), snap, param_dtype), (data,)
+        return Fp8GatheredWeight(codes, snap, param_dtype), outputs
 
 
 class Fp8GatheredWeight(torch.Tensor):
@@ -197,6 +227,18 @@ class Fp8GatheredWeight(torch.Tensor):
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         snapshot, dtype = meta
         return Fp8GatheredWeight(inner["fp8"], snapshot, dtype)
+
+
+# the layers already warned about gathering in high precision (_high_precision_input)
+_WARNED_HIGH_PRECISION: weakref.WeakSet = weakref.WeakSet()
+
+
+def _shard_gather_problem(module: Fp8Linear, full_shape, world: int) -> str | None:
+    """Why ``module``'s weight, split by FSDP2 over ``world`` ranks along dim 0 (chunks of
+    ``ceil(rows / world)``), gathers in high precision (the recipe's answer); ``None``: FP8."""
+    chunk = -(-full_shape[0] // world)
+    rows = [max(0, min(chunk, full_shape[0] - r * chunk)) for r in range(world)]
+    return module.protocol.recipe.shard_gather_problem(tuple(full_shape), rows)
 
 
 def fp8_all_gather_problem(config: QuantConfig) -> str | None:
@@ -280,7 +322,12 @@ def gathered_layers(model: nn.Module) -> list[str]:
     for module in model.modules():
         if isinstance(module, Fp8Linear):
             local = getattr(module.weight, "_local_tensor", module.weight)  # a sharded DTensor's shard
-            if isinstance(local, (Fp8ShardedWeight, Fp8GatheredWeight)):
+            mesh = getattr(module.weight, "device_mesh", None)
+            world = 1 if mesh is None else mesh.size(mesh.ndim - 1)
+            if isinstance(local, Fp8GatheredWeight) or (
+                isinstance(local, Fp8ShardedWeight)
+                and _shard_gather_problem(module, module.weight.shape, world) is None
+            ):
                 out.append(module.layer_name)
     return out
 
@@ -296,7 +343,13 @@ def mark_sharded(model: nn.Module, *, every_layer: bool = False) -> list[str]:
     the forward would then hold a full weight's codes per call until its backward, a byte a
     parameter of the whole model on every rank. A marked layer keeps none, and its recompute
     encodes the re-gathered weight again, to the same codes. Layers gathered in FP8
-    (:func:`enable_fp8_all_gather`) keep none either way: their codes come from the gather."""
+    (:func:`enable_fp8_all_gather`) keep none either way: their codes come from the gather.
+
+    The experts of a mixture-of-experts layer (:class:`~lightning_fp8state.nn.Fp8Experts`) are
+    marked too, every expert of every projection (``<experts>.<projection>.<e>``): FSDP2 shards
+    their 3-D parameters along the expert dimension and gathers them whole before the unit's
+    forward, so each expert's weight is quantized from the gathered parameter, and a call that kept
+    its codes would hold an expert's full weight until the backward."""
     from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415  (FSDP2, torch >= 2.6)
 
     units = [model] if every_layer else [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -306,6 +359,9 @@ def mark_sharded(model: nn.Module, *, every_layer: bool = False) -> list[str]:
             if isinstance(module, Fp8Linear):
                 module.protocol.sharded_layers.add(module.layer_name)
                 names.add(module.layer_name)
+            elif isinstance(module, Fp8Experts):
+                module.protocol.sharded_layers.update(module.owner_layers())
+                names.update(module.owner_layers())
     return sorted(names)
 
 

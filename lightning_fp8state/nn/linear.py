@@ -98,6 +98,8 @@ class Fp8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.protocol = getattr(protocol, "protocol", protocol)  # an Fp8State's protocol
         self.layer_name = layer_name
+        if self.protocol.fallback is not None:  # QuantConfig.fallback may move it: _forward runs its route
+            self.protocol.fallback.movable.add(layer_name)
         self._op_key = op_key(self)  # names it to torch.compile's op (nn/linear_call.py)
 
     @classmethod
@@ -134,10 +136,11 @@ class Fp8Linear(nn.Linear):
     def _forward(self, x: torch.Tensor, prologue: str | None, norm: nn.Module | None) -> torch.Tensor:
         protocol = self.protocol
         config = protocol.config
-        # a layer the fallback moved (QuantConfig.fallback) runs as under the bf16 recipe
-        quantized = protocol.recipe.quantized and self.layer_name not in protocol.fallen_back
+        # a layer the fallback moved (QuantConfig.fallback) runs its target's recipe: bf16 or fp8_current
+        recipe = protocol.recipe_of(self.layer_name) if protocol.layer_recipes else protocol.recipe
+        quantized = recipe.quantized
         fused = None if prologue is None and norm is None else self._prologue(prologue, norm)
-        if fused is not None and not (quantized and config.fuse_prologues and protocol.recipe.fuses_prologues):
+        if fused is not None and not (quantized and config.fuse_prologues and recipe.fuses_prologues):
             x = run_unfused(fused.kind, x, norm)  # the same op, unfused
             fused = None
         phase, record = protocol.enter_call(self.layer_name, LINEAR_ROLES if quantized else (), x.device)

@@ -76,8 +76,8 @@ def _linear_forward(x, weight, bias, protocol: QuantProtocol, record, phase: Pha
     """The quantized call: ``(y, saved tensors, _Call)``. ``saved`` is what the recipe keeps of
     input and weight (``(xq, wq)``: their codes, for per-tensor recipes), and with a prologue
     also its input and its statistics (as the unfused op would keep them). The GEMMs are the
-    recipe's (:mod:`lightning_fp8state.quant_recipes`)."""
-    recipe = protocol.recipe
+    recipe's (:mod:`lightning_fp8state.quant_recipes`): the layer's, where the fallback moved it."""
+    recipe = protocol.recipe_of(record.layer)
     x2 = x.reshape(-1, x.shape[-1])
     xq, sx = protocol.quantize(record, "input", x2, phase, prologue)
     gathered = getattr(weight, "fp8", None)  # an FSDP2 FP8 all-gather's codes (nn/fsdp.py)
@@ -123,7 +123,7 @@ def _linear_backward(grad_out, saved, call: _Call, needs) -> tuple:
     sx, sw = call.snaps
     protocol, record, prologue = call.protocol, call.record, call.prologue
     release_weight_codes(record)  # no recompute of this call follows its backward in the event
-    recipe = protocol.recipe
+    recipe = protocol.recipe_of(record.layer)  # (a move happens between events: the forward's recipe)
     g2 = grad_out.reshape(-1, grad_out.shape[-1])
     if not g2.is_contiguous():
         g2 = g2.contiguous()

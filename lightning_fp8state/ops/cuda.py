@@ -189,6 +189,7 @@ def build(verbose: bool = False) -> Path:
     try:
         build_dir = _build_dir()
         _check_library(build_dir)
+        checked = _stamp(build_dir / f"{_NAME}.so")
         cpp_extension.load(
             name=_NAME,
             sources=sources,
@@ -202,9 +203,23 @@ def build(verbose: bool = False) -> Path:
             os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
         else:
             os.environ["TORCH_CUDA_ARCH_LIST"] = previous
-    if (build_dir / f"{_NAME}.so").is_file() and not (build_dir / f"{_NAME}.so.sha256").is_file():  # built just now
+    library = build_dir / f"{_NAME}.so"
+    # built just now: the first build, or a rebuild over the checked library (the compiler's build
+    # tool relinks when a source's time is newer than its object, e.g. the package copied afresh to
+    # the same place with the same content, so the same build folder): record what was loaded
+    if library.is_file() and (not (build_dir / f"{_NAME}.so.sha256").is_file() or _stamp(library) != checked):
         _record_library(build_dir)
-    return build_dir / f"{_NAME}.so"
+    return library
+
+
+def _stamp(library: Path) -> tuple[int, int, int] | None:
+    """The file's identity and modification time (None where it does not exist): a rebuild
+    changes it."""
+    try:
+        st = library.stat()
+    except FileNotFoundError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _schema_hash() -> str:

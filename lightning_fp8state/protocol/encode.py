@@ -153,7 +153,9 @@ class Quantizer:
         if stage is not None and isinstance(stage, Prologue):  # a recipe that does not fuse it
             x = stage.apply(x)
             stage = None
-        data, scale, descale, amax = self._encoder(role).encode_dynamic(x, stage)
+        # (a layer the fallback moved to current scaling: its recipe's encoder, not the protocol's)
+        encoder = self._records.encoder_of(record.layer, role)
+        data, scale, descale, amax = encoder.encode_dynamic(x, stage)
         snap = replace(record.snapshots[role], scale=scale, descale=descale, amax=amax)
         if phase is Phase.FORWARD:
             with self._lock:

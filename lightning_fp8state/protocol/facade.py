@@ -89,6 +89,8 @@ class QuantProtocol:
         # read by every converted call (empty, and no monitor, when the fallback is off)
         self.fallback = FallbackMonitor(self) if config.fallback else None
         self.fallen_back: dict[str, int] = self.fallback.fallen if self.fallback is not None else {}
+        # layer -> the recipe a moved layer's calls run instead of self.recipe (the fallback's target)
+        self.layer_recipes: dict[str, Recipe] = self.fallback.routes if self.fallback is not None else {}
         # Layers whose weight arrives quantized from an FP8 all-gather (FSDP2, nn/fsdp.py): layer ->
         # where its weight lives now (a ShardSource). Layers whose weight FSDP2 shards or ZeRO-3
         # partitions (nn.fsdp.mark_sharded). What either means for a call: sharded.py.
@@ -104,6 +106,8 @@ class QuantProtocol:
         self._new_record = self._records.new_record
         self._live_record = self._records.live_record
         self._quantize = self._quantizer.quantize
+        # recipe_of(layer): the recipe that layer's calls run (self.recipe, or its fallback move's)
+        self.recipe_of = self._records.recipe_of
         self.reset()  # the bank, clock and ledger (and the stateless owners), fresh
 
     def reset(self) -> None:
@@ -301,7 +305,8 @@ class QuantProtocol:
         if self.auditors:  # the quantized operand itself: early stop may never produce the output
             # a stateless scale is re-derived by the recompute from its own input: exact only if
             # that input is bitwise the true forward's, so the auditors compare the input too
-            observe_operand(self.auditors, record, role, phase, q if self.stateful(role) else (q, x), snap)
+            stateful = record.indices[role] >= 0  # (the layer's recipe's answer: a moved layer's may differ)
+            observe_operand(self.auditors, record, role, phase, q if stateful else (q, x), snap)
         return q, snap
 
     def check_consumer(self, record: CallRecord, role: str, snap: QuantSnapshot) -> QuantSnapshot:

@@ -1,8 +1,20 @@
-"""Per-layer fallback to high precision (``QuantConfig.fallback``, opt-in).
+"""Per-layer fallback (``QuantConfig.fallback``, opt-in).
 
-A layer that FP8 fails on is moved to high precision at an event's end, on every rank at once,
-and stays there: the set of fallen-back layers, with the step and the reason of each move, is
-part of the quantizer state (saved in checkpoints, restored on resume).
+A layer that FP8 fails on is moved at an event's end, on every rank at once, and stays moved:
+to high precision (``fallback_to="bf16"``) or to FP8 scaled from each call's own amax
+(``fallback_to="current"``: the ``fp8_current`` recipe's route for that layer only, with no
+delayed state to go stale). The moved layers, with the step, the reason and the target of each
+move, are part of the quantizer state (saved in checkpoints, restored on resume).
+
+How a moved layer runs is a per-layer recipe override, :attr:`FallbackMonitor.routes` (layer ->
+the :class:`~lightning_fp8state.quant_recipes.Recipe` its calls ask; the protocol's
+``layer_recipes``): ``Fp8Linear``, the call records (owners, snapshots) and the quantizer read
+it where they read the protocol's recipe. Under ``current`` the layer's roles are stateless
+owners of the same keys: stamped snapshots, counted in the ledger, committed there only, and a
+recompute re-derives its scale from its own input, recording nothing (as under ``fp8_current``).
+Its delayed owners stay in the bank, never observed again (their history is frozen). Only a
+layer whose module runs that route moves (:attr:`FallbackMonitor.movable`: ``Fp8Linear`` adds its
+own); the other converted modules are watched, not moved.
 
 Two triggers, both measured on the device while the event runs (no host sync in a call):
 
@@ -19,8 +31,12 @@ At the event's end the per-layer flags are stacked into one vector, MAX-reduced 
 data-parallel group (the amax reduction's group; ranks register the same layers in the same
 order, which that reduction checks) and read on the host once: the one host read per event.
 Under per-block CUDA graphs both triggers see replayed calls (the non-finite flags and the
-saturation counters are buffers updated in place, which the graphs hold); a move bumps :attr:`FallbackMonitor.version`, and ``GraphedBlocks``
-captures again once at its next pass (the whole-step ``GraphedStep`` does not yet).
+saturation counters are buffers updated in place, which the graphs hold); a move bumps
+:attr:`FallbackMonitor.version`, and ``GraphedBlocks`` captures again once at its next pass. The
+whole-step ``GraphedStep`` captures the event's end too: there the decision is deferred
+(:meth:`FallbackMonitor.decide` reads nothing while a CUDA graph captures) and taken by
+``GraphedStep`` after each replay (:meth:`FallbackMonitor.decide_replayed`), which captures again
+once after a move.
 """
 
 from __future__ import annotations
@@ -30,23 +46,36 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..config import FALLBACK_TARGETS
+from ..encoders import ACTIVATIONS, NORMS
 from ..errors import StateLoadError
+from ..quant_recipes import recipe_class
 from ..recompute import Phase
 
 __all__ = ["FallbackEvent", "FallbackMonitor"]
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 REASONS = ("nonfinite", "saturation")
+# fallback_to -> the recipe a moved layer's calls run (FALLBACK_TARGETS)
+TARGET_RECIPES = {"bf16": "bf16", "current": "fp8_current"}
+_VALUE_PROLOGUES = (*NORMS, *ACTIVATIONS)
 
 
 @dataclass(frozen=True)
 class FallbackEvent:
-    """One layer moved to high precision: at the end of ``step``'s event (``microbatch``), why."""
+    """One layer moved: at the end of ``step``'s event (``microbatch``), why, and to what."""
 
     layer: str
     step: int
     microbatch: int
     reason: str  # "nonfinite" | "saturation"
+    target: str = "bf16"  # QuantConfig.fallback_to when it moved: "bf16" | "current"
+
+
+def _capturing(device: torch.device | None) -> bool:
+    """Whether the current CUDA stream of the bank's device is capturing a graph (a host read
+    would be illegal now)."""
+    return device is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _codes(q) -> torch.Tensor | None:
@@ -73,8 +102,17 @@ class FallbackMonitor:
         self.on_nonfinite = config.fallback_on_nonfinite
         self.threshold = config.fallback_saturation
         self.patience = config.fallback_patience
+        self.target = config.fallback_to
         # layer -> the step of the event at whose end it fell back: the set the calls read
         self.fallen: dict[str, int] = {}
+        # layer -> the recipe its calls run from then on (the protocol's layer_recipes)
+        self.routes: dict[str, object] = {}
+        self._recipes: dict[str, object] = {}  # target -> its recipe, bound to the config (one each)
+        self.deferred: tuple[int, int] | None = None  # an event whose decision a CUDA graph capture deferred
+        # the layers whose module runs the route a move gives it (Fp8Linear adds its own): only those
+        # move; another converted module (FP4 attention operands, experts, Conv1D) would ignore the
+        # route, or find its owners gone under bf16, so it is watched but not moved
+        self.movable: set[str] = set()
         self.events: list[FallbackEvent] = []
         self.streaks: dict[str, int] = {}  # layer -> consecutive saturated events so far
         self.version = 0  # +1 at every move (CUDA graphs captured before it are stale)
@@ -116,9 +154,11 @@ class FallbackMonitor:
     def reset(self) -> None:
         """Forget every move and streak (the protocol's ``reset``: a fresh state)."""
         self.fallen.clear()
+        self.routes.clear()
         self.events.clear()
         self.streaks.clear()
         self._slots.clear()
+        self.deferred = None
         self._bad_output = {}
         self._owners = {}
         self._seen = None
@@ -197,7 +237,15 @@ class FallbackMonitor:
 
     def decide(self, event: tuple[int, int]) -> list[FallbackEvent]:
         """Move the layers this event's flags name (every rank the same: the flags are reduced
-        first); returns the moves. The event's counts are cleared."""
+        first); returns the moves. The event's counts are cleared.
+
+        While the current CUDA stream captures a graph (``GraphedStep`` captures the event's end)
+        nothing is read or cleared: the graph's replays update the flags in place, and
+        :meth:`decide_replayed` decides after each replay; the event is kept in :attr:`deferred`."""
+        if _capturing(self._protocol.bank.device):
+            self.deferred = (int(event[0]), int(event[1]))
+            self._hits, self._elements = {}, {}  # (counted by Python per call: a replay does not)
+            return []
         flags = self._flags()
         self._clear_event()
         if flags is None:
@@ -205,19 +253,37 @@ class FallbackMonitor:
         nonfinite, saturated = self._reduce(flags).cpu().tolist()  # the one host read of the event
         moves = []
         for layer, slot in self._slots.items():
-            if layer in self.fallen:
+            if layer in self.fallen or layer not in self.movable:
                 continue
             self.streaks[layer] = self.streaks.get(layer, 0) + 1 if saturated[slot] else 0
             reason = "nonfinite" if nonfinite[slot] else "saturation" if self.streaks[layer] >= self.patience else None
             if reason is not None:
-                moves.append(FallbackEvent(layer, int(event[0]), int(event[1]), reason))
+                moves.append(FallbackEvent(layer, int(event[0]), int(event[1]), reason, self.target))
+        self._apply(moves)
+        return moves
+
+    def decide_replayed(self, event: tuple[int, int]) -> list[FallbackEvent]:
+        """The decision of ``event``, run from a CUDA graph whose capture deferred it (see
+        :meth:`decide`): the flags its replay left, read once, as at an eager event's end."""
+        self.deferred = None
+        return self.decide(event)
+
+    def _apply(self, moves: list[FallbackEvent]) -> None:
+        """Record ``moves``: each layer's route from now on (its target's recipe), the events."""
         for move in moves:
             self.fallen[move.layer] = move.step
+            self.routes[move.layer] = self._recipe_of(move.target)
             self.streaks.pop(move.layer, None)
         if moves:
             self.events.extend(moves)
             self.version += 1
-        return moves
+
+    def _recipe_of(self, target: str):
+        """The recipe a layer moved to ``target`` runs (one instance per target, on this config)."""
+        recipe = self._recipes.get(target)
+        if recipe is None:
+            recipe = self._recipes[target] = recipe_class(TARGET_RECIPES[target])(self._protocol.config)
+        return recipe
 
     def discard(self) -> None:
         """Drop an aborted event's counts."""
@@ -226,9 +292,10 @@ class FallbackMonitor:
 
     # -- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Plain values: the moves (layer, step, microbatch, reason), the streaks, the layers' order."""
+        """Plain values: the moves (layer, step, microbatch, reason, target), the streaks, the
+        layers' order."""
         return {
-            "events": [[e.layer, e.step, e.microbatch, e.reason] for e in self.events],
+            "events": [[e.layer, e.step, e.microbatch, e.reason, e.target] for e in self.events],
             "streaks": dict(self.streaks),
             "layers": list(self._slots),
         }
@@ -241,22 +308,26 @@ class FallbackMonitor:
             StateLoadError: not the shape :meth:`state_dict` writes.
         """
         try:
-            events = [FallbackEvent(str(a), int(b), int(c), str(d)) for a, b, c, d in sd["events"]]
+            # (a move saved before targets existed has four fields: it went to bf16)
+            events = [
+                FallbackEvent(str(a), int(b), int(c), str(d), *map(str, rest)) for a, b, c, d, *rest in sd["events"]
+            ]
             streaks_ok = all(isinstance(k, str) and int(v) >= 0 for k, v in sd["streaks"].items())
             layers_ok = all(isinstance(n, str) for n in sd["layers"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StateLoadError(f"saved quantizer state is corrupt: 'fallback' ({exc!r})") from exc
-        if not (streaks_ok and layers_ok) or any(e.reason not in REASONS for e in events):
-            raise StateLoadError("saved quantizer state is corrupt: 'fallback' holds unknown reasons or names")
+        if not (streaks_ok and layers_ok) or any(
+            e.reason not in REASONS or e.target not in FALLBACK_TARGETS for e in events
+        ):
+            raise StateLoadError("saved quantizer state is corrupt: 'fallback' holds unknown reasons, targets or names")
         return events
 
     def load_state_dict(self, sd) -> None:
         """Restore :meth:`state_dict`'s values (validated first); a move restored counts as one
-        for CUDA graphs (``version``)."""
+        for CUDA graphs (``version``; any restore does, moves or not)."""
         events = self.validate_state_dict(sd)
         self.reset()
-        self.events.extend(events)
-        self.fallen.update({e.layer: e.step for e in events})
+        self._apply(events)  # each restored layer runs its own saved target, whatever fallback_to says now
         self.streaks.update({k: int(v) for k, v in sd["streaks"].items()})
         self._slots.update({name: i for i, name in enumerate(sd["layers"])})
         self.version += 1

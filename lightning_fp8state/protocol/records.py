@@ -32,6 +32,7 @@ class _Entrant(NamedTuple):
     indices: dict  # role -> bank index (-1: stateless)
     widths: dict  # role -> center width, for the banked roles
     banked: bool  # any role has bank state
+    recipe: object  # the recipe its roles were registered under (a fallback move changes it)
 
 
 class CallRecords:
@@ -54,6 +55,8 @@ class CallRecords:
         self._encoders = protocol._encoders  # role -> encoder, filled by protocol.encoder
         self._encoder = protocol.encoder
         self._stateful = protocol.stateful
+        # layer -> the recipe a moved layer runs (QuantConfig.fallback; empty: every layer runs _recipe)
+        self._layer_recipes = protocol.layer_recipes
         self._streams: dict[tuple, int] = {}
         self._owner_keys: dict[tuple, object] = {}  # (layer, role, rank, stream, site) -> OwnerKey
         self.reset()
@@ -72,6 +75,18 @@ class CallRecords:
             return {o: s for o, s in self.dynamic.items() if s is not None}
 
     # -- who a call is --------------------------------------------------------------
+    def recipe_of(self, layer: str):
+        """The recipe ``layer``'s calls run: the protocol's, or a fallback move's target."""
+        routes = self._layer_recipes
+        return routes.get(layer, self._recipe) if routes else self._recipe
+
+    def encoder_of(self, layer: str, role: str):
+        """``role``'s encoder in ``layer``'s calls (the protocol's cached one, unless moved)."""
+        recipe = self.recipe_of(layer)
+        if recipe is self._recipe:
+            return self._encoders.get(role) or self._encoder(role)
+        return recipe.encoder(role)
+
     def _enter_stream(self, device: torch.device) -> tuple:
         """The entrant's identity (``current_stream_ident``), noting its CUDA stream for the
         cross-stream ordering; the current stream is looked up once."""
@@ -98,17 +113,19 @@ class CallRecords:
         """
         bank = self._protocol.bank
         owners, indices = {}, {}
+        recipe = self.recipe_of(layer)
+        stateful = self._stateful if recipe is self._recipe else recipe.stateful
         for role in roles:
             key = (layer, role, self._rank, stream, site)
             owner = self._owner_keys.get(key)
             if owner is None:  # one key object per entrant: dict lookups hit on identity
                 owner = self._owner_keys[key] = scoped_owner(self._config.ownership, *key)
-            if not self._stateful(role):  # no bank slot: its scale comes from each call's tensor
+            if not stateful(role):  # no bank slot: its scale comes from each call's tensor
                 owners[role], indices[role] = owner, -1
                 self.dynamic.setdefault(owner, None)
                 continue
             width = 0
-            encoder = self._encoder(role)
+            encoder = self.encoder_of(layer, role)
             if encoder.centered:
                 require_that(
                     channels is not None and role in channels,
@@ -138,27 +155,28 @@ class CallRecords:
         key = (layer, roles, stream, site, None if channels is None else tuple(channels.items()))
         bank = self._protocol.bank
         known = self._entrants.get(key)
-        if known is not None and known.version == bank.version:
+        recipe = self.recipe_of(layer)
+        if known is not None and known.version == bank.version and known.recipe is recipe:
             return known
-        owners, indices = (
-            self.register(layer, roles, device, stream, site, channels) if self._recipe.quantized else ({}, {})
-        )
+        owners, indices = self.register(layer, roles, device, stream, site, channels) if recipe.quantized else ({}, {})
         widths = {role: bank.center_width[i] for role, i in indices.items() if i >= 0}
-        known = self._entrants[key] = _Entrant(bank.version, owners, indices, widths, bool(widths))
+        known = self._entrants[key] = _Entrant(bank.version, owners, indices, widths, bool(widths), recipe)
         return known
 
     # -- which snapshot it reads ----------------------------------------------------
-    def snapshot(self, owner, role, scale, descale, center, event, region, ordinal) -> QuantSnapshot:
-        """A snapshot of ``owner`` in ``role``'s format, stamped with its event, region and ordinal."""
+    def snapshot(self, owner, role, scale, descale, center, event, region, ordinal, enc=None) -> QuantSnapshot:
+        """A snapshot of ``owner`` in ``role``'s format (``enc``'s, default the protocol's encoder
+        of ``role``), stamped with its event, region and ordinal."""
         step, mb = (None, None) if event is None else event
-        enc = self._encoders.get(role) or self._encoder(role)
+        enc = enc or self._encoders.get(role) or self._encoder(role)
         return QuantSnapshot.stamped(owner, step, mb, region, ordinal, enc.dtype, scale, descale, enc.layout, center)
 
     def live_snapshot(self, owner, index, event, region, ordinal, role, *, copy: bool = True) -> QuantSnapshot:
         """A snapshot of ``owner``'s live (not frozen) state at bank ``index``: a copy unless
         ``copy`` is False; a stateless owner's (index -1) has no scale yet."""
         if index < 0:  # stateless: no live state, the scale comes at the quantize
-            return self.snapshot(owner, role, None, None, None, event, region, ordinal)
+            enc = self.encoder_of(owner.layer, role) if self._layer_recipes else None
+            return self.snapshot(owner, role, None, None, None, event, region, ordinal, enc)
         bank = self._protocol.bank
         width = bank.center_width[index]
         scale, descale = bank.scale[index], bank.descale[index]
@@ -199,7 +217,8 @@ class CallRecords:
         for role, owner in owners.items():
             i = indices[role]
             if i < 0:  # stateless: stamps now, the scale at the quantize (from its own tensor)
-                snapshots[role] = self.snapshot(owner, role, None, None, None, event, region, ordinal)
+                enc = self.encoder_of(layer, role) if entrant.recipe is not self._recipe else None
+                snapshots[role] = self.snapshot(owner, role, None, None, None, event, region, ordinal, enc)
                 continue
             center = frozen.center(i, widths[role]) if widths[role] else None
             snapshots[role] = self.snapshot(owner, role, scales[i], descales[i], center, event, region, ordinal)
@@ -211,7 +230,7 @@ class CallRecords:
         """A call's record outside an event (evaluation): copies of the live state, not stashed."""
         ident = self._enter_stream(device)
         stream = self._stream_ordinal(ident)
-        quantized = self._recipe.quantized
+        quantized = self.recipe_of(layer).quantized
         owners, indices = self.register(layer, roles, device, stream, 0, channels) if quantized else ({}, {})
         region = frame.key if frame is not None else None
         snapshots = {

@@ -3,7 +3,9 @@
 The one place of the protocol that knows about sharding. A layer whose weight FSDP2 gathers
 in FP8 (:mod:`lightning_fp8state.nn.fsdp`) has its shard quantized here, before the
 all-gather, with the snapshot its call will use (:class:`ShardedWeights`); the call then
-adopts the gathered codes instead of quantizing. A layer whose weight is sharded at all
+adopts the gathered codes instead of quantizing. A recipe whose shards carry scales of their
+own blocks (``Recipe.shard_scales``: ``fp8_blockwise``) encodes each shard at those, from the
+shard's values, and the recipe gathers them with the codes. A layer whose weight is sharded at all
 (FSDP2, or ZeRO-3 partitions, ``nn.fsdp.mark_sharded``) keeps no weight codes from its true
 forward for the recompute (``QuantConfig.weight_codes_once``): they would hold a full weight
 per call from the forward to the backward, the memory sharding exists to free; the recompute
@@ -87,7 +89,7 @@ class ShardedWeights:
             _, index = self.owner(layer, device)
             if index >= 0:
                 banked = True
-            elif source.shard is not None:
+            elif source.shard is not None and not self._recipe.shard_scales:
                 per_call[layer] = source
         if banked:
             self._stream_order.structural(device)
@@ -157,6 +159,9 @@ class ShardedWeights:
             )
         owner, index = self.owner(layer, shard.device)
         snap = self._records.live_snapshot(owner, index, None, None, 0, "weight")
+        if index < 0 and self._recipe.shard_scales:  # the shard's own blocks
+            q, scale, descale, amax = self._own_scales(shard)
+            return q, replace(snap, scale=scale, descale=descale, amax=amax)
         if index < 0:  # a per-call scale: the full weight's, one collective for this weight
             scale, descale, amax = self.full_weight_scales({layer: ShardSource(shard.device, shard, group)})[layer]
             snap = replace(snap, scale=scale, descale=descale, amax=amax)
@@ -177,19 +182,32 @@ class ShardedWeights:
                 f"layer {layer!r}: its weight is all-gathered in the backward of event {ev.event}, but "
                 "its forward gathered none in this event: no snapshot to re-gather with"
             )
+        if self._recipe.shard_scales:  # the same blocks, the same values: the forward's scales
+            return self._own_scales(shard)[0], snap
         return self._quantizer.encode(shard, snap, "weight"), snap
+
+    def _own_scales(self, shard: torch.Tensor):
+        """``(codes, scale, descale, amax)`` of ``shard`` at scales of its own blocks
+        (:attr:`Recipe.shard_scales`): the weight encoder's per-call encode, deterministic, so a
+        re-gather gives the forward gather's bytes."""
+        return self._recipe.encoder("weight").encode_dynamic(shard)
 
     def _gather_per_call(self, ev: OpenEvent, layer: str, owner, shard: torch.Tensor, group):
         """A true forward's gather under a per-call weight scale: the full weight's, derived at
-        begin_event; nothing recorded (no delayed state)."""
-        values = ev.gather_scales.get(layer)
-        if values is None:  # unsharded at begin_event: this weight's own collective
-            values = self.full_weight_scales({layer: ShardSource(shard.device, shard, group)})[layer]
-        scale, descale, amax = values
+        begin_event, or the shard's own blocks' (:attr:`Recipe.shard_scales`, the recipe then
+        gathers them with the codes); nothing recorded (no delayed state)."""
+        q = None
+        if self._recipe.shard_scales:
+            q, scale, descale, amax = self._own_scales(shard)
+        else:
+            values = ev.gather_scales.get(layer)
+            if values is None:  # unsharded at begin_event: this weight's own collective
+                values = self.full_weight_scales({layer: ShardSource(shard.device, shard, group)})[layer]
+            scale, descale, amax = values
         snap = self._records.snapshot(owner, "weight", scale, descale, None, ev.event, None, 0)
         snap = replace(snap, amax=amax)
         ev.gathered[layer] = snap
-        return self._quantizer.encode(shard, snap, "weight"), snap
+        return (self._quantizer.encode(shard, snap, "weight") if q is None else q), snap
 
     def _gather_delayed(self, ev: OpenEvent, layer: str, owner, index: int, shard: torch.Tensor, group):
         """A true forward's gather under a delayed weight scale: the event's frozen one, the

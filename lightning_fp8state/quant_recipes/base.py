@@ -6,7 +6,8 @@ A :class:`Recipe` says, per role, whether its scale is delayed state in the bank
 (:meth:`Recipe.encoder`); it is the linear call's GEMM (:meth:`Recipe.linear_gemm`,
 :meth:`Recipe.grad_input`, :meth:`Recipe.grad_weight`) and names what a call saves for its
 backward; it says how FSDP2 all-gathers a weight (:meth:`Recipe.all_gather_problem`; a per-call
-weight scale comes from the full weight's amax, :meth:`Recipe.gather_scales`) and which
+weight scale comes from the full weight's amax, :meth:`Recipe.gather_scales`; scales of a
+shard's own blocks travel with its codes, :attr:`Recipe.shard_scales`) and which
 telemetry fields a stateless owner reports (:meth:`Recipe.telemetry`). ``nn/``, the protocol
 and the telemetry ask it; none of them tests for a recipe name.
 
@@ -104,6 +105,11 @@ class Recipe:
     scale_layouts: ClassVar[Mapping[str, ScaleLayout]] = dict.fromkeys(LINEAR_GEMM_ROLES, PER_TENSOR)
     # The operands of the linear call's three GEMMs (the forward's are the snapshots' layouts).
     gemm_layouts: ClassVar[GemmLayouts] = GemmLayouts.uniform(PER_TENSOR)
+    # Whether an FP8 all-gather encodes each weight shard at scales of its own (blocks inside
+    # the shard's rows, from the shard's values: its encoder's encode_dynamic), which travel with
+    # its codes (all_gather_inputs / all_gathered); False: at one scale per weight (the frozen
+    # delayed one, or the full weight's per-call one, gather_scales), sent as metadata.
+    shard_scales: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -182,9 +188,10 @@ class Recipe:
     def all_gather_problem(self) -> str | None:
         """Why FSDP2 cannot all-gather this recipe's weights as FP8 (``None``: it can: at the
         event's frozen weight scale where the weight is ``stateful``, else at the full weight's
-        per-call scale, :meth:`gather_scales`; nn/fsdp.py). Read from the layouts: an FP8
-        all-gather brings the weight's codes at its snapshot's layout only, so every GEMM must
-        read the weight at that layout, and the gathered scale is one per weight."""
+        per-call scale, :meth:`gather_scales`; or at scales of each shard's own blocks,
+        :attr:`shard_scales`; nn/fsdp.py). Read from the layouts: an FP8 all-gather brings the
+        weight's codes at its snapshot's layout only, so every GEMM must read the weight at that
+        layout, and the gathered scale is one per weight unless the shards carry their own."""
         if not self.quantized:
             return None
         stored = self.scale_layout("weight")
@@ -198,7 +205,7 @@ class Recipe:
                 "which an FP8 all-gather does not bring (they need the high-precision weight); the weights gather "
                 "in high precision (fp8_all_gather=False)"
             )
-        if not stored.per_tensor:
+        if not stored.per_tensor and not self.shard_scales:
             return (
                 f"recipe={self.name!r}: the weight's {stored.name!r} scales are not gathered with its codes yet; "
                 "the weights gather in high precision (fp8_all_gather=False)"
@@ -216,6 +223,26 @@ class Recipe:
         weight's encoder (``encoder("weight").encode``): elementwise, so the gathered codes are
         bitwise the unsharded call's."""
         raise NotImplementedError(f"recipe {self.name!r} derives no per-call weight scale for an FP8 all-gather")
+
+    def shard_gather_problem(self, full_shape: tuple, shard_rows: list[int]) -> str | None:
+        """Why one weight (``full_shape``, its rows split over the shard group as ``shard_rows``,
+        rank by rank) gathers in high precision although :meth:`all_gather_problem` allows FP8
+        (``None``: FP8). Per-tensor scales cover any split (an uneven one is refused by
+        nn/fsdp.py); block scales need shards made of whole blocks."""
+        return None
+
+    def all_gather_inputs(self, codes: torch.Tensor, snap) -> tuple[torch.Tensor, ...]:
+        """What one rank sends of its shard's ``codes`` and their ``snap``: tensors split along
+        dim 0 as the weight's rows, each concatenated across ranks by the all-gather. Default:
+        the codes as bytes (one scale per weight: the snapshot travels as metadata, the same on
+        every rank)."""
+        return (codes.view(torch.uint8),)
+
+    def all_gathered(self, outputs: tuple[torch.Tensor, ...], snap, dtype: torch.dtype):
+        """``(codes, snapshot)`` of the full weight from the gathered :meth:`all_gather_inputs`
+        (``outputs``) and this rank's shard's ``snap``. The snapshot's tensors must not be views
+        of ``outputs``: the all-gather frees that memory after each use."""
+        return outputs[0].view(dtype), snap
 
     def telemetry(self, snap) -> dict[str, torch.Tensor]:
         """A stateless owner's fields on a log step, from its latest true-forward snapshot

@@ -26,13 +26,24 @@ multiplied exactly and summed in float32, that partial product scaled by the two
 descales of the slice (``descale_a[m] * descale_b[n]``) and added to a float32 accumulator;
 then the bias in float32 and one rounding to the output dtype.
 
-FSDP2's FP8 all-gather is refused (the base recipe's reason: the weight's 128x128 scales are
-not gathered with its codes yet), so the weights gather in high precision.
+FSDP2's FP8 all-gather (``fp8_all_gather``, nn/fsdp.py) sends the weight's codes with their
+block scales where the shards align: FSDP2 splits a weight's rows over the shard group, and
+when every shard holds the same number of rows, a multiple of 128, each shard's 128x128 blocks
+are exactly the full weight's. Each rank then encodes its own rows in blocks (their scales
+from its own values: no collective for the scales, :attr:`Recipe.shard_scales`) and sends its
+codes with its ``[rows / 128, ceil(cols / 128)]`` scales, descales and amaxes; the gathered
+codes and scales are bitwise what encoding the full weight gives, and the input gradient reads
+the gathered blocks (a 128x128 block's scale is its transpose's) instead of encoding a
+high-precision weight it no longer has. Where the shards do not align (rows per shard not a
+multiple of 128, or an uneven split), that weight gathers in high precision and a
+:class:`~lightning_fp8state.errors.ConversionWarning` names the layer, its shards' rows and the
+128-row requirement, once; its calls then encode the gathered weight as without FSDP2.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 
@@ -169,6 +180,7 @@ class Fp8Blockwise(PerCallScales, Recipe):
     saves_inputs = True  # the weight gradient encodes the input along its other dimension
     # scales rounded down to powers of two (fp8_blockwise_pow2)
     pow2 = False
+    shard_scales = True  # an FP8 all-gather sends each shard's own block scales with its codes
     scale_layouts = {"input": TILE_1X128, "weight": BLOCK_128X128, "grad_output": TILE_1X128}
     gemm_layouts = GemmLayouts(
         forward=(Operand("input", TILE_1X128), Operand("weight", BLOCK_128X128)),
@@ -198,6 +210,8 @@ class Fp8Blockwise(PerCallScales, Recipe):
         return blockwise_matmul(xq, wq.t(), sx.descale, sw.descale.t(), out_dtype, backend, bias)
 
     def saved_for_backward(self, xq, wq, x2, weight):
+        if getattr(weight, "fp8", None) is wq:  # FSDP2's FP8-gathered blocks: no high-precision weight here
+            return x2, wq
         return x2, weight  # the backward encodes them in the layouts its GEMMs read
 
     def grad_weight(self, g_w, x_saved, sg, sx, out_dtype, backend):
@@ -209,9 +223,37 @@ class Fp8Blockwise(PerCallScales, Recipe):
 
     def grad_input(self, g_x, w_saved, sg, sw, out_dtype, backend):
         enc = self.encoder("weight")
+        if w_saved.dtype == enc.dtype:  # the FP8-gathered codes [out, in] and their blocks
+            return blockwise_matmul(g_x, w_saved, sg.descale, sw.descale, out_dtype, backend)
         with torch.no_grad():  # the forward's blocks again (bitwise), written transposed: W [out, in] column-major
             _, _, descale, _, w_t, _ = quantize_fp8_block(w_saved, enc.dtype, enc.margin, self.pow2)
         return blockwise_matmul(g_x, w_t.t(), sg.descale, descale, out_dtype, backend)
+
+    # -- FSDP2's FP8 all-gather (the module doc) ----------------------------------------
+    def shard_gather_problem(self, full_shape, shard_rows):
+        if len(full_shape) != 2:  # a stack of weights (experts): its dim 0 is no weight's rows
+            return (
+                f"recipe={self.name!r}: block scales gather with the codes of 2-D weights only, not {tuple(full_shape)}"
+            )
+        if len(set(shard_rows)) == 1 and shard_rows[0] % BLOCK == 0:
+            return None
+        return (
+            f"recipe={self.name!r}: its {full_shape[0]} rows split as {shard_rows} over {len(shard_rows)} ranks; "
+            f"the weight's {BLOCK}x{BLOCK} block scales gather with its codes only where every shard holds the "
+            f"same number of rows, a multiple of {BLOCK} (out_features divisible by {BLOCK} x the shard group size)"
+        )
+
+    def all_gather_inputs(self, codes, snap):
+        """The shard's codes as bytes and its blocks' ``scale``, ``descale`` and ``amax`` stacked
+        as float32 ``[rows / 128, 3, ceil(cols / 128)]``: both split by rows, so the all-gather
+        concatenates them into the full weight's."""
+        return codes.view(torch.uint8), torch.stack((snap.scale, snap.descale, snap.amax), dim=1)
+
+    def all_gathered(self, outputs, snap, dtype):
+        codes, blocks = outputs
+        # copies: the gathered buffers are freed after each use, the snapshot is read later
+        scale, descale, amax = (blocks[:, i].clone(memory_format=torch.contiguous_format) for i in range(3))
+        return codes.view(dtype), replace(snap, scale=scale, descale=descale, amax=amax)
 
     def telemetry(self, snap) -> dict[str, torch.Tensor]:
         if snap.scale.numel() == 0:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..audit import RecomputeAuditor
-from ..nn import Fp8Linear
+from ..nn import Fp8Experts, Fp8Linear
 from ..state import OwnerKey
 
 __all__ = ["SaturationWindow", "fallback_health", "find_protocol", "owner_label", "quantizer_health"]
@@ -31,11 +31,12 @@ def owner_label(owner: OwnerKey) -> str:
 
 
 def find_protocol(model: nn.Module | None):
-    """The quantizer protocol (``Fp8State``) driving the first converted module of ``model``."""
+    """The quantizer protocol (``Fp8State``) driving the first converted module of ``model`` (a
+    converted linear, or a mixture-of-experts layer's experts)."""
     if model is None:
         return None
     for module in model.modules():
-        if isinstance(module, Fp8Linear):
+        if isinstance(module, (Fp8Linear, Fp8Experts)):
             return module.protocol
     return None
 
@@ -90,7 +91,8 @@ def _stateless_health(protocol, per_owner: bool) -> dict[str, float]:
     snaps = protocol.dynamic_snapshots() if hasattr(protocol, "dynamic_snapshots") else {}
     names, values = [], []
     for owner, snap in snaps.items():
-        for key, value in protocol.recipe.telemetry(snap).items():
+        recipe = protocol.recipe_of(owner.layer) if getattr(protocol, "layer_recipes", None) else protocol.recipe
+        for key, value in recipe.telemetry(snap).items():
             names.append((owner, key))
             values.append(value.detach().reshape(()).to(torch.float32))
     if not values:
@@ -112,13 +114,17 @@ def _stateless_health(protocol, per_owner: bool) -> dict[str, float]:
 def fallback_health(protocol) -> dict[str, float]:
     """The fallback's moves (``QuantConfig.fallback``), from the host (no device read):
     ``fp8state/fallback_layers`` and, per moved layer, ``fp8state/fallback/<layer>`` = the step
-    at whose end it moved to high precision. Empty when the fallback is off."""
+    at whose end it moved; a layer moved to current scaling (``fallback_to=current``) also as
+    ``fp8state/fallback_current/<layer>`` (the others went to high precision). Empty when the
+    fallback is off."""
     monitor = getattr(protocol, "fallback", None)
     if monitor is None:
         return {}
     out = {"fp8state/fallback_layers": float(len(monitor.fallen))}
-    for layer, step in monitor.fallen.items():
-        out[f"fp8state/fallback/{layer}"] = float(step)
+    for move in monitor.events:
+        out[f"fp8state/fallback/{move.layer}"] = float(move.step)
+        if move.target == "current":
+            out[f"fp8state/fallback_current/{move.layer}"] = float(move.step)
     return out
 
 

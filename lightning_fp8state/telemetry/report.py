@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .expert_panel import ExpertRow, expert_summary, expert_table, format_expert_table, plot_experts
 from .sinks import JSONL_NAME, read_telemetry
 
 __all__ = [
@@ -44,6 +45,8 @@ class TelemetryReport:
     # lines of the JSONL that are not rows (torn, garbage), each naming its line number
     warnings: list[str] = field(default_factory=list)
     superseded: int = 0  # rows of steps a resume re-ran (the later attempt counts)
+    # the per-expert panel's table (mixture-of-experts runs; empty otherwise): one row per expert
+    experts: list[ExpertRow] = field(default_factory=list)
 
 
 def find_jsonl(run_dir: str | os.PathLike) -> Path:
@@ -133,9 +136,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         s["non-finite amax events"] = h.get("fp8state/nonfinite_amax_events")
         if "fp8state/recompute_mismatches" in h:
             s["recompute mismatches"] = h["fp8state/recompute_mismatches"]
-        moved = _fallback_moves(health)
-        if moved:
-            s["fallen back to high precision"] = moved
+        for target, moved in _fallback_moves(health).items():
+            s[f"fallen back to {target}"] = moved
+    s.update(expert_summary(rows))
     return {k: v for k, v in s.items() if v is not None}
 
 
@@ -295,16 +298,24 @@ def _plot_throughput(plt, rows, path: Path) -> bool:
     )
 
 
-def _fallback_moves(health: list[dict]) -> str:
-    """``layer (step N), ...``: the layers QuantConfig.fallback moved, each with the step at whose
-    end it moved (``fp8state/fallback/<layer>`` rows; the first row that names it)."""
-    prefix = "fp8state/fallback/"
-    moves: dict[str, float] = {}
+def _fallback_moves(health: list[dict]) -> dict[str, str]:
+    """Per target (``high precision``, ``current scaling``), ``layer (step N), ...``: the layers
+    QuantConfig.fallback moved there, each with the step at whose end it moved
+    (``fp8state/fallback/<layer>`` rows, ``fp8state/fallback_current/<layer>`` for those moved to
+    current scaling; the first row that names it). Targets that no layer went to are left out."""
+    found: dict[str, dict[str, float]] = {"fp8state/fallback/": {}, "fp8state/fallback_current/": {}}
     for row in health:
         for key, value in row.items():
-            if key.startswith(prefix) and isinstance(value, (int, float)):
-                moves.setdefault(key[len(prefix) :], value)
-    return ", ".join(f"{layer} (step {int(step)})" for layer, step in sorted(moves.items(), key=lambda m: m[1]))
+            for prefix, moves in found.items():
+                if key.startswith(prefix) and isinstance(value, (int, float)):
+                    moves.setdefault(key[len(prefix) :], value)
+    current = found.pop("fp8state/fallback_current/")
+    high = {layer: step for layer, step in found.popitem()[1].items() if layer not in current}
+    out = {}
+    for target, moves in (("high precision", high), ("current scaling", current)):
+        if moves:
+            out[target] = ", ".join(f"{n} (step {int(s)})" for n, s in sorted(moves.items(), key=lambda m: m[1]))
+    return out
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -398,6 +409,9 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
             report.plots[name] = path
         else:
             report.notes.append(f"{name}.png not drawn: the run has no {name} data")
+    report.experts = expert_table(rows)
+    if report.experts and plot_experts(plt, rows, out / "experts.png", _save):  # MoE runs only
+        report.plots["experts"] = out / "experts.png"
     report.summary = summarize(rows)
     if show:
         for warning in report.warnings:
@@ -405,6 +419,9 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
         print_summary(report.summary, f"telemetry: {jsonl} ({len(rows)} steps)")
         for name, path in report.plots.items():
             print(f"{name:>10}: {path}")
+        if report.experts:
+            print(f"experts (per MoE layer, over {len(rows)} steps):")
+            print(format_expert_table(report.experts))
         for note in report.notes:
             print(note)
     return report

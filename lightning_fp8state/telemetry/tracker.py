@@ -32,6 +32,7 @@ from torch import nn
 
 from ..config import require_choice, require_int, require_number
 from .engines import FOUND_INF_ATTR, read_engine_step
+from .experts import ExpertTelemetry
 from .metrics import (
     CLIP_ALGORITHMS,
     SOURCE_GROUPINGS,
@@ -146,6 +147,9 @@ class TrainingTelemetry:
         saturation: report each owner's saturated fraction over the window, from the clip counts
             the quantize kernels keep on the device (eager and CUDA graph replays alike).
         per_owner: add per-owner quantizer keys (``fp8state/scale/<owner>``, ...).
+        per_expert: add per-expert keys for the model's mixture-of-experts layers (tokens per
+            expert and idle experts per step, scales and amaxes by expert on log steps;
+            :mod:`~lightning_fp8state.telemetry.experts`).
         sinks: more sinks (Lightning loggers, :class:`WandbSink`); the JSONL is always there.
         write: whether this process writes (False on ranks other than 0: it still guards).
     """
@@ -164,6 +168,7 @@ class TrainingTelemetry:
         dominant_by: str = "layer",
         saturation: bool = True,
         per_owner: bool = True,
+        per_expert: bool = True,
         sinks: Iterable[Sink] = (),
         jsonl_name: str = JSONL_NAME,
         write: bool = True,
@@ -189,6 +194,7 @@ class TrainingTelemetry:
         self.saturation = None
         if saturation and self.protocol is not None and self.protocol.recipe.quantized:
             self.saturation = SaturationWindow()
+        self.experts = ExpertTelemetry.attach(model) if per_expert else None
         # cumulative counters (host)
         self.attempted = self.applied = self.skipped = 0
         self.nonfinite = self.clip_events = 0
@@ -390,6 +396,8 @@ class TrainingTelemetry:
         host.update({"step": self.attempted if step is None else int(step), "time": time.time()})
         if self._tokens_seen:
             host["train/tokens"] = tokens
+        if self.experts is not None:  # every rank: the count restarts with the step
+            host.update(self.experts.take_step())
         if self.write:
             self.recorder.append(device, host)
         self._loss, self._tokens = None, 0
@@ -448,6 +456,8 @@ class TrainingTelemetry:
                 self.protocol, saturation=self.saturation, after_event=self._after_event, per_owner=self.per_owner
             )
             last.update(health)
+            if self.experts is not None:
+                last.update(self.experts.health(self.protocol))
         self.sink.write(rows)
         self.last_row = last
         return last
@@ -465,6 +475,9 @@ class TrainingTelemetry:
         self.sink.close()
         for line in self.sink.failure_report():
             warnings.warn(f"end of run: {line}", RuntimeWarning, stacklevel=2)
+        if self.experts is not None:
+            self.experts.close()
+            self.experts = None
 
     # -- checkpoint --------------------------------------------------------------------
     def state_dict(self) -> dict[str, int | None]:

@@ -138,14 +138,14 @@ def test_a_two_rank_run_resumed_on_one_is_bitwise_the_run_from_the_hand_mapped_c
     assert audited and all(r["fp8state/recompute_mismatches"] == 0 for r in audited)
 
 
-def Fp8Rank0(sd: dict) -> dict:  # noqa: N802  (the hand-mapped state, re-keyed to rank 0 by hand)
-    out = dict(sd, rank=0)
+def Fp8Rank0(sd: dict, rank: int = 0) -> dict:  # noqa: N802  (the hand-mapped state, re-keyed to a rank by hand)
+    out = dict(sd, rank=rank)
     for part in ("bank", "ledger"):
-        out[part] = dict(sd[part], owners=[[o[0], o[1], 0, *o[3:]] for o in sd[part]["owners"]])
+        out[part] = dict(sd[part], owners=[[o[0], o[1], rank, *o[3:]] for o in sd[part]["owners"]])
     return out
 
 
-def test_a_two_rank_run_resumed_on_three_says_where_the_data_continues(saved):
+def test_a_two_rank_run_resumed_on_three_says_where_the_data_continues_and_is_the_hand_mapped_run(saved):
     resumed = copy_run(saved, "on_three")
     out = ok(train(saved, "--resume", str(resumed), "trainer.max_steps=5", "trainer.devices=3", "telemetry.audit=true"))
     assert "of 2 rank(s) on 3: 8 owner(s) copied bitwise" in out
@@ -158,6 +158,30 @@ def test_a_two_rank_run_resumed_on_three_says_where_the_data_continues(saved):
         assert {o[2] for o in sd["bank"]["owners"]} == {r} and sd["clock"]["last"] == [4, 0]
     rows = [r for r in read_jsonl(resumed / "telemetry.jsonl") if r["step"] > SAVED_STEPS]
     assert [r["fp8state/recompute_mismatches"] for r in rows if "fp8state/recompute_mismatches" in r] == [0]
+
+    # the reference: the checkpoint mapped by hand to three ranks (each the merged state, re-keyed
+    # to its rank; the loader back at sample 24 = 2 batches of 3 ranks x 4), resumed as a 3-rank run
+    ref = copy_run(saved, "three_reference")
+    path = ref / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(path, weights_only=True)
+    mapped = hand_mapped(ckpt["fp8state"]["ranks"])
+    ckpt["fp8state"] = dict(ckpt["fp8state"], world_size=3, ranks={r: Fp8Rank0(mapped, r) for r in range(3)})
+    loader = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    assert loader["consumed"] == SAVED_STEPS  # batches per rank
+    loader["consumed"] = 2
+    torch.save(ckpt, path)
+    ok(train(saved, "--resume", str(ref), "trainer.max_steps=5", "trainer.devices=3", "telemetry.audit=true"))
+
+    def logged(run):
+        return [(r["step"], r["train/loss"]) for r in read_jsonl(run / "telemetry.jsonl") if r["step"] > SAVED_STEPS]
+
+    assert logged(resumed) == logged(ref) and logged(ref)
+    b = torch.load(ref / "checkpoints" / "last.ckpt", weights_only=True)
+    assert all(bitwise_equal(a["state_dict"][k], b["state_dict"][k]) for k in b["state_dict"])
+    for r in range(3):
+        bank_a, bank_b = a["fp8state"]["ranks"][r]["bank"], b["fp8state"]["ranks"][r]["bank"]
+        assert bank_a["owners"] == bank_b["owners"]
+        assert all(bitwise_equal(bank_a[k], bank_b[k]) for k in ("amax_history", "scale", "descale"))
 
 
 def test_a_mapping_the_config_forbids_exits_2_with_one_line(saved, capsys, monkeypatch):

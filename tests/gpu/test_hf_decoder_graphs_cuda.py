@@ -1,7 +1,9 @@
 """graph_decoder_layers with real CUDA graphs: a tiny transformers Llama converted to FP8, its
 decoder layers captured per layer through the model's own loop, bitwise the eager checkpointed
 run (loss, gradients, scales), one commit per owner per event; and the same through
-Fp8StateCallback(graph_blocks=True) under fp8state_deepspeed (ZeRO-2) and fp8state_ddp on one GPU."""
+Fp8StateCallback(graph_blocks=True) under fp8state_deepspeed (ZeRO-2), fp8state_ddp and
+fp8state_fsdp (each decoder layer an FSDP2 unit, its weights all-gathered as FP8 codes: the
+layers captured and replayed inside the units' calls) on one GPU."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ def test_cuda_graphed_hf_decoder_layers_train_bitwise_the_eager_run():
 STRATEGIES = {
     "deepspeed": {"strategy": "fp8state_deepspeed", "strategy_kwargs": {"stage": 2}},
     "ddp": {"strategy": "fp8state_ddp"},
+    "fsdp": {"strategy": "fp8state_fsdp"},  # FP8 all-gather (the strategy's default)
 }
 
 
@@ -59,6 +62,8 @@ def test_graph_blocks_switch_under_each_strategy_is_bitwise_the_eager_fit(tmp_pa
     run_plan([{**common, "name": "eager"}, {**common, "name": "graphed", "graph_blocks": True}], tmp_path)
     (eager,), (graphed,) = load_ranks(tmp_path, "eager", 1), load_ranks(tmp_path, "graphed", 1)
     assert graphed["strategy"] == eager["strategy"] and graphed["replays"] == 6 - 2
+    if strategy == "fsdp":  # the decoder layers' weights reach the graphs as FP8-gathered codes
+        assert len([k for k in graphed["fp8_gathered"] if ".layers." in k]) == 14, graphed["fp8_gathered"]
     for i, (a, b) in enumerate(zip(eager["losses"], graphed["losses"], strict=True)):
         assert bitwise_equal(a, b), f"step {i}: loss differs"
     for name, p in eager["params"].items():

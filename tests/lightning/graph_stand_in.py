@@ -34,6 +34,21 @@ class EagerGraphStandIn:
         self.replays = 0
         self.events: list[tuple[int, int]] = []
         self._captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.recaptures = 0
+        self._fallback_version = None
+
+    def _fallback_moves(self):
+        monitor = None if self.state is None else self.state.protocol.fallback
+        return None if monitor is None else monitor.version
+
+    def drop_if_stale(self) -> bool:
+        """GraphedStep's: drop the "graph" when QuantConfig.fallback moved a layer since the capture
+        (the capture holds the moves made before its event: one its own event makes is later)."""
+        if self.graph is None or self._fallback_moves() == self._fallback_version:
+            return False
+        self.graph = None
+        self.recaptures += 1
+        return True
 
     def _event(self, step: int, inputs):
         self.events.append((step, self.microbatch))
@@ -46,12 +61,14 @@ class EagerGraphStandIn:
         if self.graph is None:
             if any(p.grad is not None for p in self.params()):
                 raise AssertionError("an eager or capture event started with gradients left from the last step")
+            moves = self._fallback_moves()
             out = self._event(step, inputs)
             if self.eager_calls < self.warmup:
                 self.eager_calls += 1
             else:  # the capture: what .grad holds now is what every replay writes
                 self.graph = "captured"
                 self._captured = [(p, p.grad) for p in self.params() if p.grad is not None]
+                self._fallback_version = moves
                 self.replays += 1
             return out
         for p, g in self._captured:

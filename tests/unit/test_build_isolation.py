@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,40 @@ def test_a_library_without_a_record_is_built_afresh_not_loaded(cache):
     library.write_bytes(b"\x7fELF of an earlier version, or planted")
     cuda._check_library(build_dir)
     assert not library.exists()  # the build that follows makes (and records) it anew
+
+
+def test_a_rebuild_over_a_recorded_library_records_the_new_one(cache, monkeypatch):
+    """A warm machine's cache: the package copied afresh (same sources, newer times) makes the
+    build tool relink the library in the same folder; the next process must load it, not refuse
+    it as changed after its build."""
+    from torch.utils import cpp_extension
+
+    build_dir = cuda._build_dir()
+    library = build_dir / "fp8state_cuda.so"
+    library.write_bytes(b"\x7fELF the first build")
+    cuda._record_library(build_dir)
+
+    def relink(name, sources, build_directory, **kw):
+        (Path(build_directory) / f"{name}.so").write_bytes(b"\x7fELF relinked: other bytes")
+
+    monkeypatch.setattr(cpp_extension, "load", relink)
+    monkeypatch.setattr(cuda, "SOURCES", [])
+    monkeypatch.setattr(cuda, "HEADERS", [])
+    assert cuda.build() == library
+    cuda._check_library(build_dir)  # the next process's check: the record is the relinked library's
+    assert library.read_bytes() == b"\x7fELF relinked: other bytes"
+
+
+def test_a_build_that_leaves_the_checked_library_alone_keeps_its_record(cache, monkeypatch):
+    from torch.utils import cpp_extension
+
+    build_dir = cuda._build_dir()
+    library = build_dir / "fp8state_cuda.so"
+    library.write_bytes(b"\x7fELF as built")
+    cuda._record_library(build_dir)
+    record = (build_dir / "fp8state_cuda.so.sha256").read_text()
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: None)
+    monkeypatch.setattr(cuda, "SOURCES", [])
+    monkeypatch.setattr(cuda, "HEADERS", [])
+    cuda.build()
+    assert (build_dir / "fp8state_cuda.so.sha256").read_text() == record

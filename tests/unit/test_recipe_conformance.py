@@ -151,7 +151,7 @@ def test_the_fsdp2_fp8_all_gather_is_allowed_exactly_where_the_layouts_allow_it(
     r = recipe_for(_config(recipe))
     stored = r.scale_layout("weight")
     gatherable = not r.quantized or (
-        stored.per_tensor and all(op.scales == stored for op in r.gemm_layouts.operands("weight"))
+        (stored.per_tensor or r.shard_scales) and all(op.scales == stored for op in r.gemm_layouts.operands("weight"))
     )
     problem = fp8_all_gather_problem(_config(recipe))
     assert (problem is None) == gatherable, problem

@@ -38,26 +38,36 @@ HEADER = """\
 # Measured GEMM speeds per device, read by quant.policy.by_size (lightning_fp8state/nn/policy.py).
 # Not a recipe piece. Written by benchmarks/gemm_table.py on the device it measures (never by
 # hand), keyed by torch.cuda.get_device_name(). Each shape: (m x k) @ (k x n), best of N runs
-# timed with CUDA events. bf16_ms: torch.mm in bfloat16; fp8_ms: torch._scaled_mm (e4m3 x e4m3
-# -> bf16, per-tensor scales); cast_ms: quantizing both operands to e4m3 (the entry's "casts" says
-# how: the fused quantize kernel, or torch ops).
+# of a CUDA graph of 20 calls timed with CUDA events (GPU time, launches not counted). bf16_ms:
+# torch.mm in bfloat16; fp8_ms: torch._scaled_mm (e4m3 x e4m3 -> bf16, per-tensor scales);
+# cast_ms: quantizing both operands to e4m3 (the entry's "casts" says how: the fused quantize
+# kernel, or torch ops).
 """
 E4M3_MAX = 448.0
 
 
-def best_ms(fn, reps: int, warmup: int = 3) -> float:
-    """The fastest of ``reps`` runs of ``fn()`` in ms, each timed with CUDA events."""
+def best_ms(fn, reps: int, warmup: int = 3, inner: int = 20) -> float:
+    """The fastest of ``reps`` runs of ``fn()`` in ms: GPU time, each run a CUDA graph replay of
+    ``inner`` calls timed with CUDA events, so that the host's launches (which a compiled or
+    graphed training step does not pay per kernel) do not count."""
     for _ in range(warmup):
         fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
     torch.cuda.synchronize()
     best = float("inf")
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
-        best = min(best, start.elapsed_time(end))
+        best = min(best, start.elapsed_time(end) / inner)
+    del graph
     return best
 
 

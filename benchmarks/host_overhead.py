@@ -53,14 +53,14 @@ def stub_kernels() -> None:
         return torch.empty(x.shape[0], 1, device=x.device)
 
     ops.quantize_fp8 = lambda x, scale, dtype: codes(x, dtype)
-    ops.quantize_fp8_record_amax = lambda x, scale, pending, slot, dtype: codes(x, dtype)
-    ops.gelu_quantize_fp8 = lambda x, scale, dtype, pending=None, slot=0: codes(x, dtype)
-    ops.layer_norm_quantize_fp8 = lambda x, w, b, eps, scale, dtype, pending=None, slot=0: (
+    ops.quantize_fp8_record_amax = lambda x, scale, pending, slot, dtype, sat=None: codes(x, dtype)
+    ops.gelu_quantize_fp8 = lambda x, scale, dtype, pending=None, slot=0, sat=None: codes(x, dtype)
+    ops.layer_norm_quantize_fp8 = lambda x, w, b, eps, scale, dtype, pending=None, slot=0, sat=None: (
         codes(x, dtype),
         stats(x),
         stats(x),
     )
-    ops.quantize_fp8_t_record_amax = lambda x, scale, pending, slot, dtype, column_sum: (
+    ops.quantize_fp8_t_record_amax = lambda x, scale, pending, slot, dtype, column_sum, sat=None: (
         codes(x, dtype),
         torch.empty(x.shape[1], x.shape[0], dtype=dtype, device=x.device),
         torch.empty(x.shape[1], device=x.device),

@@ -180,18 +180,20 @@ def make_step(model, state, opt, data, graphs: bool = False, warmup: int = 3):
 ROLES = ("input", "weight", "grad_output")
 
 
-def saturation_by_role(state, probe) -> dict[str, float]:
-    """Share of the elements the probe counted since its last take, per role, that encoding
-    clamped to the format's max (one host read: a diagnostic, not for timed steps)."""
-    saturated, elements = probe.take()
-    indices = list(elements)
-    counts = torch.stack([saturated[i] for i in indices]).tolist() if indices else []  # the one read
+def saturation_by_role(state, seen: list) -> dict[str, float]:
+    """Share of the elements encoded since the last call, per role, that encoding clamped to the
+    format's max: the growth of the bank's saturation counters (kept by the quantize kernels),
+    ``seen`` holding their values at the last call (one host read: a diagnostic, not for timed
+    steps)."""
+    now = state.bank.saturation.tolist()  # the one read: [clipped, elements] per owner
+    old = seen[0] if seen else [[0] * len(now[0]), [0] * len(now[0])]
+    seen[:] = [now]
     hits = dict.fromkeys(ROLES, 0)
     totals = dict.fromkeys(ROLES, 0)
-    for index, count in zip(indices, counts, strict=True):
-        role = state.bank.owners[index].role
-        totals[role] += elements[index]
-        hits[role] += int(count)
+    for index, owner in enumerate(state.bank.owners):
+        if owner.role in hits and index < len(old[0]):
+            hits[owner.role] += now[0][index] - old[0][index]
+            totals[owner.role] += now[1][index] - old[1][index]
     return {r: hits[r] / totals[r] for r in ROLES if totals[r]}
 
 
@@ -242,17 +244,14 @@ def collected(step, collector):
 
 
 def _measure(variant: str, cfg: GPTConfig, args, mode: str, model, state, opt, step) -> dict:
-    probe, saturation = None, []
+    seen, saturation = None, []
     if args.saturation and state is not None:
-        from lightning_fp8state.telemetry import SaturationProbe  # noqa: PLC0415  (diagnostic only)
-
-        probe = SaturationProbe(state, model)
-        probe.armed = True
+        seen = []  # the saturation counters' values at the last read
 
     def run_step(quant=state):  # (bound now: ``state`` is deleted at the end)
         loss = step()
-        if probe is not None:
-            saturation.append(saturation_by_role(quant, probe))
+        if seen is not None:
+            saturation.append(saturation_by_role(quant, seen))
         return loss
 
     for _ in range(args.warmup):
@@ -290,8 +289,7 @@ def _measure(variant: str, cfg: GPTConfig, args, mode: str, model, state, opt, s
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "final_loss": torch.stack(losses)[-5:].mean().item(),
     }
-    if probe is not None:
-        probe.close()
+    if seen is not None:
         result["saturation"] = saturation
         print(f"--- {variant}: share of elements clamped to the format's max, per step (warm-up included)")
         for i, row in enumerate(saturation):

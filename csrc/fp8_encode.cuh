@@ -165,6 +165,14 @@ __device__ __forceinline__ uint8_t encode1(float v) {
   return uint8_t(nan_fix4<E4M3>(encode2<E4M3>(v, 0.0f)) & 0xffu);
 }
 
+// How many of a and b (already multiplied by the scale) the encode clips to ±max: |v| > max,
+// an infinity included, a NaN not (it gets the NaN code). The saturation count of the reference
+// (ops/reference.py, clip_count_reference) is the same comparison on the same float32 values.
+template <bool E4M3>
+__device__ __forceinline__ uint32_t clips2(float a, float b) {
+  return uint32_t(fabsf(a) > Fp8Traits<E4M3>::kMax) + uint32_t(fabsf(b) > Fp8Traits<E4M3>::kMax);
+}
+
 template <bool E4M3>
 __device__ __forceinline__ float decode1(uint8_t code) {
   __half_raw h = __nv_cvt_fp8_to_halfraw(code, Fp8Traits<E4M3>::kKind);
@@ -187,7 +195,8 @@ struct Codec<__nv_bfloat16> {
   using Acc = __nv_bfloat162;
   static __device__ __forceinline__ Acc zero() { return __floats2bfloat162_rn(0.0f, 0.0f); }
   template <bool E4M3, bool RECORD>
-  static __device__ __forceinline__ void encode(const uint4& raw, float scale, uint32_t* words, Acc& m) {
+  static __device__ __forceinline__ void encode(const uint4& raw, float scale, uint32_t* words, Acc& m,
+                                                uint32_t& clips) {
     const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int k = 0; k < 4; k += 2) {
@@ -195,9 +204,11 @@ struct Codec<__nv_bfloat16> {
         m = __hmax2_nan(m, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&w[k])));
         m = __hmax2_nan(m, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&w[k + 1])));
       }
-      const uint32_t lo = encode2<E4M3>(__uint_as_float(w[k] << 16) * scale, __uint_as_float(w[k] & 0xffff0000u) * scale);
-      const uint32_t hi = encode2<E4M3>(__uint_as_float(w[k + 1] << 16) * scale,
-                                        __uint_as_float(w[k + 1] & 0xffff0000u) * scale);
+      const float a0 = __uint_as_float(w[k] << 16) * scale, a1 = __uint_as_float(w[k] & 0xffff0000u) * scale;
+      const float b0 = __uint_as_float(w[k + 1] << 16) * scale, b1 = __uint_as_float(w[k + 1] & 0xffff0000u) * scale;
+      if (RECORD) clips += clips2<E4M3>(a0, a1) + clips2<E4M3>(b0, b1);
+      const uint32_t lo = encode2<E4M3>(a0, a1);
+      const uint32_t hi = encode2<E4M3>(b0, b1);
       words[k / 2] = nan_fix4<E4M3>(lo | (hi << 16));
     }
   }
@@ -210,7 +221,8 @@ struct Codec<__half> {
   using Acc = __half2;
   static __device__ __forceinline__ Acc zero() { return __floats2half2_rn(0.0f, 0.0f); }
   template <bool E4M3, bool RECORD>
-  static __device__ __forceinline__ void encode(const uint4& raw, float scale, uint32_t* words, Acc& m) {
+  static __device__ __forceinline__ void encode(const uint4& raw, float scale, uint32_t* words, Acc& m,
+                                                uint32_t& clips) {
     const __half2* h = reinterpret_cast<const __half2*>(&raw);
 #pragma unroll
     for (int k = 0; k < 4; k += 2) {
@@ -219,8 +231,10 @@ struct Codec<__half> {
         m = __hmax2_nan(m, __habs2(h[k + 1]));
       }
       const float2 a = __half22float2(h[k]), b = __half22float2(h[k + 1]);
-      const uint32_t lo = encode2<E4M3>(a.x * scale, a.y * scale);
-      const uint32_t hi = encode2<E4M3>(b.x * scale, b.y * scale);
+      const float a0 = a.x * scale, a1 = a.y * scale, b0 = b.x * scale, b1 = b.y * scale;
+      if (RECORD) clips += clips2<E4M3>(a0, a1) + clips2<E4M3>(b0, b1);
+      const uint32_t lo = encode2<E4M3>(a0, a1);
+      const uint32_t hi = encode2<E4M3>(b0, b1);
       words[k / 2] = nan_fix4<E4M3>(lo | (hi << 16));
     }
   }
@@ -233,16 +247,50 @@ struct Codec<float> {
   using Acc = float;
   static __device__ __forceinline__ Acc zero() { return 0.0f; }
   template <bool E4M3, bool RECORD>
-  static __device__ __forceinline__ void encode(const uint4& raw, float scale, uint32_t* words, Acc& m) {
+  static __device__ __forceinline__ void encode(const uint4& raw, float scale, uint32_t* words, Acc& m,
+                                                uint32_t& clips) {
     const float f[4] = {__uint_as_float(raw.x), __uint_as_float(raw.y), __uint_as_float(raw.z),
                         __uint_as_float(raw.w)};
     if (RECORD) m = fmax_nan(m, fmax_nan(fmax_nan(fabsf(f[0]), fabsf(f[1])), fmax_nan(fabsf(f[2]), fabsf(f[3]))));
-    const uint32_t lo = encode2<E4M3>(f[0] * scale, f[1] * scale);
-    const uint32_t hi = encode2<E4M3>(f[2] * scale, f[3] * scale);
+    const float v0 = f[0] * scale, v1 = f[1] * scale, v2 = f[2] * scale, v3 = f[3] * scale;
+    if (RECORD) clips += clips2<E4M3>(v0, v1) + clips2<E4M3>(v2, v3);
+    const uint32_t lo = encode2<E4M3>(v0, v1);
+    const uint32_t hi = encode2<E4M3>(v2, v3);
     words[0] = nan_fix4<E4M3>(lo | (hi << 16));
   }
   static __device__ __forceinline__ float finish(Acc m) { return m; }
 };
+
+// Where a quantize adds its saturation count: the owner's two int64 cells of the bank's
+// ``saturation [2, n]`` counter, clipped elements and elements quantized (nullptr: not counted).
+struct ClipCells {
+  unsigned long long* clipped = nullptr;
+  unsigned long long* elements = nullptr;
+};
+
+// Adds the CTA's clip count (each thread's ``c``) to cells.clipped: a warp reduce, one atomicAdd
+// per CTA (none when nothing clipped; integer sums are exact in any order, so the count is the
+// same bit for bit whatever the grid), and the first CTA adds the ``n`` elements quantized to
+// cells.elements. Every thread of the CTA calls it; the CTA has exactly kBlock threads.
+template <int kBlock>
+__device__ __forceinline__ void block_add_clips(uint32_t c, ClipCells cells, int64_t n) {
+  static_assert(kBlock % 32 == 0 && kBlock <= 1024, "block_add_clips: kBlock must be whole warps, at most 1024");
+  if (cells.clipped == nullptr) return;  // (the same for the whole CTA)
+  constexpr int kWarps = kBlock / 32;
+  __shared__ uint32_t s_clips[kWarps];
+  c = __reduce_add_sync(0xffffffffu, c);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) s_clips[warp] = c;
+  __syncthreads();
+  if (warp == 0) {
+    c = __reduce_add_sync(0xffffffffu, lane < kWarps ? s_clips[lane] : 0u);
+    if (lane == 0) {
+      if (c != 0) atomicAdd(cells.clipped, static_cast<unsigned long long>(c));
+      if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0)
+        atomicAdd(cells.elements, static_cast<unsigned long long>(n));
+    }
+  }
+}
 
 // The GELU prologue (erf form): the same float32 expression as torch's CUDA GELU kernel,
 // ``(x * 0.5) * (1 + erf(x * M_SQRT1_2))``, rounded to the input type, so that quantizing
@@ -272,12 +320,13 @@ __device__ __forceinline__ uint4 gelu16(uint4 raw) {
 template <typename T, bool E4M3, bool RECORD, bool GELU = false>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ out,
                                                             const float* __restrict__ scale_ptr, float* amax_slot,
-                                                            int64_t n) {
+                                                            int64_t n, ClipCells cells) {
   using C = Codec<T>;
   constexpr int G = 16 / C::kPerLoad;
   constexpr int kWordsPerLoad = C::kPerLoad / 4;
   const float scale = *scale_ptr;
   typename C::Acc m = C::zero();
+  uint32_t clips = 0;
   const int64_t nitems = n / 16;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const uint4* xv = reinterpret_cast<const uint4*>(x);
@@ -300,7 +349,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict_
 #pragma unroll
         for (int g = 0; g < G; ++g) {
           const uint4 v = GELU ? gelu16<T>(raw[u][g]) : raw[u][g];
-          C::template encode<E4M3, RECORD>(v, scale, words + g * kWordsPerLoad, m);
+          C::template encode<E4M3, RECORD>(v, scale, words + g * kWordsPerLoad, m, clips);
         }
         __stcs(ov + i, make_uint4(words[0], words[1], words[2], words[3]));
       }
@@ -313,10 +362,13 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict_
     if (t < n) {
       const float a = GELU ? round_to<T>(gelu_f32(to_f32(x[t]))) : to_f32(x[t]);
       if (RECORD) amax = fmax_nan(amax, fabsf(a));
-      out[t] = encode1<E4M3>(a * scale);
+      const float v = a * scale;
+      if (RECORD) clips += clips2<E4M3>(v, 0.0f);
+      out[t] = encode1<E4M3>(v);
     }
   }
   if (RECORD) block_fold_amax<kThreads>(amax, amax_slot);  // fp8state_common.cuh
+  if (RECORD) block_add_clips<kThreads>(clips, cells, n);
 }
 
 template <typename T, bool E4M3, bool RECORD, bool GELU>
@@ -360,7 +412,7 @@ inline void check_input(const at::Tensor& x, at::ScalarType dtype) {
 }
 
 inline at::Tensor launch_quantize(const at::Tensor& x_in, const at::Tensor& scale, at::ScalarType dtype, float* slot,
-                           bool gelu = false) {
+                           bool gelu = false, ClipCells cells = {}) {
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
@@ -375,7 +427,7 @@ inline at::Tensor launch_quantize(const at::Tensor& x_in, const at::Tensor& scal
 #define FP8S_LAUNCH_G(T, E, R, G)                                                                     \
   quantize_kernel<T, E, R, G><<<grid_for_quantize<T, E, R, G>(n / 16), kThreads, 0, stream>>>(           \
       reinterpret_cast<const T*>(xa.data_ptr()), reinterpret_cast<uint8_t*>(out.data_ptr()),             \
-      scale.data_ptr<float>(), slot, n)
+      scale.data_ptr<float>(), slot, n, cells)
 #define FP8S_LAUNCH(T, E, R)       \
   if (gelu)                        \
     FP8S_LAUNCH_G(T, E, R, true);  \
@@ -416,6 +468,22 @@ inline float* pending_cell(const at::Tensor& amax_pending, int64_t slot, const a
   FP8S_CHECK(amax_pending.device() == x.device(), "amax_pending.device", x.device(), amax_pending.device());
   check_slot(slot, amax_pending.numel());
   return amax_pending.data_ptr<float>() + slot * amax_pending.stride(0);
+}
+
+// The owner's cells of the ``saturation [2, owners]`` int64 counter (column ``slot``, the
+// same slot as its amax_pending cell), after checking it against amax_pending and x; no cells
+// when the op was called without one.
+inline ClipCells clip_cells(const c10::optional<at::Tensor>& saturation, int64_t slot, const at::Tensor& amax_pending,
+                            const at::Tensor& x) {
+  if (!saturation.has_value() || !saturation->defined()) return {};
+  const at::Tensor& s = *saturation;
+  FP8S_CHECK(s.scalar_type() == at::kLong, "saturation.dtype", "torch.int64", s.scalar_type());
+  FP8S_CHECK(s.dim() == 2, "saturation.dim()", "2", s.dim());
+  const std::string want = "(2, " + std::to_string(amax_pending.numel()) + ")";
+  FP8S_CHECK(s.size(0) == 2 && s.size(1) == amax_pending.numel(), "saturation.shape", want, s.sizes());
+  FP8S_CHECK(s.device() == x.device(), "saturation.device", x.device(), s.device());
+  auto* base = reinterpret_cast<unsigned long long*>(s.data_ptr<int64_t>());
+  return {base + slot * s.stride(1), base + s.stride(0) + slot * s.stride(1)};
 }
 
 // ``t`` contiguous and 16-byte aligned (the vector loads' requirement): a misaligned view

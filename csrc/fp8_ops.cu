@@ -7,6 +7,8 @@
 //           NaN -> the dtype's canonical quiet NaN;
 //   amax:   max |x| in fp32, folded into the owner's pending slot; NaN -> canonical NaN
 //           (which orders above +inf as an integer, so one atomicMax folds it);
+//   clips:  with a saturation counter, the elements with |v| > max (NaN not) added to the
+//           owner's count, the elements quantized to its total (one atomicAdd per CTA);
 //   update: history roll, max|most_recent, scale = fmax / amax / 2^margin, descale = 1/scale
 //           (IEEE divisions), guarded against zero or non-finite amax.
 // Every launch runs on the current stream; no kernel or wrapper synchronizes the host.
@@ -23,10 +25,12 @@ at::Tensor quantize_fp8_cuda(const at::Tensor& x, const at::Tensor& scale, at::S
 }
 
 at::Tensor quantize_fp8_record_amax_cuda(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& amax_pending,
-                                         int64_t slot, at::ScalarType dtype) {
+                                         int64_t slot, at::ScalarType dtype,
+                                         const c10::optional<at::Tensor>& saturation) {
   check_input(x, dtype);
   check_scalar(scale, "scale", x);
-  return launch_quantize(x, scale, dtype, pending_cell(amax_pending, slot, x));
+  float* cell = pending_cell(amax_pending, slot, x);
+  return launch_quantize(x, scale, dtype, cell, false, clip_cells(saturation, slot, amax_pending, x));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -280,7 +284,7 @@ template <typename T, bool E4M3, bool COLSUM>
 __global__ void __launch_bounds__(256) quantize_t_kernel(const T* __restrict__ x, uint8_t* __restrict__ q,
                                                           uint8_t* __restrict__ qt, float* __restrict__ partial,
                                                           const float* __restrict__ scale_ptr, float* amax_slot,
-                                                          int64_t R, int64_t C, bool vec_ok) {
+                                                          int64_t R, int64_t C, bool vec_ok, ClipCells cells) {
   constexpr int EPL = 16 / sizeof(T);
   constexpr int LPR = kTile / EPL;
   constexpr int RPP = 256 / LPR;
@@ -293,6 +297,7 @@ __global__ void __launch_bounds__(256) quantize_t_kernel(const T* __restrict__ x
   const bool full = vec_ok && r0 + kTile <= R && c0 + kTile <= C;
   const float scale = *scale_ptr;
   float amax = 0.0f;
+  uint32_t clips = 0;
   float acc[EPL];
 #pragma unroll
   for (int e = 0; e < EPL; ++e) acc[e] = 0.0f;
@@ -305,7 +310,7 @@ __global__ void __launch_bounds__(256) quantize_t_kernel(const T* __restrict__ x
     for (int j = 0; j < P; ++j) {
       const int row = i + RPP * j;
       uint32_t words[WPL];
-      Codec<T>::template encode<E4M3, true>(raw[j], scale, words, m);
+      Codec<T>::template encode<E4M3, true>(raw[j], scale, words, m, clips);
       uint8_t* dst = q + (r0 + row) * C + c0 + g * EPL;
       if constexpr (WPL == 2) {
         *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
@@ -332,7 +337,9 @@ __global__ void __launch_bounds__(256) quantize_t_kernel(const T* __restrict__ x
         const bool in = r0 + row < R && c0 + col < C;
         const float v = in ? to_f32<T>(x[(r0 + row) * C + c0 + col]) : 0.0f;
         amax = fmax_nan(amax, fabsf(v));
-        const uint8_t code = encode1<E4M3>(v * scale);
+        const float sv = v * scale;  // (0 outside x: never clips)
+        clips += clips2<E4M3>(sv, 0.0f);
+        const uint8_t code = encode1<E4M3>(sv);
         if (in) q[(r0 + row) * C + c0 + col] = code;
         tile_bytes[tile_byte(row, col)] = code;
         if (COLSUM) acc[e] += v;
@@ -356,6 +363,7 @@ __global__ void __launch_bounds__(256) quantize_t_kernel(const T* __restrict__ x
     if (c0 + t < C) partial[int64_t(blockIdx.x) * C + c0 + t] = s;
   }
   block_fold_amax<256>(amax, amax_slot);  // fp8state_common.cuh
+  block_add_clips<256>(clips, cells, R * C);
 }
 
 // out[c] = the partials of column c summed over the row tiles in order, from +0.0; NaN canonical.
@@ -372,11 +380,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_t_record_amax_cuda(c
                                                                               const at::Tensor& scale,
                                                                               const at::Tensor& amax_pending,
                                                                               int64_t slot, at::ScalarType dtype,
-                                                                              bool column_sum) {
+                                                                              bool column_sum,
+                                                                              const c10::optional<at::Tensor>& saturation) {
   check_input(x_in, dtype);
   FP8S_CHECK(x_in.dim() == 2, "x.dim()", "2", x_in.dim());
   check_scalar(scale, "scale", x_in);
   float* cell = pending_cell(amax_pending, slot, x_in);
+  const ClipCells cells = clip_cells(saturation, slot, amax_pending, x_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   const int64_t R = x.size(0), C = x.size(1);
@@ -401,7 +411,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_t_record_amax_cuda(c
   float* pp = column_sum ? partial.data_ptr<float>() : nullptr;
 #define FP8S_QT(T, E, S)                                                                                     \
   quantize_t_kernel<T, E, S><<<grid, 256, 0, stream>>>(reinterpret_cast<const T*>(x.data_ptr()), qp, qtp, pp, \
-                                                       scale.data_ptr<float>(), cell, R, C, vec_ok)
+                                                       scale.data_ptr<float>(), cell, R, C, vec_ok, cells)
 #define FP8S_QT_BY_FLAGS(T)      \
   if (e4m3 && column_sum)        \
     FP8S_QT(T, true, true);      \

@@ -16,10 +16,12 @@ at::Tensor gelu_quantize_fp8_cuda(const at::Tensor& x, const at::Tensor& scale, 
 }
 
 at::Tensor gelu_quantize_fp8_record_amax_cuda(const at::Tensor& x, const at::Tensor& scale,
-                                              const at::Tensor& amax_pending, int64_t slot, at::ScalarType dtype) {
+                                              const at::Tensor& amax_pending, int64_t slot, at::ScalarType dtype,
+                                              const c10::optional<at::Tensor>& saturation) {
   check_input(x, dtype);
   check_scalar(scale, "scale", x);
-  return launch_quantize(x, scale, dtype, pending_cell(amax_pending, slot, x), true);
+  float* cell = pending_cell(amax_pending, slot, x);
+  return launch_quantize(x, scale, dtype, cell, true, clip_cells(saturation, slot, amax_pending, x));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -52,13 +54,15 @@ __global__ void __launch_bounds__(kLnThreads)
     layer_norm_quantize_kernel(const T* __restrict__ x, const float* __restrict__ weight,
                                const float* __restrict__ bias, float eps, uint8_t* __restrict__ out,
                                float* __restrict__ mean_out, float* __restrict__ rstd_out,
-                               const float* __restrict__ scale_ptr, float* amax_slot, int64_t rows, int d) {
+                               const float* __restrict__ scale_ptr, float* amax_slot, int64_t rows, int d,
+                               ClipCells cells) {
   constexpr int V = 16 / sizeof(T);
   __shared__ float s_part[kLnWarps];
   const int nchunks = d / V;
   const float scale = *scale_ptr;
   const float fd = float(d);
   float amax = 0.0f;
+  uint32_t clips = 0;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const uint4* xr = reinterpret_cast<const uint4*>(x + row * d);
     float v[K][V];
@@ -117,8 +121,10 @@ __global__ void __launch_bounds__(kLnThreads)
         uint32_t words[V / 4];
 #pragma unroll
         for (int i = 0; i < V; i += 4) {
-          const uint32_t lo = encode2<E4M3>(y[i] * scale, y[i + 1] * scale);
-          const uint32_t hi = encode2<E4M3>(y[i + 2] * scale, y[i + 3] * scale);
+          const float s0 = y[i] * scale, s1 = y[i + 1] * scale, s2 = y[i + 2] * scale, s3 = y[i + 3] * scale;
+          clips += clips2<E4M3>(s0, s1) + clips2<E4M3>(s2, s3);
+          const uint32_t lo = encode2<E4M3>(s0, s1);
+          const uint32_t hi = encode2<E4M3>(s2, s3);
           words[i / 4] = nan_fix4<E4M3>(lo | (hi << 16));
         }
         uint8_t* o = out + row * d + int64_t(c) * V;
@@ -131,12 +137,13 @@ __global__ void __launch_bounds__(kLnThreads)
     }
   }
   if (amax_slot != nullptr) block_fold_amax<kLnThreads>(amax, amax_slot);  // fp8state_common.cuh
+  block_add_clips<kLnThreads>(clips, cells, rows * int64_t(d));
 }
 
 template <typename T, bool E4M3, int K>
 void launch_layer_norm(const at::Tensor& x, const float* w, const float* b, float eps, const at::Tensor& out,
                        const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& scale, float* slot,
-                       int64_t rows, int d) {
+                       int64_t rows, int d, ClipCells cells) {
   static int resident = -1;
   if (resident < 0) {
     int per_sm = 0;
@@ -147,7 +154,7 @@ void launch_layer_norm(const at::Tensor& x, const float* w, const float* b, floa
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>(rows, resident)));
   layer_norm_quantize_kernel<T, E4M3, K><<<grid, kLnThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const T*>(x.data_ptr()), w, b, eps, reinterpret_cast<uint8_t*>(out.data_ptr()),
-      mean.data_ptr<float>(), rstd.data_ptr<float>(), scale.data_ptr<float>(), slot, rows, d);
+      mean.data_ptr<float>(), rstd.data_ptr<float>(), scale.data_ptr<float>(), slot, rows, d, cells);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -155,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_quantize(const at::Ten
                                                                    const c10::optional<at::Tensor>& weight,
                                                                    const c10::optional<at::Tensor>& bias, double eps,
                                                                    const at::Tensor& scale, at::ScalarType dtype,
-                                                                   float* slot) {
+                                                                   float* slot, ClipCells cells = {}) {
   check_input(x_in, dtype);
   check_scalar(scale, "scale", x_in);
   FP8S_CHECK(x_in.dim() >= 1, "x.dim()", ">= 1", x_in.dim());
@@ -183,9 +190,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_quantize(const at::Ten
   const bool wide = d / V > 2 * kLnThreads;  // more than 2 chunks a thread: the 8-chunk variant
 #define FP8S_LN(T, E)                                                                                          \
   if (wide)                                                                                                    \
-    launch_layer_norm<T, E, 8>(x, w, b, float(eps), out, mean, rstd, scale, slot, rows, int(d));             \
+    launch_layer_norm<T, E, 8>(x, w, b, float(eps), out, mean, rstd, scale, slot, rows, int(d), cells);      \
   else                                                                                                         \
-    launch_layer_norm<T, E, 2>(x, w, b, float(eps), out, mean, rstd, scale, slot, rows, int(d));
+    launch_layer_norm<T, E, 2>(x, w, b, float(eps), out, mean, rstd, scale, slot, rows, int(d), cells);
 #define FP8S_LN_T(T) \
   if (e4m3) {        \
     FP8S_LN(T, true) \
@@ -218,13 +225,15 @@ template <typename T, bool E4M3, int K>
 __global__ void __launch_bounds__(kLnThreads)
     rms_norm_quantize_kernel(const T* __restrict__ x, const float* __restrict__ weight, float eps,
                              uint8_t* __restrict__ out, float* __restrict__ rstd_out,
-                             const float* __restrict__ scale_ptr, float* amax_slot, int64_t rows, int d) {
+                             const float* __restrict__ scale_ptr, float* amax_slot, int64_t rows, int d,
+                             ClipCells cells) {
   constexpr int V = 16 / sizeof(T);
   __shared__ float s_part[kLnWarps];
   const int nchunks = d / V;
   const float scale = *scale_ptr;
   const float fd = float(d);
   float amax = 0.0f;
+  uint32_t clips = 0;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const uint4* xr = reinterpret_cast<const uint4*>(x + row * d);
     float v[K][V];
@@ -265,8 +274,10 @@ __global__ void __launch_bounds__(kLnThreads)
         uint32_t words[V / 4];
 #pragma unroll
         for (int i = 0; i < V; i += 4) {
-          const uint32_t lo = encode2<E4M3>(y[i] * scale, y[i + 1] * scale);
-          const uint32_t hi = encode2<E4M3>(y[i + 2] * scale, y[i + 3] * scale);
+          const float s0 = y[i] * scale, s1 = y[i + 1] * scale, s2 = y[i + 2] * scale, s3 = y[i + 3] * scale;
+          clips += clips2<E4M3>(s0, s1) + clips2<E4M3>(s2, s3);
+          const uint32_t lo = encode2<E4M3>(s0, s1);
+          const uint32_t hi = encode2<E4M3>(s2, s3);
           words[i / 4] = nan_fix4<E4M3>(lo | (hi << 16));
         }
         uint8_t* o = out + row * d + int64_t(c) * V;
@@ -279,11 +290,12 @@ __global__ void __launch_bounds__(kLnThreads)
     }
   }
   if (amax_slot != nullptr) block_fold_amax<kLnThreads>(amax, amax_slot);  // fp8state_common.cuh
+  block_add_clips<kLnThreads>(clips, cells, rows * int64_t(d));
 }
 
 template <typename T, bool E4M3, int K>
 void launch_rms_norm(const at::Tensor& x, const float* w, float eps, const at::Tensor& out, const at::Tensor& rstd,
-                     const at::Tensor& scale, float* slot, int64_t rows, int d) {
+                     const at::Tensor& scale, float* slot, int64_t rows, int d, ClipCells cells) {
   static int resident = -1;
   if (resident < 0) {
     int per_sm = 0;
@@ -294,7 +306,7 @@ void launch_rms_norm(const at::Tensor& x, const float* w, float eps, const at::T
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>(rows, resident)));
   rms_norm_quantize_kernel<T, E4M3, K><<<grid, kLnThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const T*>(x.data_ptr()), w, eps, reinterpret_cast<uint8_t*>(out.data_ptr()),
-      rstd.data_ptr<float>(), scale.data_ptr<float>(), slot, rows, d);
+      rstd.data_ptr<float>(), scale.data_ptr<float>(), slot, rows, d, cells);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -318,7 +330,7 @@ int64_t check_rms_norm_input(const at::Tensor& x, double eps, const at::Tensor& 
 // After check_rms_norm_input (and the amax_pending cell's check, for slot).
 std::tuple<at::Tensor, at::Tensor> rms_norm_quantize(const at::Tensor& x_in, const c10::optional<at::Tensor>& weight,
                                                      double eps, const at::Tensor& scale, at::ScalarType dtype,
-                                                     float* slot, int64_t d) {
+                                                     float* slot, int64_t d, ClipCells cells = {}) {
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = contiguous16(x_in);
   at::Tensor keep_w;
@@ -334,9 +346,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_quantize(const at::Tensor& x_in, con
   const bool wide = d / V > 2 * kLnThreads;  // more than 2 chunks a thread: the 8-chunk variant
 #define FP8S_RMS(T, E)                                                                   \
   if (wide)                                                                              \
-    launch_rms_norm<T, E, 8>(x, w, float(eps), out, rstd, scale, slot, rows, int(d));   \
+    launch_rms_norm<T, E, 8>(x, w, float(eps), out, rstd, scale, slot, rows, int(d), cells); \
   else                                                                                   \
-    launch_rms_norm<T, E, 2>(x, w, float(eps), out, rstd, scale, slot, rows, int(d));
+    launch_rms_norm<T, E, 2>(x, w, float(eps), out, rstd, scale, slot, rows, int(d), cells);
 #define FP8S_RMS_T(T)  \
   if (e4m3) {          \
     FP8S_RMS(T, true)  \
@@ -368,11 +380,12 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_quantize_fp8_cuda(const at::Tensor& 
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_quantize_fp8_record_amax_cuda(
     const at::Tensor& x, const c10::optional<at::Tensor>& weight, double eps, const at::Tensor& scale,
-    const at::Tensor& amax_pending, int64_t slot, at::ScalarType dtype) {
+    const at::Tensor& amax_pending, int64_t slot, at::ScalarType dtype, const c10::optional<at::Tensor>& saturation) {
   const int64_t d = check_rms_norm_input(x, eps, scale, dtype);
   at::Tensor keep_w;
   ln_affine(weight, "weight", x, d, keep_w);  // (checked before the amax_pending cell, as library_rms does)
-  return rms_norm_quantize(x, weight, eps, scale, dtype, pending_cell(amax_pending, slot, x), d);
+  float* cell = pending_cell(amax_pending, slot, x);
+  return rms_norm_quantize(x, weight, eps, scale, dtype, cell, d, clip_cells(saturation, slot, amax_pending, x));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_quantize_fp8_cuda(
@@ -383,9 +396,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_quantize_fp8_cuda(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_quantize_fp8_record_amax_cuda(
     const at::Tensor& x, const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias, double eps,
-    const at::Tensor& scale, const at::Tensor& amax_pending, int64_t slot, at::ScalarType dtype) {
+    const at::Tensor& scale, const at::Tensor& amax_pending, int64_t slot, at::ScalarType dtype,
+    const c10::optional<at::Tensor>& saturation) {
   check_input(x, dtype);
-  return layer_norm_quantize(x, weight, bias, eps, scale, dtype, pending_cell(amax_pending, slot, x));
+  float* cell = pending_cell(amax_pending, slot, x);
+  return layer_norm_quantize(x, weight, bias, eps, scale, dtype, cell, clip_cells(saturation, slot, amax_pending, x));
 }
 
 }  // namespace

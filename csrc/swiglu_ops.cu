@@ -44,17 +44,23 @@ __device__ __forceinline__ void store_t(T* __restrict__ p, const float (&f)[W]) 
 }
 
 // The W codes of y * scale at p (one byte, or 4 / 8 bytes packed low byte first).
+// Adds to ``clips`` how many of them clip (clips2).
 template <bool E4M3, int W>
-__device__ __forceinline__ void store_codes(uint8_t* __restrict__ p, const float (&y)[W], float scale) {
+__device__ __forceinline__ void store_codes(uint8_t* __restrict__ p, const float (&y)[W], float scale,
+                                            uint32_t& clips) {
   if constexpr (W == 1) {
-    p[0] = encode1<E4M3>(y[0] * scale);
+    const float v = y[0] * scale;
+    clips += clips2<E4M3>(v, 0.0f);
+    p[0] = encode1<E4M3>(v);
   } else {
     static_assert(W == 4 || W == 8, "store_codes: 1, 4 or 8 codes");
     uint32_t words[W / 4];
 #pragma unroll
     for (int i = 0; i < W; i += 4) {
-      const uint32_t lo = encode2<E4M3>(y[i] * scale, y[i + 1] * scale);
-      const uint32_t hi = encode2<E4M3>(y[i + 2] * scale, y[i + 3] * scale);
+      const float s0 = y[i] * scale, s1 = y[i + 1] * scale, s2 = y[i + 2] * scale, s3 = y[i + 3] * scale;
+      clips += clips2<E4M3>(s0, s1) + clips2<E4M3>(s2, s3);
+      const uint32_t lo = encode2<E4M3>(s0, s1);
+      const uint32_t hi = encode2<E4M3>(s2, s3);
       words[i / 4] = nan_fix4<E4M3>(lo | (hi << 16));
     }
     if constexpr (W == 4) {
@@ -70,9 +76,10 @@ __device__ __forceinline__ void store_codes(uint8_t* __restrict__ p, const float
 template <typename T, bool E4M3, bool RECORD, int W>
 __global__ void __launch_bounds__(kThreads)
     swiglu_quantize_kernel(const T* __restrict__ h, uint8_t* __restrict__ out, const float* __restrict__ scale_ptr,
-                           float* amax_slot, int64_t items, int64_t per_row, int64_t inter) {
+                           float* amax_slot, int64_t items, int64_t per_row, int64_t inter, ClipCells cells) {
   const float scale = *scale_ptr;
   float amax = 0.0f;
+  uint32_t clips = 0;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < items; i += stride) {
     const int64_t row = i / per_row;
@@ -85,9 +92,10 @@ __global__ void __launch_bounds__(kThreads)
       y[e] = fp8state_swiglu::swiglu(g[e], u[e]);
       if (RECORD) amax = fmax_nan(amax, fabsf(y[e]));
     }
-    store_codes<E4M3, W>(out + i * W, y, scale);
+    store_codes<E4M3, W>(out + i * W, y, scale, clips);
   }
   if (RECORD) block_fold_amax<kThreads>(amax, amax_slot);  // fp8state_common.cuh
+  if (RECORD) block_add_clips<kThreads>(clips, cells, items * W);
 }
 
 // The same items; dy is [rows, I], dh [rows, 2I] like h.
@@ -112,7 +120,7 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T, bool E4M3, bool RECORD>
 void launch_swiglu_quantize(const at::Tensor& h, const at::Tensor& out, const at::Tensor& scale, float* slot,
-                            int64_t rows, int64_t inter, cudaStream_t stream) {
+                            int64_t rows, int64_t inter, cudaStream_t stream, ClipCells cells) {
   constexpr int W = 16 / sizeof(T);
   const T* hp = reinterpret_cast<const T*>(h.data_ptr());
   uint8_t* op = reinterpret_cast<uint8_t*>(out.data_ptr());
@@ -120,11 +128,11 @@ void launch_swiglu_quantize(const at::Tensor& h, const at::Tensor& out, const at
   if (inter % W == 0) {
     const int64_t items = rows * (inter / W);
     swiglu_quantize_kernel<T, E4M3, RECORD, W><<<grid_for(items), kThreads, 0, stream>>>(hp, op, sp, slot, items,
-                                                                                          inter / W, inter);
+                                                                                          inter / W, inter, cells);
   } else {
     const int64_t items = rows * inter;
     swiglu_quantize_kernel<T, E4M3, RECORD, 1><<<grid_for(items), kThreads, 0, stream>>>(hp, op, sp, slot, items,
-                                                                                          inter, inter);
+                                                                                          inter, inter, cells);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -170,7 +178,7 @@ int64_t check_swiglu_args(const at::Tensor& h, const at::Tensor& scale, at::Scal
 
 // After check_swiglu_args (and the amax_pending cell's check, for slot).
 at::Tensor swiglu_quantize(const at::Tensor& h_in, const at::Tensor& scale, at::ScalarType dtype, float* slot,
-                           int64_t inter) {
+                           int64_t inter, ClipCells cells = {}) {
   const c10::cuda::CUDAGuard guard(h_in.device());
   const at::Tensor h = contiguous16(h_in);
   std::vector<int64_t> shape(h.sizes().begin(), h.sizes().end() - 1);
@@ -182,13 +190,13 @@ at::Tensor swiglu_quantize(const at::Tensor& h_in, const at::Tensor& scale, at::
   const bool e4m3 = dtype == at::kFloat8_e4m3fn, record = slot != nullptr;
 #define FP8S_SWIGLU(T)                                                              \
   if (e4m3 && record)                                                               \
-    launch_swiglu_quantize<T, true, true>(h, out, scale, slot, rows, inter, stream);   \
+    launch_swiglu_quantize<T, true, true>(h, out, scale, slot, rows, inter, stream, cells);   \
   else if (e4m3)                                                                    \
-    launch_swiglu_quantize<T, true, false>(h, out, scale, slot, rows, inter, stream);  \
+    launch_swiglu_quantize<T, true, false>(h, out, scale, slot, rows, inter, stream, cells);  \
   else if (record)                                                                  \
-    launch_swiglu_quantize<T, false, true>(h, out, scale, slot, rows, inter, stream);  \
+    launch_swiglu_quantize<T, false, true>(h, out, scale, slot, rows, inter, stream, cells);  \
   else                                                                              \
-    launch_swiglu_quantize<T, false, false>(h, out, scale, slot, rows, inter, stream);
+    launch_swiglu_quantize<T, false, false>(h, out, scale, slot, rows, inter, stream, cells);
   switch (h.scalar_type()) {
     case at::kFloat:
       FP8S_SWIGLU(float);
@@ -210,9 +218,11 @@ at::Tensor swiglu_quantize_fp8_cuda(const at::Tensor& h, const at::Tensor& scale
 }
 
 at::Tensor swiglu_quantize_fp8_record_amax_cuda(const at::Tensor& h, const at::Tensor& scale,
-                                                const at::Tensor& amax_pending, int64_t slot, at::ScalarType dtype) {
+                                                const at::Tensor& amax_pending, int64_t slot, at::ScalarType dtype,
+                                                const c10::optional<at::Tensor>& saturation) {
   const int64_t inter = check_swiglu_args(h, scale, dtype);
-  return swiglu_quantize(h, scale, dtype, pending_cell(amax_pending, slot, h), inter);
+  float* cell = pending_cell(amax_pending, slot, h);
+  return swiglu_quantize(h, scale, dtype, cell, inter, clip_cells(saturation, slot, amax_pending, h));
 }
 
 at::Tensor swiglu_backward_cuda(const at::Tensor& grad_y_in, const at::Tensor& h_in) {

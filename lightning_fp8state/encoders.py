@@ -199,32 +199,34 @@ class Prologue:
         self.stats, self.fused = (mean, rstd), False
         return y
 
-    def encode(self, x: torch.Tensor, scale, dtype, amax_pending=None, slot: int = 0) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, scale, dtype, amax_pending=None, slot: int = 0, saturation=None) -> torch.Tensor:
         """FP8 codes of the prologue's output (recording its amax into ``amax_pending[slot]``
-        when given): fused where a kernel takes the shape, else applied, then quantized.
+        when given, and its clips into ``saturation[:, slot]`` when given too): fused where a
+        kernel takes the shape, else applied, then quantized.
         Without autograd (the linear call's Function runs with gradients off already: then no
         context is entered)."""
         if torch.is_grad_enabled():
             with torch.no_grad():
-                return self._encode(x, scale, dtype, amax_pending, slot)
-        return self._encode(x, scale, dtype, amax_pending, slot)
+                return self._encode(x, scale, dtype, amax_pending, slot, saturation)
+        return self._encode(x, scale, dtype, amax_pending, slot, saturation)
 
-    def _encode(self, x: torch.Tensor, scale, dtype, amax_pending, slot: int) -> torch.Tensor:
+    def _encode(self, x: torch.Tensor, scale, dtype, amax_pending, slot: int, sat) -> torch.Tensor:
         if not self.fusable(x):
             y = self.apply(x)
             if amax_pending is None:
                 return ops.quantize_fp8(y, scale, dtype)
-            return ops.quantize_fp8_record_amax(y, scale, amax_pending, slot, dtype)
+            return ops.quantize_fp8_record_amax(y, scale, amax_pending, slot, dtype, sat)
         if self.kind == "gelu":
-            return ops.gelu_quantize_fp8(x, scale, dtype, amax_pending, slot)
+            return ops.gelu_quantize_fp8(x, scale, dtype, amax_pending, slot, sat)
         if self.kind == "swiglu":
-            return ops.swiglu_quantize_fp8(x, scale, dtype, amax_pending, slot)
+            return ops.swiglu_quantize_fp8(x, scale, dtype, amax_pending, slot, sat)
         if self.kind == "rms_norm":
-            q, rstd = ops.rms_norm_quantize_fp8(x, _float32(self.weight), self.eps, scale, dtype, amax_pending, slot)
+            w = _float32(self.weight)
+            q, rstd = ops.rms_norm_quantize_fp8(x, w, self.eps, scale, dtype, amax_pending, slot, sat)
             self.stats, self.fused = (rstd,), True
             return q
         q, mean, rstd = ops.layer_norm_quantize_fp8(
-            x, self.weight, self.bias, self.eps, scale, dtype, amax_pending, slot
+            x, self.weight, self.bias, self.eps, scale, dtype, amax_pending, slot, sat
         )
         self.stats, self.fused = (mean, rstd), True
         return q
@@ -289,10 +291,11 @@ class Fp8Encoder:
     def encode_record(
         self, x: torch.Tensor, snap: QuantSnapshot, bank: StateBank, index: int, prologue: Prologue | None = None
     ):
-        """Encode with ``snap`` and fold the amax into owner ``index``'s pending slot."""
+        """Encode with ``snap``, fold the amax into owner ``index``'s pending slot and count
+        its clipped elements into ``bank.saturation`` (in the kernel: no host work)."""
         if prologue is not None:
-            return prologue.encode(x, snap.scale, self.dtype, bank.amax_pending, index)
-        return ops.quantize_fp8_record_amax(x, snap.scale, bank.amax_pending, index, self.dtype)
+            return prologue.encode(x, snap.scale, self.dtype, bank.amax_pending, index, bank.saturation)
+        return ops.quantize_fp8_record_amax(x, snap.scale, bank.amax_pending, index, self.dtype, bank.saturation)
 
 
 class CastTranspose:
@@ -316,7 +319,7 @@ class CastTranspose:
         """What the owner's scale covers: the tensor itself."""
         return x
 
-    def encode(self, x: torch.Tensor, scale, dtype, amax_pending=None, slot: int = 0):
+    def encode(self, x: torch.Tensor, scale, dtype, amax_pending=None, slot: int = 0, saturation=None):
         require_that(
             amax_pending is not None,
             "CastTranspose.encode(amax_pending)",
@@ -326,9 +329,13 @@ class CastTranspose:
         )
         if torch.is_grad_enabled():  # (a backward runs with gradients off: no context to enter)
             with torch.no_grad():
-                q, q_t, sums = ops.quantize_fp8_t_record_amax(x, scale, amax_pending, slot, dtype, self.column_sum)
+                q, q_t, sums = ops.quantize_fp8_t_record_amax(
+                    x, scale, amax_pending, slot, dtype, self.column_sum, saturation
+                )
         else:
-            q, q_t, sums = ops.quantize_fp8_t_record_amax(x, scale, amax_pending, slot, dtype, self.column_sum)
+            q, q_t, sums = ops.quantize_fp8_t_record_amax(
+                x, scale, amax_pending, slot, dtype, self.column_sum, saturation
+            )
         return q, q_t, (sums if self.column_sum else None)
 
 

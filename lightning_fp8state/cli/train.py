@@ -187,7 +187,6 @@ def _telemetry(cfg: DictConfig, run_dir: Path):
         log_every_n_steps=cfg.telemetry.log_every_n_steps,
         clip_threshold=t.gradient_clip_val if clip_here else None,
         apply_clipping=clip_here,
-        saturation=not t.cuda_graphs,  # the saturation count runs Python per call: a replay does not
     )
 
 

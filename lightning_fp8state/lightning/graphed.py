@@ -27,8 +27,8 @@ step. :class:`~lightning_fp8state.GraphedStep` removes it by capturing one event
 Refused, with a message that names what to change: automatic optimization, a world size above
 one, more than one optimizer, a learning-rate scheduler not stepped every optimizer step
 (``interval="step"``, ``frequency=1``, no ``ReduceLROnPlateau``: this class steps them), an
-auditor (the recompute audit and the telemetry's saturation count run Python per call, which a
-replay does not). Shapes and dtypes of the batch are fixed
+auditor (the recompute audit runs Python per call, which a replay does not; the telemetry's
+saturation counts are kept by the quantize kernels, so they are the same replayed). Shapes and dtypes of the batch are fixed
 at the capture (``drop_last=True``). Gradient accumulation is refused by Lightning itself under
 manual optimization (each replay writes the gradients afresh: they could not accumulate anyway).
 """
@@ -66,7 +66,7 @@ class GraphedTrainingStep:
                 return torch.optim.AdamW(self.parameters(), fused=True)
 
         Trainer(accelerator="gpu", devices=1, precision="bf16-mixed",
-                callbacks=[Fp8StateCallback(), TelemetryCallback(saturation=False)])
+                callbacks=[Fp8StateCallback(), TelemetryCallback()])
 
     Args:
         module: the LightningModule that owns this step; it is switched to manual
@@ -132,7 +132,7 @@ class GraphedTrainingStep:
             names = sorted({_AUDITOR_SOURCES.get(type(a).__name__, type(a).__name__) for a in auditors})
             raise ConfigError(
                 f"GraphedTrainingStep with {', '.join(names)} is not supported: it runs Python on every quantized "
-                "call, which a replay does not; audit and measure saturation in a run without graphs"
+                "call, which a replay does not; audit in a run without graphs"
             )
         self._checked = True
 
@@ -198,7 +198,6 @@ class GraphedTrainingStep:
 # where the auditors a replay cannot serve come from, to name the setting to change
 _AUDITOR_SOURCES = {
     "RecomputeAuditor": "Fp8StateCallback(audit=True)",
-    "SaturationProbe": "TelemetryCallback(saturation=True)",
 }
 
 

@@ -63,10 +63,25 @@ class Fp8StateDDPStrategy(Fp8StateStrategyContract, DDPStrategy):
 
     Registered as ``fp8state_ddp`` (subprocess launch, like ``ddp``) and
     ``fp8state_ddp_spawn`` (``start_method="spawn"``). Takes every ``DDPStrategy`` argument.
+
+    Args:
+        dynamo_ddp_optimizer: leave ``torch._dynamo.config.optimize_ddp`` as it is (True:
+            dynamo's DDPOptimizer). By default (False) setup turns it off. A module compiled inside
+            DDP's forward (the CLI compiles each block) is split at DDP's bucket boundaries, a
+            checkpointed block's recompute (outside DDP's forward) may compile it unsplit, and the
+            two then save the same tensors in another order: torch's checkpoint refuses the
+            backward (measured on the H200: the 1B Llama recipe, compiled, under fp8state_ddp).
+            Unsplit, each compiled block's gradients reach DDP's buckets as the block's backward
+            ends.
     """
 
     strategy_name = "fp8state_ddp"
     compiles_blocks = True
+
+    def __init__(self, *args: Any, dynamo_ddp_optimizer: bool = False, **kwargs: Any) -> None:
+        require_bool("dynamo_ddp_optimizer", dynamo_ddp_optimizer)
+        super().__init__(*args, **kwargs)
+        self.dynamo_ddp_optimizer = dynamo_ddp_optimizer
 
     @classmethod
     def from_cli(cls, strategy_cfg: Any) -> Fp8StateDDPStrategy:
@@ -76,6 +91,8 @@ class Fp8StateDDPStrategy(Fp8StateStrategyContract, DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         _require_callback(trainer, self.strategy_name)
+        if not self.dynamo_ddp_optimizer:
+            torch._dynamo.config.optimize_ddp = False
         super().setup(trainer)
 
     @classmethod

@@ -104,7 +104,8 @@ class TelemetryCallback(Callback):
         state: the ``Fp8State`` to report on (default: the one driving the model's
             converted layers, if any).
         dominant_by: ``"layer"`` or ``"parameter"``.
-        saturation: count saturated elements per owner on log steps.
+        saturation: report each owner's saturated fraction over the logging window (counted
+            by the quantize kernels on the device: eager and CUDA graph replays alike).
         per_owner: per-owner quantizer keys (scales, amaxes, saturation).
         per_expert: per-expert keys of the model's mixture-of-experts layers: tokens per expert
             and idle experts per step, scales and amaxes by expert on log steps (read from the

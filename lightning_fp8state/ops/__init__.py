@@ -19,6 +19,7 @@ from . import library_swiglu as _library_swiglu  # noqa: F401  (the SwiGLU prolo
 from . import reference_rms as _reference_rms
 from .reference import (
     amax_reference,
+    clip_count_reference,
     column_sum_reference,
     dequantize_fp8_reference,
     quantize_fp8_reference,
@@ -42,6 +43,7 @@ from .reference_fp4 import (
 __all__ = [
     "amax_reference",
     "block_scale_values_reference",
+    "clip_count_reference",
     "cuda",
     "center_stats_reference",
     "column_sum_reference",
@@ -105,11 +107,18 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
 
 
 def quantize_fp8_record_amax(
-    x: torch.Tensor, scale: torch.Tensor, amax_pending: torch.Tensor, slot: int, dtype: torch.dtype
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax_pending: torch.Tensor,
+    slot: int,
+    dtype: torch.dtype,
+    saturation: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Encode ``x`` as FP8 and fold ``max|x|`` into ``amax_pending[slot]`` (NaN sticks)."""
+    """Encode ``x`` as FP8 and fold ``max|x|`` into ``amax_pending[slot]`` (NaN sticks); with
+    ``saturation`` (int64 ``[2, amax_pending.numel()]``), add the elements that clip and the
+    elements encoded to its column ``slot`` (see ``library.SATURATION_ARG``)."""
     _on_cuda(x)
-    return _ops.quantize_fp8_record_amax(x, scale, amax_pending, slot, dtype)
+    return _ops.quantize_fp8_record_amax(x, scale, amax_pending, slot, dtype, saturation)
 
 
 def gelu_quantize_fp8(
@@ -118,13 +127,14 @@ def gelu_quantize_fp8(
     dtype: torch.dtype,
     amax_pending: torch.Tensor | None = None,
     slot: int = 0,
+    saturation: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``quantize_fp8(F.gelu(x), scale, dtype)`` in one pass (bit for bit the same codes);
     with ``amax_pending``, ``max|gelu(x)|`` is folded into ``amax_pending[slot]``."""
     _on_cuda(x)
     if amax_pending is None:
         return _ops.gelu_quantize_fp8(x, scale, dtype)
-    return _ops.gelu_quantize_fp8_record_amax(x, scale, amax_pending, slot, dtype)
+    return _ops.gelu_quantize_fp8_record_amax(x, scale, amax_pending, slot, dtype, saturation)
 
 
 def layer_norm_quantize_fp8(
@@ -136,6 +146,7 @@ def layer_norm_quantize_fp8(
     dtype: torch.dtype,
     amax_pending: torch.Tensor | None = None,
     slot: int = 0,
+    saturation: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """LayerNorm over the last dim (numerics: :mod:`.reference_fused`) written straight as FP8
     codes: ``(codes, mean, rstd)``; with ``amax_pending``, ``max|y|`` is folded into
@@ -143,7 +154,7 @@ def layer_norm_quantize_fp8(
     _on_cuda(x)
     if amax_pending is None:
         return _ops.layer_norm_quantize_fp8(x, weight, bias, eps, scale, dtype)
-    return _ops.layer_norm_quantize_fp8_record_amax(x, weight, bias, eps, scale, amax_pending, slot, dtype)
+    return _ops.layer_norm_quantize_fp8_record_amax(x, weight, bias, eps, scale, amax_pending, slot, dtype, saturation)
 
 
 def rms_norm_quantize_fp8(
@@ -154,6 +165,7 @@ def rms_norm_quantize_fp8(
     dtype: torch.dtype,
     amax_pending: torch.Tensor | None = None,
     slot: int = 0,
+    saturation: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim (numerics: :mod:`.reference_rms`; ``weight`` float32 or None)
     written straight as FP8 codes: ``(codes, rstd)``; with ``amax_pending``, ``max|y|`` is folded
@@ -161,7 +173,7 @@ def rms_norm_quantize_fp8(
     _on_cuda(x)
     if amax_pending is None:
         return _ops.rms_norm_quantize_fp8(x, weight, eps, scale, dtype)
-    return _ops.rms_norm_quantize_fp8_record_amax(x, weight, eps, scale, amax_pending, slot, dtype)
+    return _ops.rms_norm_quantize_fp8_record_amax(x, weight, eps, scale, amax_pending, slot, dtype, saturation)
 
 
 # Gradients (dx, dweight) of the RMSNorm from its rstd: the reference's signature and numerics.
@@ -174,6 +186,7 @@ def swiglu_quantize_fp8(
     dtype: torch.dtype,
     amax_pending: torch.Tensor | None = None,
     slot: int = 0,
+    saturation: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FP8 codes of ``silu(gate) * up`` (``[..., I]``) from ``h = [gate, up]`` (``[..., 2I]``),
     computed in float32 (numerics: :mod:`.reference_swiglu`) and rounded once; with
@@ -181,7 +194,7 @@ def swiglu_quantize_fp8(
     _on_cuda(h)
     if amax_pending is None:
         return _ops.swiglu_quantize_fp8(h, scale, dtype)
-    return _ops.swiglu_quantize_fp8_record_amax(h, scale, amax_pending, slot, dtype)
+    return _ops.swiglu_quantize_fp8_record_amax(h, scale, amax_pending, slot, dtype, saturation)
 
 
 def swiglu_backward(grad_y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -192,13 +205,19 @@ def swiglu_backward(grad_y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8_t_record_amax(
-    x: torch.Tensor, scale: torch.Tensor, amax_pending: torch.Tensor, slot: int, dtype: torch.dtype, column_sum: bool
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax_pending: torch.Tensor,
+    slot: int,
+    dtype: torch.dtype,
+    column_sum: bool,
+    saturation: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The 2-D ``x`` encoded as FP8 both ways, ``(codes [R, C], codes transposed [C, R], sums)``,
     from one read of ``x``; ``max|x|`` folded into ``amax_pending[slot]``. With ``column_sum``,
     ``sums`` is the float32 column sum of ``x`` (order: :func:`column_sum_reference`), else empty."""
     _on_cuda(x)
-    return _ops.quantize_fp8_t_record_amax(x, scale, amax_pending, slot, dtype, column_sum)
+    return _ops.quantize_fp8_t_record_amax(x, scale, amax_pending, slot, dtype, column_sum, saturation)
 
 
 def layer_norm_backward(

@@ -17,7 +17,15 @@ from ..config import AMAX_ALGOS, MARGIN_MAX, require_that
 from ..formats import FP8_FORMATS
 from . import reference as ref
 
-__all__ = ["LIB", "check_quantize_args", "check_update_args", "define_from", "register_fake_from"]
+__all__ = [
+    "LIB",
+    "SATURATION_ARG",
+    "check_quantize_args",
+    "check_update_args",
+    "count_clips",
+    "define_from",
+    "register_fake_from",
+]
 
 LIB = torch.library.Library("fp8state", "DEF")
 
@@ -61,9 +69,16 @@ def register_fake_from(name: str, signature):
     return register
 
 
+# The recording quantize ops' last argument: the owners' saturation counter ``int64 [2, owners]``
+# (row 0: elements clipped, ``|float32(x) * scale| > fmax``, an infinity included, NaN not; row 1:
+# elements quantized), whose column ``slot`` the op adds to in place, on the device, as it
+# records the amax: no host sync, so a CUDA graph replays it (bank.saturation; telemetry reads it).
+SATURATION_ARG = "Tensor(b!)? saturation=None"
+
 LIB.define("quantize_fp8(Tensor x, Tensor scale, ScalarType dtype) -> Tensor")
 LIB.define(
-    "quantize_fp8_record_amax(Tensor x, Tensor scale, Tensor(a!) amax_pending, int slot, ScalarType dtype) -> Tensor"
+    "quantize_fp8_record_amax(Tensor x, Tensor scale, Tensor(a!) amax_pending, int slot, ScalarType dtype, "
+    f"{SATURATION_ARG}) -> Tensor"
 )
 LIB.define("dequantize_fp8(Tensor q, Tensor descale, ScalarType dtype) -> Tensor")
 # the batched scale update: its arguments are the CPU reference's (one signature, read from it)
@@ -73,7 +88,7 @@ define_from("update_scales", ref.update_scales_reference, mutates_args=UPDATE_SC
 LIB.define("transpose_fp8(Tensor q) -> Tensor")
 LIB.define(
     "quantize_fp8_t_record_amax(Tensor x, Tensor scale, Tensor(a!) amax_pending, int slot, ScalarType dtype, "
-    "bool column_sum) -> (Tensor, Tensor, Tensor)"
+    f"bool column_sum, {SATURATION_ARG}) -> (Tensor, Tensor, Tensor)"
 )
 
 _FP8_DTYPES = tuple(f.dtype for f in FP8_FORMATS.values())
@@ -98,6 +113,28 @@ def _check_pending(amax_pending: torch.Tensor, slot: int, device: torch.device) 
     require_that(amax_pending.dim() == 1, "amax_pending.dim()", amax_pending.dim(), "1")
     require_that(amax_pending.device == device, "amax_pending.device", amax_pending.device, str(device))
     require_that(0 <= slot < amax_pending.numel(), "slot", slot, f"0 <= slot < {amax_pending.numel()}")
+
+
+def _check_saturation(saturation: torch.Tensor | None, amax_pending: torch.Tensor, device: torch.device) -> None:
+    if saturation is None:
+        return
+    want = (2, amax_pending.numel())
+    require_that(saturation.dtype == torch.int64, "saturation.dtype", saturation.dtype, "torch.int64")
+    require_that(saturation.dim() == 2, "saturation.dim()", saturation.dim(), "2")
+    require_that(tuple(saturation.shape) == want, "saturation.shape", tuple(saturation.shape), str(want))
+    require_that(saturation.device == device, "saturation.device", saturation.device, str(device))
+
+
+def count_clips(
+    saturation: torch.Tensor | None, slot: int, y: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> None:
+    """Add the encode of ``y`` (the values the op quantizes) to column ``slot`` of the
+    ``saturation`` counter: its clipped elements (:func:`~.reference.clip_count_reference`) to
+    row 0, its element count to row 1. Nothing without a counter."""
+    if saturation is None:
+        return
+    counts = torch.stack([ref.clip_count_reference(y, scale, dtype), torch.tensor(y.numel(), device=y.device)])
+    saturation[:, slot].add_(counts.to(saturation.device))
 
 
 _UPDATE_SIGNATURE = inspect.signature(ref.update_scales_reference)
@@ -138,12 +175,19 @@ def _quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 
 @torch.library.impl(LIB, "quantize_fp8_record_amax", "CompositeExplicitAutograd")
 def _quantize_fp8_record_amax(
-    x: torch.Tensor, scale: torch.Tensor, amax_pending: torch.Tensor, slot: int, dtype: torch.dtype
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax_pending: torch.Tensor,
+    slot: int,
+    dtype: torch.dtype,
+    saturation: torch.Tensor | None = None,
 ) -> torch.Tensor:
     check_quantize_args(x, scale, dtype)
     _check_pending(amax_pending, slot, x.device)
+    _check_saturation(saturation, amax_pending, x.device)
     cell = amax_pending.narrow(0, slot, 1)
     cell.copy_(ref.canonical_nan(torch.maximum(cell, ref.amax_reference(x).reshape(1))))
+    count_clips(saturation, slot, x, scale, dtype)
     return ref.quantize_fp8_reference(x, scale, dtype).contiguous()
 
 
@@ -175,16 +219,22 @@ def _transpose_fp8(q: torch.Tensor) -> torch.Tensor:
 
 @torch.library.impl(LIB, "quantize_fp8_t_record_amax", "CompositeExplicitAutograd")
 def _quantize_fp8_t_record_amax(
-    x: torch.Tensor, scale: torch.Tensor, amax_pending: torch.Tensor, slot: int, dtype: torch.dtype, column_sum: bool
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax_pending: torch.Tensor,
+    slot: int,
+    dtype: torch.dtype,
+    column_sum: bool,
+    saturation: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     require_that(x.dim() == 2, "x.dim()", x.dim(), "2")
-    q = _quantize_fp8_record_amax(x, scale, amax_pending, slot, dtype)
+    q = _quantize_fp8_record_amax(x, scale, amax_pending, slot, dtype, saturation)
     sums = ref.column_sum_reference(x) if column_sum else x.new_empty((0,), dtype=torch.float32)
     return q, ref.transpose_fp8_reference(q), sums
 
 
 @torch.library.register_fake("fp8state::quantize_fp8_t_record_amax")
-def _quantize_fp8_t_record_amax_fake(x, scale, amax_pending, slot, dtype, column_sum):
+def _quantize_fp8_t_record_amax_fake(x, scale, amax_pending, slot, dtype, column_sum, saturation=None):
     require_that(x.dim() == 2, "x.dim()", x.dim(), "2")
     rows, cols = x.shape
     sums = x.new_empty((cols if column_sum else 0,), dtype=torch.float32)
@@ -203,7 +253,7 @@ def _quantize_fp8_fake(x, scale, dtype):
 
 
 @torch.library.register_fake("fp8state::quantize_fp8_record_amax")
-def _quantize_fp8_record_amax_fake(x, scale, amax_pending, slot, dtype):
+def _quantize_fp8_record_amax_fake(x, scale, amax_pending, slot, dtype, saturation=None):
     return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
 
 

@@ -13,16 +13,24 @@ import torch
 
 from ..config import require_that
 from . import reference_fused as ref
-from .library import _IN_DTYPES, LIB, _check_pending, check_quantize_args
-from .reference import canonical_nan
+from .library import (
+    _IN_DTYPES,
+    LIB,
+    SATURATION_ARG,
+    _check_pending,
+    _check_saturation,
+    check_quantize_args,
+    count_clips,
+)
+from .reference import amax_reference, canonical_nan, quantize_fp8_reference
 from .reference_ln import layer_norm_backward_reference
 
 __all__ = ["check_layer_norm_args", "check_layer_norm_backward_args", "layer_norm_max_width", "layer_norm_width_ok"]
 
 LIB.define("gelu_quantize_fp8(Tensor x, Tensor scale, ScalarType dtype) -> Tensor")
 LIB.define(
-    "gelu_quantize_fp8_record_amax(Tensor x, Tensor scale, Tensor(a!) amax_pending, int slot, ScalarType dtype) "
-    "-> Tensor"
+    "gelu_quantize_fp8_record_amax(Tensor x, Tensor scale, Tensor(a!) amax_pending, int slot, ScalarType dtype, "
+    f"{SATURATION_ARG}) -> Tensor"
 )
 LIB.define(
     "layer_norm_quantize_fp8(Tensor x, Tensor? weight, Tensor? bias, float eps, Tensor scale, ScalarType dtype) "
@@ -30,7 +38,7 @@ LIB.define(
 )
 LIB.define(
     "layer_norm_quantize_fp8_record_amax(Tensor x, Tensor? weight, Tensor? bias, float eps, Tensor scale, "
-    "Tensor(a!) amax_pending, int slot, ScalarType dtype) -> (Tensor, Tensor, Tensor)"
+    f"Tensor(a!) amax_pending, int slot, ScalarType dtype, {SATURATION_ARG}) -> (Tensor, Tensor, Tensor)"
 )
 LIB.define(
     "layer_norm_backward(Tensor grad_y, Tensor x, Tensor mean, Tensor rstd, Tensor? weight, bool[3] output_mask) "
@@ -106,6 +114,14 @@ def _fold(amax_pending: torch.Tensor, slot: int, amax: torch.Tensor) -> None:
     cell.copy_(canonical_nan(torch.maximum(cell, amax.reshape(1))))
 
 
+def encode_record(y, scale, dtype, amax_pending, slot: int, saturation) -> torch.Tensor:
+    """A recording prologue op's tail on its prologue's output ``y`` (what its reference does
+    after the prologue): the codes, ``max|y|`` folded into the pending slot, the clips counted."""
+    _fold(amax_pending, slot, amax_reference(y))
+    count_clips(saturation, slot, y, scale, dtype)
+    return quantize_fp8_reference(y, scale, dtype).contiguous()
+
+
 @torch.library.impl(LIB, "gelu_quantize_fp8", "CompositeExplicitAutograd")
 def _gelu_quantize_fp8(x, scale, dtype):
     check_quantize_args(x, scale, dtype)
@@ -113,12 +129,11 @@ def _gelu_quantize_fp8(x, scale, dtype):
 
 
 @torch.library.impl(LIB, "gelu_quantize_fp8_record_amax", "CompositeExplicitAutograd")
-def _gelu_quantize_fp8_record_amax(x, scale, amax_pending, slot, dtype):
+def _gelu_quantize_fp8_record_amax(x, scale, amax_pending, slot, dtype, saturation=None):
     check_quantize_args(x, scale, dtype)
     _check_pending(amax_pending, slot, x.device)
-    q, amax = ref.gelu_quantize_fp8_reference(x, scale, dtype)
-    _fold(amax_pending, slot, amax)
-    return q
+    _check_saturation(saturation, amax_pending, x.device)
+    return encode_record(ref.gelu_reference(x), scale, dtype, amax_pending, slot, saturation)
 
 
 @torch.library.impl(LIB, "layer_norm_quantize_fp8", "CompositeExplicitAutograd")
@@ -128,12 +143,12 @@ def _layer_norm_quantize_fp8(x, weight, bias, eps, scale, dtype):
 
 
 @torch.library.impl(LIB, "layer_norm_quantize_fp8_record_amax", "CompositeExplicitAutograd")
-def _layer_norm_quantize_fp8_record_amax(x, weight, bias, eps, scale, amax_pending, slot, dtype):
+def _layer_norm_quantize_fp8_record_amax(x, weight, bias, eps, scale, amax_pending, slot, dtype, saturation=None):
     check_layer_norm_args(x, weight, bias, eps, scale, dtype)
     _check_pending(amax_pending, slot, x.device)
-    q, mean, rstd, amax = ref.layer_norm_quantize_fp8_reference(x, weight, bias, eps, scale, dtype)
-    _fold(amax_pending, slot, amax)
-    return q, mean, rstd
+    _check_saturation(saturation, amax_pending, x.device)
+    y, mean, rstd = ref.layer_norm_reference(x, weight, bias, eps)
+    return encode_record(y, scale, dtype, amax_pending, slot, saturation), mean, rstd
 
 
 @torch.library.impl(LIB, "layer_norm_backward", "CompositeExplicitAutograd")
@@ -158,7 +173,7 @@ def _gelu_quantize_fp8_fake(x, scale, dtype):
 
 
 @torch.library.register_fake("fp8state::gelu_quantize_fp8_record_amax")
-def _gelu_quantize_fp8_record_amax_fake(x, scale, amax_pending, slot, dtype):
+def _gelu_quantize_fp8_record_amax_fake(x, scale, amax_pending, slot, dtype, saturation=None):
     return _codes_like(x, dtype)
 
 
@@ -168,7 +183,7 @@ def _layer_norm_quantize_fp8_fake(x, weight, bias, eps, scale, dtype):
 
 
 @torch.library.register_fake("fp8state::layer_norm_quantize_fp8_record_amax")
-def _layer_norm_quantize_fp8_record_amax_fake(x, weight, bias, eps, scale, amax_pending, slot, dtype):
+def _layer_norm_quantize_fp8_record_amax_fake(x, weight, bias, eps, scale, amax_pending, slot, dtype, saturation=None):
     return _ln_fake(x, dtype)
 
 

@@ -14,8 +14,8 @@ import torch
 
 from ..config import require_that
 from . import reference_rms as ref
-from .library import _IN_DTYPES, LIB, _check_pending, check_quantize_args
-from .library_fused import _check_affine, _check_row_width, _codes_like, _fold
+from .library import _IN_DTYPES, LIB, SATURATION_ARG, _check_pending, _check_saturation, check_quantize_args
+from .library_fused import _check_affine, _check_row_width, _codes_like, encode_record
 
 __all__ = ["check_rms_norm_args", "check_rms_norm_backward_args"]
 
@@ -24,7 +24,7 @@ LIB.define(
 )
 LIB.define(
     "rms_norm_quantize_fp8_record_amax(Tensor x, Tensor? weight, float eps, Tensor scale, Tensor(a!) amax_pending, "
-    "int slot, ScalarType dtype) -> (Tensor, Tensor)"
+    f"int slot, ScalarType dtype, {SATURATION_ARG}) -> (Tensor, Tensor)"
 )
 LIB.define(
     "rms_norm_backward(Tensor grad_y, Tensor x, Tensor rstd, Tensor? weight, bool[2] output_mask) -> (Tensor?, Tensor?)"
@@ -62,12 +62,12 @@ def _rms_norm_quantize_fp8(x, weight, eps, scale, dtype):
 
 
 @torch.library.impl(LIB, "rms_norm_quantize_fp8_record_amax", "CompositeExplicitAutograd")
-def _rms_norm_quantize_fp8_record_amax(x, weight, eps, scale, amax_pending, slot, dtype):
+def _rms_norm_quantize_fp8_record_amax(x, weight, eps, scale, amax_pending, slot, dtype, saturation=None):
     check_rms_norm_args(x, weight, eps, scale, dtype)
     _check_pending(amax_pending, slot, x.device)
-    q, rstd, amax = ref.rms_norm_quantize_fp8_reference(x, weight, eps, scale, dtype)
-    _fold(amax_pending, slot, amax)
-    return q, rstd
+    _check_saturation(saturation, amax_pending, x.device)
+    y, rstd = ref.rms_norm_reference(x, weight, eps)
+    return encode_record(y, scale, dtype, amax_pending, slot, saturation), rstd
 
 
 @torch.library.impl(LIB, "rms_norm_backward", "CompositeExplicitAutograd")
@@ -87,7 +87,7 @@ def _rms_norm_quantize_fp8_fake(x, weight, eps, scale, dtype):
 
 
 @torch.library.register_fake("fp8state::rms_norm_quantize_fp8_record_amax")
-def _rms_norm_quantize_fp8_record_amax_fake(x, weight, eps, scale, amax_pending, slot, dtype):
+def _rms_norm_quantize_fp8_record_amax_fake(x, weight, eps, scale, amax_pending, slot, dtype, saturation=None):
     return _rms_fake(x, dtype)
 
 

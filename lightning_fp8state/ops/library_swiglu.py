@@ -14,15 +14,15 @@ import torch
 
 from ..config import require_that
 from . import reference_swiglu as ref
-from .library import _FP8_DTYPES, _IN_DTYPES, LIB, _check_pending, _check_scalar
-from .library_fused import _fold
+from .library import _FP8_DTYPES, _IN_DTYPES, LIB, SATURATION_ARG, _check_pending, _check_saturation, _check_scalar
+from .library_fused import encode_record
 
 __all__ = ["check_swiglu_args", "check_swiglu_backward_args", "swiglu_width"]
 
 LIB.define("swiglu_quantize_fp8(Tensor h, Tensor scale, ScalarType dtype) -> Tensor")
 LIB.define(
-    "swiglu_quantize_fp8_record_amax(Tensor h, Tensor scale, Tensor(a!) amax_pending, int slot, ScalarType dtype) "
-    "-> Tensor"
+    "swiglu_quantize_fp8_record_amax(Tensor h, Tensor scale, Tensor(a!) amax_pending, int slot, ScalarType dtype, "
+    f"{SATURATION_ARG}) -> Tensor"
 )
 LIB.define("swiglu_backward(Tensor grad_y, Tensor h) -> Tensor")
 
@@ -60,12 +60,11 @@ def _swiglu_quantize_fp8(h, scale, dtype):
 
 
 @torch.library.impl(LIB, "swiglu_quantize_fp8_record_amax", "CompositeExplicitAutograd")
-def _swiglu_quantize_fp8_record_amax(h, scale, amax_pending, slot, dtype):
+def _swiglu_quantize_fp8_record_amax(h, scale, amax_pending, slot, dtype, saturation=None):
     check_swiglu_args(h, scale, dtype)
     _check_pending(amax_pending, slot, h.device)
-    q, amax = ref.swiglu_quantize_fp8_reference(h, scale, dtype)
-    _fold(amax_pending, slot, amax)
-    return q
+    _check_saturation(saturation, amax_pending, h.device)
+    return encode_record(ref.swiglu_f32(h), scale, dtype, amax_pending, slot, saturation)
 
 
 @torch.library.impl(LIB, "swiglu_backward", "CompositeExplicitAutograd")
@@ -84,7 +83,7 @@ def _swiglu_quantize_fp8_fake(h, scale, dtype):
 
 
 @torch.library.register_fake("fp8state::swiglu_quantize_fp8_record_amax")
-def _swiglu_quantize_fp8_record_amax_fake(h, scale, amax_pending, slot, dtype):
+def _swiglu_quantize_fp8_record_amax_fake(h, scale, amax_pending, slot, dtype, saturation=None):
     return _codes_fake(h, dtype)
 
 

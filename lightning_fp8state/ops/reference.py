@@ -12,6 +12,7 @@ from ..formats import fp8_format
 
 __all__ = [
     "amax_reference",
+    "clip_count_reference",
     "column_sum_reference",
     "dequantize_fp8_reference",
     "quantize_fp8_reference",
@@ -46,6 +47,14 @@ def quantize_fp8_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     nan = torch.isnan(v)
     bits = torch.where(nan, torch.full((), CANONICAL_NAN_FP8, dtype=torch.uint8, device=q.device), q.view(torch.uint8))
     return bits.view(fmt.dtype)
+
+
+def clip_count_reference(y: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """How many elements of ``y`` the encode clips to ±max (int64 scalar): those with
+    ``|float32(y) * scale| > max``, the float32 product :func:`quantize_fp8_reference` clamps;
+    an infinity counts, a NaN does not (it gets the NaN code)."""
+    v = y.detach().to(torch.float32) * scale.reshape(()).to(torch.float32)
+    return (v.abs() > fp8_format(dtype).max).sum()
 
 
 def dequantize_fp8_reference(q: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -132,5 +132,10 @@ def gelu_quantize_fp8_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``F.gelu(x)`` (erf form, in ``x``'s dtype) then :func:`quantize_fp8_reference`:
     ``(codes, amax)`` with ``amax = max|gelu(x)|``."""
-    y = F.gelu(x.detach())
+    y = gelu_reference(x)
     return quantize_fp8_reference(y, scale, dtype).contiguous(), amax_reference(y)
+
+
+def gelu_reference(x: torch.Tensor) -> torch.Tensor:
+    """``F.gelu(x)`` (erf form, in ``x``'s dtype): what the fused GELU op encodes."""
+    return F.gelu(x.detach())

@@ -48,6 +48,7 @@ class _Scratch(NamedTuple):
     amax_pending: torch.Tensor
     center_max: torch.Tensor
     center_min: torch.Tensor
+    saturation: torch.Tensor  # [2, 1] int64: the clip counts recompute adds (nobody reads them)
 
 
 class Quantizer:
@@ -238,7 +239,12 @@ class Quantizer:
             f32 = {"dtype": torch.float32, "device": device}
             # allocated during a recompute, which SAC must not see (its true forward did not)
             slot = outside_selective_checkpoint(
-                lambda: _Scratch(torch.zeros(1, **f32), torch.zeros(1, width, **f32), torch.zeros(1, width, **f32))
+                lambda: _Scratch(
+                    torch.zeros(1, **f32),
+                    torch.zeros(1, width, **f32),
+                    torch.zeros(1, width, **f32),
+                    torch.zeros(2, 1, dtype=torch.int64, device=device),
+                )
             )
             slot = self.scratch.setdefault(key, slot)
         return slot

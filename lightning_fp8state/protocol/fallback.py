@@ -25,18 +25,19 @@ Two triggers, both measured on the device while the event runs (no host sync in 
   whose amaxes turn non-finite as a consequence, are not moved.
 - saturation: an operand (input, weight, grad_output) with more than ``fallback_saturation`` of
   its elements clamped to ``±fmax`` by the encode in ``fallback_patience`` consecutive events
-  (``|x * scale| > fmax``, counted on the device as the telemetry's saturation probe counts).
+  (``|x * scale| > fmax``, counted by the quantize kernels into ``StateBank.saturation``: the
+  event's counts are the counters' growth since the previous event's end).
 
 At the event's end the per-layer flags are stacked into one vector, MAX-reduced across the
 data-parallel group (the amax reduction's group; ranks register the same layers in the same
 order, which that reduction checks) and read on the host once: the one host read per event.
-Under per-block CUDA graphs only the non-finite trigger sees replayed calls (its flags are
-buffers updated in place, which the graphs hold; saturation is counted by Python per call, which
-a replay does not run); a move bumps :attr:`FallbackMonitor.version`, and ``GraphedBlocks``
-captures again once at its next pass. The whole-step ``GraphedStep`` captures the event's end too:
-there the decision is deferred (:meth:`FallbackMonitor.decide` reads nothing while a CUDA graph
-captures) and taken by ``GraphedStep`` after each replay (:meth:`FallbackMonitor.decide_replayed`),
-which captures again once after a move.
+Under per-block CUDA graphs both triggers see replayed calls (the non-finite flags and the
+saturation counters are buffers updated in place, which the graphs hold); a move bumps
+:attr:`FallbackMonitor.version`, and ``GraphedBlocks`` captures again once at its next pass. The
+whole-step ``GraphedStep`` captures the event's end too: there the decision is deferred
+(:meth:`FallbackMonitor.decide` reads nothing while a CUDA graph captures) and taken by
+``GraphedStep`` after each replay (:meth:`FallbackMonitor.decide_replayed`), which captures again
+once after a move.
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ import torch.distributed as dist
 from ..config import FALLBACK_TARGETS
 from ..encoders import ACTIVATIONS, NORMS
 from ..errors import StateLoadError
-from ..formats import fp8_format
 from ..quant_recipes import recipe_class
 from ..recompute import Phase
 
@@ -121,14 +121,36 @@ class FallbackMonitor:
         # layer -> bool, the non-finite trigger: one buffer per layer for the run, updated and zeroed
         # in place, so that a CUDA graph captured over the calls updates the same buffers at replay
         self._bad_output: dict[str, torch.Tensor] = {}
+        # layer -> the bank indices of its FP8 operands; the counters at the last event's end
+        self._owners: dict[str, set[int]] = {}
+        self._seen: torch.Tensor | None = None
         self._clear_event()
 
     def _clear_event(self) -> None:
         for flag in self._bad_output.values():
             flag.zero_()
-        # (saturation is counted by Python per call: not under a graph's replay)
-        self._hits: dict[tuple[str, str], torch.Tensor] = {}  # (layer, role) -> saturated codes
-        self._elements: dict[tuple[str, str], int] = {}
+
+    def _event_counts(self) -> torch.Tensor:
+        """``[2, n]``: the saturation counters' growth since the last event's end (this event's
+        clipped and encoded elements per owner); the next event counts from here. A counter
+        that went back (a bank built afresh by a load) counts from zero."""
+        sat = self._protocol.bank.saturation
+        seen = self._baseline(sat)
+        grown = torch.where(sat >= seen, sat - seen, sat)
+        seen.copy_(sat)
+        return grown
+
+    def _baseline(self, sat: torch.Tensor) -> torch.Tensor:
+        """The counters' values at the last event's end, shaped as the bank's now (an owner
+        registered since then starts from zero: its counters did too)."""
+        seen = self._seen
+        if seen is None or seen.shape != sat.shape or seen.device != sat.device:
+            grown = torch.zeros_like(sat)
+            if seen is not None:
+                k = min(seen.shape[1], sat.shape[1])
+                grown[:, :k] = seen[:, :k].to(sat.device)
+            seen = self._seen = grown
+        return seen
 
     def reset(self) -> None:
         """Forget every move and streak (the protocol's ``reset``: a fresh state)."""
@@ -139,6 +161,8 @@ class FallbackMonitor:
         self._slots.clear()
         self.deferred = None
         self._bad_output = {}
+        self._owners = {}
+        self._seen = None
         self._clear_event()
 
     # -- in the calls (device work only) ----------------------------------------------------
@@ -147,22 +171,17 @@ class FallbackMonitor:
             self._slots[layer] = len(self._slots)
 
     def observe_operand(self, record, role: str, phase: Phase, x: torch.Tensor, q, snap, prologue) -> None:
-        """Count ``role``'s elements that its encode clamps to ``±fmax``: ``|x * scale| > fmax``,
-        as the telemetry's probe does (true forward and backward; a recompute encodes the same
-        operand again and is not counted twice). An operand encoded through a value-changing
-        prologue (a fused norm or activation) is not counted: ``x`` is not what was encoded."""
-        if phase is not Phase.FORWARD or record.indices.get(role, -1) < 0:  # stateless: no delayed scale
+        """Note that ``role``'s owner belongs to ``record``'s layer (host only: the quantize kernel
+        counts its clipped elements into the bank's saturation counters, in eager calls and CUDA
+        graph replays alike; a recompute counts into a scratch counter, never twice). What a
+        fused prologue encodes is its output, and that is what the kernel counts."""
+        index = record.indices.get(role, -1)
+        if phase is not Phase.FORWARD or index < 0:  # stateless: no delayed scale
             return
-        if _codes(q) is None or getattr(prologue, "kind", None) in _VALUE_PROLOGUES:
+        if _codes(q) is None:
             return
         self._slot(record.layer)
-        fmax = fp8_format(snap.dtype).max
-        with torch.no_grad():
-            hits = ((x.detach().to(torch.float32) * snap.scale.to(torch.float32)).abs() > fmax).sum()
-        key = (record.layer, role)
-        prev = self._hits.get(key)
-        self._hits[key] = hits if prev is None else prev + hits
-        self._elements[key] = self._elements.get(key, 0) + x.numel()
+        self._owners.setdefault(record.layer, set()).add(index)
 
     def observe_output(self, record, phase: Phase, output) -> None:
         """Flag ``record``'s layer when its output is not finite while its operands' pending
@@ -190,17 +209,18 @@ class FallbackMonitor:
     # -- at the event's end (one host read) -------------------------------------------------
     def _flags(self) -> torch.Tensor | None:
         """``[2, layers]`` float32: per layer, its output went non-finite; it saturated."""
+        grown = self._event_counts()
         if not self._slots:
             return None
-        found = [*self._bad_output.values(), *self._hits.values()]
-        device = found[0].device if found else self._protocol.bank.device or torch.device("cpu")
+        device = grown.device
         flags = torch.zeros(2, len(self._slots), dtype=torch.float32, device=device)
         for layer, bad in self._bad_output.items():
             flags[0, self._slots[layer]] = bad.to(device, torch.float32)
-        for (layer, role), hits in self._hits.items():
-            over = (hits.to(device, torch.float32) / self._elements[(layer, role)]) > self.threshold
-            slot = self._slots[layer]
-            flags[1, slot] = torch.maximum(flags[1, slot], over.to(torch.float32))
+        if self._owners:
+            clipped, elements = grown.to(torch.float64)
+            over = (clipped / elements.clamp(min=1)) > self.threshold  # per owner, this event
+            for layer, indices in self._owners.items():
+                flags[1, self._slots[layer]] = over[sorted(indices)].any().to(torch.float32)
         return flags
 
     def _reduce(self, flags: torch.Tensor) -> torch.Tensor:
@@ -268,6 +288,7 @@ class FallbackMonitor:
 
     def discard(self) -> None:
         """Drop an aborted event's counts."""
+        self._event_counts()
         self._clear_event()
 
     # -- checkpoint --------------------------------------------------------------------------

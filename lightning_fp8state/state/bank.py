@@ -12,7 +12,29 @@ from ..errors import StateLoadError
 from ..formats import state_format_fmax, state_format_name
 from .owner import OwnerKey
 
-__all__ = ["FrozenScales", "StateBank"]
+__all__ = ["FrozenScales", "StateBank", "device_constant"]
+
+
+def device_constant(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` (a small CPU tensor that never changes) on ``device``.
+
+    Outside a capture this is a plain copy. While the current stream captures a CUDA graph (a
+    step captured again after a fallback move meets an owner set no eager event has seen), CUDA
+    refuses a pageable copy and pinning would allocate host memory mid-capture: the value is
+    written instead by one captured fill per run of equal elements, so it holds from the
+    graph's first replay on (``GraphedStep`` replays right after its capture).
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        return host.to(device)
+    out = torch.empty(host.shape, dtype=host.dtype, device=device)
+    flat, values = out.view(-1), host.reshape(-1).tolist()
+    start = 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[start]:
+            flat[start:i].fill_(values[start])
+            start = i
+    return out
 
 
 class FrozenScales:
@@ -56,7 +78,8 @@ class FrozenScales:
 class StateBank:
     """Contiguous per-owner state: ``amax_history [H, n]``, ``scale``/``descale [n]``
     (rows of one ``[2, n]`` buffer), ``amax_pending [n]``, ``nonfinite_count [n]``,
-    ``fmax [n]``, and the registry owner -> index, with each owner's format name
+    ``fmax [n]``, ``saturation [2, n]`` (int64: elements clipped, elements quantized, added by
+    the recording quantize kernels; the telemetry reads and resets it), and the registry owner -> index, with each owner's format name
     (``e4m3``, ``e5m2``, ``nvfp4``, ``mxfp4``).
 
     Centered FP4 owners also keep a running center: ``center [n, C]`` (C = the widest
@@ -93,6 +116,7 @@ class StateBank:
         self.scales = torch.ones(2, n, **f32)
         self.amax_pending = torch.zeros(n, **f32)
         self.nonfinite_count = torch.zeros(n, dtype=torch.int32, device=device)
+        self.saturation = torch.zeros(2, n, dtype=torch.int64, device=device)
         self.center = torch.zeros(n, c, **f32)
         self.center_max = torch.full((n, c), float("-inf"), **f32)
         self.center_min = torch.full((n, c), float("inf"), **f32)
@@ -120,6 +144,7 @@ class StateBank:
             "scales": self.scales,
             "amax_pending": self.amax_pending,
             "nonfinite_count": self.nonfinite_count,
+            "saturation": self.saturation,
             "center": self.center,
             "center_max": self.center_max,
             "center_min": self.center_min,
@@ -263,7 +288,7 @@ class StateBank:
         if m is None:
             m = torch.zeros(len(self.owners), dtype=torch.bool)
             m[list(indices)] = True
-            m = self._masks[indices] = m.to(self.device)
+            m = self._masks[indices] = device_constant(m, self.device)
         return m
 
     def commit(self, indices: tuple[int, ...], amax_algo: str, margin: int, center_momentum: float = 1.0) -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import OwnerAlignmentError
-from .bank import StateBank
+from .bank import StateBank, device_constant
 
 __all__ = ["AmaxReducer"]
 
@@ -82,8 +82,8 @@ class AmaxReducer:
             return
         device = self._device(bank)
         fp = registry_fingerprint(bank)
-        self._header = torch.tensor(fp + [-v for v in fp], dtype=torch.float32, device=device)
-        self._role_mask = torch.tensor([self.reduces(o.role) for o in bank.owners], dtype=torch.bool).to(device)
+        self._header = device_constant(torch.tensor(fp + [-v for v in fp], dtype=torch.float32), device)
+        self._role_mask = device_constant(torch.tensor([self.reduces(o.role) for o in bank.owners]), device)
         self._masks = {}
         self._version = bank.version
 

@@ -12,7 +12,7 @@ loggers, W&B offline). :func:`write_report` draws the plots.
 from .engines import EngineStepInfo, read_engine_step
 from .experts import ExpertTelemetry
 from .metrics import clip_event, gradient_norms, gradient_summary, loss_summary, source_groups
-from .quantizer import SaturationProbe, find_protocol, owner_label, quantizer_health
+from .quantizer import SaturationWindow, find_protocol, owner_label, quantizer_health
 from .recorder import StepRecorder
 from .report import TelemetryReport, find_jsonl, summarize, write_report
 from .sinks import JSONL_NAME, FanOut, JsonlSink, Sink, TelemetryLog, WandbSink, read_jsonl, read_telemetry
@@ -24,7 +24,7 @@ __all__ = [
     "ExpertTelemetry",
     "FanOut",
     "JsonlSink",
-    "SaturationProbe",
+    "SaturationWindow",
     "Sink",
     "StepRecorder",
     "TelemetryLog",

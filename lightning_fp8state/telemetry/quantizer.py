@@ -1,26 +1,21 @@
 """Quantizer health: scales, amaxes, saturation, commits per event, violations, mismatches.
 
 :func:`quantizer_health` reads an :class:`~lightning_fp8state.Fp8State` (any
-``QuantProtocol``) on a log step and returns ``dict[str, float]``. :class:`SaturationProbe`
-counts, on armed steps only, how many elements each owner encoded at ``±fmax``.
+``QuantProtocol``) on a log step and returns ``dict[str, float]``. :class:`SaturationWindow`
+turns the bank's saturation counters (added by the quantize kernels) into each owner's
+saturated fraction over the logging window.
 """
 
 from __future__ import annotations
-
-import threading
-from collections import defaultdict
-from functools import partial
 
 import torch
 from torch import nn
 
 from ..audit import RecomputeAuditor
-from ..formats import fp8_format
 from ..nn import Fp8Experts, Fp8Linear
-from ..recompute import CallRecord, Phase
 from ..state import OwnerKey
 
-__all__ = ["SaturationProbe", "fallback_health", "find_protocol", "owner_label", "quantizer_health"]
+__all__ = ["SaturationWindow", "fallback_health", "find_protocol", "owner_label", "quantizer_health"]
 
 
 def owner_label(owner: OwnerKey) -> str:
@@ -46,106 +41,34 @@ def find_protocol(model: nn.Module | None):
     return None
 
 
-class SaturationProbe:
-    """Counts saturated elements per owner on armed steps: those whose scaled magnitude
-    ``|float32(x) * scale|`` exceeds ``fmax``, so that encoding clamps them to ``±fmax``.
+class SaturationWindow:
+    """Per-owner saturated fractions over a logging window, from the bank's device counters.
 
-    Attached to a protocol (as an output observer, like the audit) and to every
-    ``Fp8Linear`` of a model (a forward hook). While :attr:`armed`, each true-forward call
-    counts its input and weight against the scales of the snapshots it was paired with, and
-    a hook on its output counts the gradient that arrives there (the ``grad_output`` role)
-    against its snapshot. Recompute is not counted twice. Disarmed, a call costs one
-    attribute check. Counting is device work (a comparison and a sum per tensor), no sync.
-
-    In ``naive`` mode the grad_output snapshot differs from the live scale the defect uses,
-    so that role's count is an approximation there; in ``safe`` mode it is exact.
+    The recording quantize kernels add, per owner, the elements they clip (``|x * scale| >
+    fmax``) and the elements they encode to ``StateBank.saturation`` (int64 ``[2, n]``), on the
+    device, in eager calls and CUDA graph replays alike; a recompute adds to a scratch counter,
+    so nothing is counted twice. The counters only grow (the fallback reads the same ones per
+    event). This keeps their host values at the previous log step: a window's fraction is the
+    difference's ratio, read in the log step's one transfer (:func:`quantizer_health`).
     """
 
-    def __init__(self, protocol, model: nn.Module) -> None:
-        protocol = getattr(protocol, "protocol", protocol)  # an Fp8State: its protocol
-        self.protocol = protocol
-        self.armed = False
-        self._tls = threading.local()
-        self._saturated: dict[int, torch.Tensor] = {}
-        self._elements: defaultdict[int, int] = defaultdict(int)
-        self._hooked: dict[int, CallRecord] = {}  # id -> record (kept alive while armed)
-        self._hooks = [
-            m.register_forward_hook(self._after_forward, with_kwargs=True)
-            for m in model.modules()
-            if isinstance(m, Fp8Linear) and m.protocol is protocol
-        ]
-        protocol.auditors.append(self)
+    def __init__(self) -> None:
+        self._seen: list[list[int]] = [[], []]  # [clipped, elements] per bank index, at the last read
 
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        if self in self.protocol.auditors:
-            self.protocol.auditors.remove(self)
-
-    # the protocol calls this after every converted module's forward (see QuantProtocol.observe_output)
-    def observe(self, record: CallRecord, phase: Phase, output, snaps: dict) -> None:
-        if self.armed:
-            self._tls.last = (record, phase)
-
-    def _after_forward(self, module, args, kwargs, output) -> None:
-        # Under torch.compile this hook is traced into the block's graph: disarmed it is a no-op
-        # there (a guard on ``armed``); armed it runs eagerly after the layer's op, when the
-        # protocol has handed its record over (a graph break on the probe's steps only).
-        if self.armed:
-            self._count_call(module, args, kwargs, output)
-
-    @torch.compiler.disable
-    def _count_call(self, module, args, kwargs, output) -> None:
-        last = getattr(self._tls, "last", None)
-        self._tls.last = None
-        if not self.armed or last is None:
-            return
-        record, phase = last
-        if record.layer != module.layer_name or not record.owners:
-            return
-        if phase is Phase.FORWARD:
-            x = args[0]
-            prologue = module._prologue(kwargs.get("prologue"), kwargs.get("norm"))
-            if prologue is not None:  # what was quantized: the fused prologue's output
-                x = prologue.apply(x)
-            self._count(record, "input", x)
-            # an FSDP2 FP8 all-gathered weight arrives as codes (nn/fsdp.py): the high-precision
-            # values are spread over the ranks, so its saturation is not counted here
-            if getattr(module.weight, "fp8", None) is None:
-                self._count(record, "weight", module.weight)
-        # The output that receives the gradient: the true forward's (no checkpoint,
-        # non-reentrant) or the recompute's (reentrant engines run the first forward under
-        # no_grad). One hook per call record.
-        if (
-            "grad_output" in record.owners
-            and isinstance(output, torch.Tensor)
-            and output.requires_grad
-            and id(record) not in self._hooked
-        ):
-            self._hooked[id(record)] = record
-            output.register_hook(partial(self._count_grad, record))
-
-    def _count_grad(self, record: CallRecord, grad: torch.Tensor) -> None:
-        self._count(record, "grad_output", grad)
-
-    def _count(self, record: CallRecord, role: str, x: torch.Tensor) -> None:
-        index = record.indices[role]
-        if index < 0:  # a stateless owner (its scale from its own amax): nothing saturates but NaN
-            return
-        snap = record.used.get(role) or record.snapshots[role]
-        fmax = fp8_format(snap.dtype).max
-        with torch.no_grad():
-            hits = ((x.detach().to(torch.float32) * snap.scale.to(torch.float32)).abs() > fmax).sum()
-        prev = self._saturated.get(index)
-        self._saturated[index] = hits if prev is None else prev + hits
-        self._elements[index] += x.numel()
-
-    def take(self) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
-        """Saturated counts (device) and element counts (host) per bank index; resets them."""
-        sat, elements = self._saturated, dict(self._elements)
-        self._saturated, self._elements, self._hooked = {}, defaultdict(int), {}
-        return sat, elements
+    def take(self, host: list[list[float]]) -> dict[int, tuple[int, int]]:
+        """``(clipped, elements)`` per bank index quantized in this window, from ``host`` (the
+        bank's counters read as floats, exact below 2**53); remembers them for the next window.
+        An owner whose counters went back (a bank built afresh: a load, a reset) counts from zero."""
+        now = [[int(v) for v in row] for row in host]
+        seen = self._seen
+        out = {}
+        for i, (clipped, elements) in enumerate(zip(*now, strict=True)):
+            if i < len(seen[0]) and seen[0][i] <= clipped and seen[1][i] <= elements:
+                clipped, elements = clipped - seen[0][i], elements - seen[1][i]
+            if elements > 0:
+                out[i] = (clipped, elements)
+        self._seen = now
+        return out
 
 
 def _commits_per_event(ledger, after_event, open_event) -> tuple[list[int], object]:
@@ -208,7 +131,7 @@ def fallback_health(protocol) -> dict[str, float]:
 def quantizer_health(
     protocol,
     *,
-    saturation: tuple[dict[int, torch.Tensor], dict[int, int]] | None = None,
+    saturation: SaturationWindow | None = None,
     after_event=None,
     per_owner: bool = True,
 ) -> tuple[dict[str, float], object]:
@@ -216,7 +139,8 @@ def quantizer_health(
 
     Args:
         protocol: an ``Fp8State`` (or ``QuantProtocol``).
-        saturation: :meth:`SaturationProbe.take` output for this log step, if measured.
+        saturation: the window whose saturated fractions to report (``fp8state/saturated_frac``,
+            ``..._max`` and per owner), read from the bank's counters in the same transfer.
         after_event: count commits only in events after this one (the previous log step's).
         per_owner: also return per-owner keys (``fp8state/scale/<owner>``, ...).
 
@@ -227,25 +151,21 @@ def quantizer_health(
     bank, ledger = protocol.bank, protocol.ledger
     out: dict[str, float] = {"fp8state/owners": float(len(bank))}
     n = len(bank)
-    sat_counts, elements = saturation if saturation is not None else ({}, {})
     if n:
         rows = [bank.scale, bank.amax_history[0], bank.nonfinite_count.to(torch.float32)]
-        sat_idx = [i for i in sorted(sat_counts) if i < n and elements.get(i)]
-        if sat_idx:
-            rows.append(torch.zeros(n, dtype=torch.float32, device=bank.scale.device))
-            for i in sat_idx:
-                rows[-1][i] = sat_counts[i].to(rows[-1].device, torch.float32)
-        host = torch.stack(rows).cpu().tolist()
+        if saturation is not None:  # float64: the counts exact up to 2**53
+            rows.extend(bank.saturation.to(bank.scale.device))
+        host = torch.stack([r.to(torch.float64) for r in rows]).cpu().tolist()
         scale, amax, nonfinite = host[0], host[1], host[2]
+        window = saturation.take(host[3:5]) if saturation is not None else {}
         out["fp8state/scale_min"] = min(scale)
         out["fp8state/scale_max"] = max(scale)
         out["fp8state/amax_max"] = max(amax)
         out["fp8state/nonfinite_amax_events"] = float(sum(nonfinite))
-        fractions = {}
-        if sat_idx:
-            hits = host[3]
-            fractions = {i: hits[i] / elements[i] for i in sat_idx}
-            out["fp8state/saturated_frac"] = sum(hits[i] for i in sat_idx) / sum(elements[i] for i in sat_idx)
+        fractions = {i: clipped / elements for i, (clipped, elements) in window.items()}
+        if fractions:
+            total = sum(e for _, e in window.values())
+            out["fp8state/saturated_frac"] = sum(c for c, _ in window.values()) / total
             out["fp8state/saturated_frac_max"] = max(fractions.values())
         if per_owner:
             for i, owner in enumerate(bank.owners):

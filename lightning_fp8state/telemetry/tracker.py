@@ -43,7 +43,7 @@ from .metrics import (
     loss_summary,
     source_groups,
 )
-from .quantizer import SaturationProbe, find_protocol, quantizer_health
+from .quantizer import SaturationWindow, find_protocol, quantizer_health
 from .recorder import StepRecorder
 from .sinks import JSONL_NAME, FanOut, JsonlSink, Sink
 
@@ -135,7 +135,7 @@ class TrainingTelemetry:
 
     Args:
         run_dir: the run directory; ``telemetry.jsonl`` is appended there.
-        model: the trained module: names the gradient sources and hosts the saturation probe.
+        model: the trained module: names the gradient sources (and finds the ``Fp8State``).
         state: the ``Fp8State`` to report on; found from ``model``'s converted layers if omitted.
         log_every: optimizer steps per window (one host transfer and one sink write each).
         guard: skip a step whose gradients are not all finite: on the device with a fused
@@ -145,7 +145,8 @@ class TrainingTelemetry:
         apply_clipping: also clip (reusing the norm already computed); default: when
             ``max_grad_norm`` is given. The Lightning callback only counts: Lightning clips.
         dominant_by: the gradient source granularity, ``"layer"`` or ``"parameter"``.
-        saturation: measure saturated fractions on log steps (needs a model with converted layers).
+        saturation: report each owner's saturated fraction over the window, from the clip counts
+            the quantize kernels keep on the device (eager and CUDA graph replays alike).
         per_owner: add per-owner quantizer keys (``fp8state/scale/<owner>``, ...).
         per_expert: add per-expert keys for the model's mixture-of-experts layers (tokens per
             expert and idle experts per step, scales and amaxes by expert on log steps;
@@ -193,9 +194,9 @@ class TrainingTelemetry:
         self.write = write
         self.sink = FanOut([JsonlSink(self.jsonl_path), *sinks] if write else [])
         self.recorder = StepRecorder()
-        self.probe = None
-        if saturation and self.protocol is not None and model is not None and self.protocol.recipe.quantized:
-            self.probe = SaturationProbe(self.protocol, model)
+        self.saturation = None
+        if saturation and self.protocol is not None and self.protocol.recipe.quantized:
+            self.saturation = SaturationWindow()
         self.experts = ExpertTelemetry.attach(model) if per_expert else None
         # cumulative counters (host)
         self.attempted = self.applied = self.skipped = 0
@@ -215,7 +216,6 @@ class TrainingTelemetry:
         self._outcomes: list[list] = []
         self._counted = 0  # outcomes already in the cumulative counters
         self.reset_window()
-        self._arm()
 
     # -- the window --------------------------------------------------------------------
     def reset_window(self) -> None:
@@ -225,10 +225,6 @@ class TrainingTelemetry:
         self._win_start = time.perf_counter()
         self._win_steps = self._win_applied = 0
         self._win_tokens = self._win_eff_tokens = 0
-
-    def _arm(self) -> None:
-        if self.probe is not None:
-            self.probe.armed = (self.attempted + 1) % self.log_every == 0
 
     def _resolve(self) -> None:
         """Count the window's steps not counted yet; the device's decisions among them move to
@@ -409,7 +405,6 @@ class TrainingTelemetry:
             self.recorder.append(device, host)
         self._loss, self._tokens = None, 0
         row = self.flush() if self.attempted % self.log_every == 0 else None
-        self._arm()
         return row
 
     def flush(self) -> dict[str, Any] | None:
@@ -426,7 +421,6 @@ class TrainingTelemetry:
             self.experts.reduce_window(rows, across_ranks=sys.exc_info()[0] is None)
         elapsed = max(time.perf_counter() - self._win_start, 1e-9)
         window = (self._win_steps, self._win_applied, self._win_tokens, self._win_eff_tokens)
-        saturation = self.probe.take() if self.probe is not None else None
         # each row's cumulative counts: the totals less what the window's later steps added
         outcomes = self._outcomes
         applied = self.applied - sum(bool(a) for a, _ in outcomes)
@@ -465,7 +459,7 @@ class TrainingTelemetry:
             last["train/effective_tokens_per_s"] = eff_tokens / elapsed
         if self.protocol is not None:
             health, self._after_event = quantizer_health(
-                self.protocol, saturation=saturation, after_event=self._after_event, per_owner=self.per_owner
+                self.protocol, saturation=self.saturation, after_event=self._after_event, per_owner=self.per_owner
             )
             last.update(health)
             if self.experts is not None:
@@ -481,15 +475,12 @@ class TrainingTelemetry:
         self.sink.sync()
 
     def close(self) -> None:
-        """Write what is left of the window, close the sinks and detach the probe. A sink that
+        """Write what is left of the window and close the sinks. A sink that
         failed during the run is summed up once more here (a warning per sink)."""
         self.flush()
         self.sink.close()
         for line in self.sink.failure_report():
             warnings.warn(f"end of run: {line}", RuntimeWarning, stacklevel=2)
-        if self.probe is not None:
-            self.probe.close()
-            self.probe = None
         if self.experts is not None:
             self.experts.close()
             self.experts = None
@@ -512,4 +503,3 @@ class TrainingTelemetry:
             setattr(self, key, int(sd.get(key, 0)))
         skipped = sd.get("engine_skipped_steps")
         self.engine_skipped_steps = None if skipped is None else int(skipped)
-        self._arm()

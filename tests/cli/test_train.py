@@ -275,7 +275,7 @@ def test_the_summary_line_says_how_many_steps_were_skipped(run_root, capsys):
 def test_trainer_compile_trains_bitwise_the_eager_run(run_root):
     """``trainer.compile=true``: every block compiled (each FP8 linear one op in its graph); the
     Lightning loop, the callback's events, the checkpointed state and the logged telemetry
-    (the saturation probe armed on log steps included) are those of the eager run, bit for bit."""
+    (the saturated fractions included) are those of the eager run, bit for bit."""
     from torch._dynamo.utils import counters
 
     common = [

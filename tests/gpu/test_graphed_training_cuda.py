@@ -12,6 +12,7 @@ import torch
 
 import lightning_fp8state as f8s
 from lightning_fp8state.models import GPTConfig
+from lightning_fp8state.telemetry import read_jsonl
 from tests.conftest import bitwise_equal
 from tests.gpu.test_compile_cuda import CLI_ON_THE_GPU
 from tests.gpu.test_lightning_sync_free import watch, watched  # noqa: F401  (the fixtures)
@@ -40,7 +41,7 @@ def assert_bitwise_same(a, b) -> None:
     for i in oa:
         for key in oa[i]:
             assert bitwise_equal(oa[i][key], ob[i][key]), (i, key)
-    for key in ("scale", "amax_history"):
+    for key in ("scale", "amax_history", "saturation"):  # (saturation: the kernels' clip counts)
         assert bitwise_equal(getattr(fa.state.bank, key), getattr(fb.state.bank, key)), key
 
 
@@ -52,6 +53,14 @@ def test_the_replayed_lightning_step_is_bitwise_the_eager_run_with_one_commit_pe
     assert runner.eager_calls == 2 and runner.replays == STEPS - 2
     assert_bitwise_same(eager, graphed)
     assert losses(tmp_path / "graphed") == losses(tmp_path / "eager")
+    sat = [  # the saturated fractions logged: replays count in the kernels, as the eager run does
+        [
+            {k: v for k, v in r.items() if k.startswith("fp8state/saturated_frac")}
+            for r in read_jsonl(d / "telemetry.jsonl")
+        ]
+        for d in (tmp_path / "eager", tmp_path / "graphed")
+    ]
+    assert sat[0] == sat[1] and sum(len(r) for r in sat[1]) >= STEPS
     state = graphed[2].state
     owners = state.ledger.owners()
     assert owners and state.ledger.ok and state.clock.last == (STEPS - 1, 0)

@@ -98,7 +98,7 @@ def make_trainer(tmp_path, *, max_steps=STEPS, callbacks=(), accelerator="cpu", 
 
 def fit(tmp_path, module, *, ckpt_path=None, callbacks=(), telemetry=None, quant=None, **kw):
     fp8 = Fp8StateCallback(config=quant or f8s.QuantConfig(strict=True))
-    telemetry = telemetry or TelemetryCallback(run_dir=tmp_path, log_every_n_steps=1, saturation=False)
+    telemetry = telemetry or TelemetryCallback(run_dir=tmp_path, log_every_n_steps=1)
     trainer = make_trainer(tmp_path, callbacks=[fp8, telemetry, *callbacks], **kw)
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer, fp8
@@ -130,6 +130,15 @@ def test_the_graphed_step_trains_bitwise_like_automatic_optimization(tmp_path):
     assert_same_training(plain, graphed)
     assert losses(tmp_path / "graphed") == losses(tmp_path / "plain")
     assert len(losses(tmp_path / "plain")) == STEPS
+    # the saturated fractions are logged (the kernels count: nothing a replay skips), the same
+    sat = [
+        [
+            {k: v for k, v in r.items() if k.startswith("fp8state/saturated_frac")}
+            for r in read_jsonl(d / "telemetry.jsonl")
+        ]
+        for d in (tmp_path / "plain", tmp_path / "graphed")
+    ]
+    assert sat[0] == sat[1] and sum(len(r) for r in sat[1]) >= STEPS
     (runner,) = graphed.runners
     assert runner.eager_calls == 2 and runner.replays == STEPS - 2  # the capture step counts as a replay
     # the events are the callback's numbering, one per step, each owner committed once in each
@@ -186,7 +195,6 @@ def test_without_an_fp8_state_the_step_runs_as_a_bf16_control(tmp_path):
     ("setup", "needle"),
     [
         ("audit", "Fp8StateCallback(audit=True)"),
-        ("saturation", "TelemetryCallback(saturation=True)"),
         ("automatic", "automatic_optimization"),
     ],
 )

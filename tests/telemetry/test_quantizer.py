@@ -61,7 +61,7 @@ def test_saturated_fraction_matches_an_independent_count(tmp_path, ckpt):
         assert last[f"fp8state/saturated_frac/{owner_label(owner)}"] == pytest.approx(hits / elements), owner
     total_hits = sum(h for h, _ in expected.values())
     assert last["fp8state/saturated_frac"] == pytest.approx(total_hits / sum(n for _, n in expected.values()))
-    assert state.protocol.auditors == []  # the probe detached at close
+    assert state.protocol.auditors == []  # nothing attached to count saturation
 
 
 def run_audited(tmp_path, mode):
@@ -112,7 +112,7 @@ def test_bf16_control_reports_no_owners(tmp_path):
     model = state.convert(make_stack(n=1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     tel = TrainingTelemetry(tmp_path, model=model, state=state, log_every=1)
-    assert tel.probe is None
+    assert tel.saturation is None
     with state.step(0):
         model(torch.randn(4, 16)).pow(2).mean().backward()
     tel.before_optimizer_step(opt)

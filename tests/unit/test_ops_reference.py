@@ -850,7 +850,7 @@ def test_schema_mutation_annotations():
 
     assert mutated(_O.quantize_fp8) == []
     assert mutated(_O.dequantize_fp8) == []
-    assert mutated(_O.quantize_fp8_record_amax) == ["amax_pending"]
+    assert mutated(_O.quantize_fp8_record_amax) == ["amax_pending", "saturation"]
     assert mutated(_O.update_scales) == ["amax_history", "scale", "descale", "amax_pending", "nonfinite_count"]
 
 

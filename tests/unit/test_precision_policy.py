@@ -219,8 +219,20 @@ def test_without_cuda_auto_keeps_nothing_by_size(monkeypatch):
     ]
 
 
-def test_the_shipped_table_is_valid_and_holds_no_invented_measurement():
-    assert policy.read_gemm_table(policy.shipped_gemm_table()) == {}
+def test_the_shipped_table_is_valid_and_holds_only_measured_entries():
+    """Each device's entry as benchmarks/gemm_table.py writes it (never by hand): its torch, date
+    and how the casts were timed, and the full grid of sizes it measured, every time positive."""
+    import yaml
+
+    tables = policy.read_gemm_table(policy.shipped_gemm_table())
+    raw = yaml.safe_load(policy.shipped_gemm_table().read_text())["devices"]
+    assert set(tables) == set(raw) and "NVIDIA H200" in tables
+    for device, entry in raw.items():
+        assert entry["torch"] and entry["measured"] and entry["casts"] == "fused quantize kernel", device
+        sizes = sorted({r["m"] for r in entry["shapes"]})
+        grid = {(r["m"], r["n"], r["k"]) for r in entry["shapes"]}
+        assert grid == {(m, n, k) for m in sizes for n in sizes for k in sizes}, device
+        assert all(r[key] > 0 for r in entry["shapes"] for key in ("bf16_ms", "fp8_ms", "cast_ms")), device
 
 
 @pytest.mark.parametrize(
@@ -293,7 +305,7 @@ def test_the_benchmark_writes_a_table_the_policy_reads(tmp_path, monkeypatch):
     gemm_table.write_table(out, "GPU B", [dict(rows[0], fp8_ms=2.0)])
     gemm_table.write_table(out, "GPU A", [dict(rows[0], bf16_ms=3.0)])  # replaces A's entry, keeps B's
     table = policy.read_gemm_table(out)
-    assert sorted(table) == ["GPU A", "GPU B"]
+    assert sorted(table) == ["GPU A", "GPU B", "NVIDIA H200"]  # the shipped entry kept
     assert table["GPU A"] == [policy.GemmMeasurement(64, 64, 64, 3.0, 0.5, 0.25)]
     assert policy.predicted_gain(table["GPU B"], 64, 64, 64) == pytest.approx(1.0 / 2.25)
 

@@ -28,7 +28,7 @@ call runs (on the CPU: the exact emulation), so the module there is bitwise a lo
 Fp8Linear calls. The choice reads dtypes, shapes, device and backend only, so a recompute takes
 the true forward's path. The high-precision experts (the ``bf16`` recipe) run one
 ``torch._grouped_mm`` per projection where the device allows. ``grouped_gemm = False`` on a
-module keeps the loop everywhere (the default while the grouped path awaits its first GPU run). Knowing which experts are active takes the per-expert counts
+module keeps the loop everywhere. Knowing which experts are active takes the per-expert counts
 on the host: one device-to-host copy per MoE call, and none more.
 """
 
@@ -358,11 +358,10 @@ class Fp8Experts(GroupedExperts):
     audit. Under torch.compile the experts run eagerly (a graph break).
 
     ``grouped_gemm``: whether a projection's GEMMs may run as one grouped GEMM on the device
-    (:mod:`.grouped_gemm`); False keeps the per-expert loop. False by default until the grouped
-    path's GPU test (``tests/gpu/test_experts_grouped_cuda.py``) has passed on a GPU: set it True
-    on a module (or the class) to opt in."""
+    (:mod:`.grouped_gemm`); False keeps the per-expert loop. True by default since the grouped
+    path's GPU test (``tests/gpu/test_experts_grouped_cuda.py``) passed on the H200."""
 
-    grouped_gemm: bool = False
+    grouped_gemm: bool = True
 
     # Telemetry's hook (lightning_fp8state.telemetry.experts): while set, a function called with
     # (this module, the per-expert token counts) once per true-forward call; the counts are the

@@ -25,12 +25,10 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def grouped_on(monkeypatch):
-    """The grouped path is opt-in until this file has passed on a GPU (Fp8Experts.grouped_gemm)."""
+def test_the_grouped_path_is_the_default():
     from lightning_fp8state.nn.experts import Fp8Experts
 
-    monkeypatch.setattr(Fp8Experts, "grouped_gemm", True)
+    assert Fp8Experts.grouped_gemm is True
 
 
 E, D, FF, K, T = 8, 256, 512, 2, 1000

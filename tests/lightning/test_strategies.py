@@ -45,6 +45,30 @@ def test_strategies_require_the_callback():
         f8s.lightning.Fp8StateDeepSpeedStrategy().setup(no_callback)
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_ddp_turns_dynamos_ddp_optimizer_off_unless_asked(monkeypatch, keep):
+    """Dynamo's DDPOptimizer splits a block compiled inside DDP's forward at bucket boundaries; a
+    checkpointed block's recompute (outside DDP's forward) then saved its tensors in another
+    order, and torch's checkpoint refused the backward (the 1B Llama recipe, compiled, on the H200;
+    tests/gpu/test_compile_ddp_cuda.py). ``dynamo_ddp_optimizer=True`` leaves the setting alone."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    monkeypatch.setattr(DDPStrategy, "setup", lambda self, trainer: None)
+    before = torch._dynamo.config.optimize_ddp
+    torch._dynamo.config.optimize_ddp = True
+    try:
+        trainer = SimpleNamespace(callbacks=[Fp8StateCallback()])
+        f8s.lightning.Fp8StateDDPStrategy(dynamo_ddp_optimizer=keep).setup(trainer)
+        assert torch._dynamo.config.optimize_ddp is keep
+    finally:
+        torch._dynamo.config.optimize_ddp = before
+
+
+def test_ddp_strategy_arguments_are_validated():
+    with pytest.raises(f8s.ConfigError, match="dynamo_ddp_optimizer"):
+        f8s.lightning.Fp8StateDDPStrategy(dynamo_ddp_optimizer="yes")
+
+
 def test_deepspeed_strategy_refuses_the_cpu_with_a_clear_message():
     trainer = make_trainer(Fp8StateCallback(), strategy="fp8state_deepspeed")
     with pytest.raises(pl.utilities.exceptions.MisconfigurationException, match="needs CUDA GPUs.*fp8state_ddp"):

@@ -22,7 +22,9 @@ input and both weights. Variants:
 ``--modes eager compile``: each variant also under ``torch.compile`` of the module (ours compile
 around the experts, which run eagerly). Times are CUDA-event milliseconds per step after
 ``--warmup`` steps: best and median of ``--reps``; peak memory is the timed steps' maximum
-allocated. Ratios are against the best bf16 time of the same token count (any bf16 peer, any
+allocated; host ms is the fastest of 3 steps' issue time (the routing's copy included: near the
+step's time, the host sets the pace). ``--profile VARIANT ...`` prints torch.profiler's kernel
+table of 2 steps of each. Ratios are against the best bf16 time of the same token count (any bf16 peer, any
 mode). ``--json PATH`` writes every number with the device and versions.
 
     python benchmarks/moe_speed.py [--tokens 8192 16384] [--small] [--modes eager compile] [--json out.json]
@@ -34,6 +36,7 @@ import argparse
 import functools
 import json
 import statistics
+import time
 import traceback
 
 import torch
@@ -69,6 +72,10 @@ def _ao_grouped_mm():
         fn = getattr(moe_training, name, None)
         if fn is not None:
             return functools.partial(fn, out_dtype=torch.bfloat16, **kw)
+    # torchao 0.18: the FP8 rowwise path under its own name; the groups arrive padded to 16 rows
+    fn = getattr(moe_training, "_to_fp8_rowwise_then_scaled_grouped_mm", None)
+    if fn is not None:
+        return functools.partial(fn, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False)
     raise ImportError(f"torchao.prototype.moe_training has no _scaled_grouped_mm ({dir(moe_training)})")
 
 
@@ -141,7 +148,7 @@ def inputs(tokens, hidden, experts, top_k):
     return x, index, (weights / weights.sum(-1, keepdim=True)).bfloat16(), grad
 
 
-def measure(build, mode, data, reps, warmup):
+def measure(build, mode, data, reps, warmup, profile: bool = False):
     module, state = build()
     fn = torch.compile(module) if mode == "compile" else module
     x, index, weights, grad = data
@@ -171,7 +178,24 @@ def measure(build, mode, data, reps, warmup):
         end.synchronize()
         times.append(start.elapsed_time(end))
     peak = torch.cuda.max_memory_allocated() / 2**30
-    return {"best_ms": min(times), "median_ms": statistics.median(times), "peak_gib": peak}
+    # the host's issue time of a step (the routing's one device-to-host copy included): where it
+    # is near the step's time, the host sets the pace
+    hosts = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        hosts.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    if profile:
+        import torch.profiler as tp  # noqa: PLC0415
+
+        with tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
+    return {"best_ms": min(times), "median_ms": statistics.median(times), "peak_gib": peak, "host_ms": min(hosts)}
 
 
 def run_all(args, hidden, ffn) -> list[dict]:
@@ -185,7 +209,9 @@ def run_all(args, hidden, ffn) -> list[dict]:
             for name in chosen:
                 row = {"tokens": tokens, "mode": mode, "variant": name}
                 try:
-                    row |= measure(builds[name], mode, data, args.reps, args.warmup)
+                    if name in args.profile:
+                        print(f"--- profile of 2 steps: {tokens} tokens, {mode}, {name}")
+                    row |= measure(builds[name], mode, data, args.reps, args.warmup, name in args.profile)
                     row["tflops"] = flops / row["best_ms"] / 1e9
                 except Exception as exc:  # noqa: BLE001  (a peer that cannot run is reported, not fatal)
                     row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -215,7 +241,8 @@ def _format(row: dict) -> str:
         return f"{head} did not run: {row['error']}"
     ratio = f"{row['vs_best_bf16']:>6.2f}x" if "vs_best_bf16" in row else ""
     return (
-        f"{head} {row['best_ms']:>9.2f} {row['median_ms']:>9.2f} {row['tflops']:>8.1f} {row['peak_gib']:>8.2f} {ratio}"
+        f"{head} {row['best_ms']:>9.2f} {row['median_ms']:>9.2f} {row['host_ms']:>8.2f} {row['tflops']:>8.1f}"
+        f" {row['peak_gib']:>8.2f} {ratio}"
     )
 
 
@@ -231,6 +258,7 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", help="a subset of the variants, by name")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--verbose", action="store_true", help="print a failing variant's traceback")
+    p.add_argument("--profile", nargs="*", default=[], help="variants whose 2 steps torch.profiler tables by kernel")
     args = p.parse_args()
     hidden, ffn = SHAPES["small" if args.small else "mixtral"]
     try:
@@ -243,7 +271,8 @@ def main() -> None:
     print(f"device: {device}, torch {torch.__version__}, torchao {ao}")
     print(f"layer: hidden {hidden}, ffn {ffn}, {args.experts} experts, top-{args.top_k}; forward + backward per step")
     print(
-        f"{'tokens':>6} {'mode':>8} {'variant':<22} {'best ms':>9} {'median':>9} {'TFLOP/s':>8} {'peak GiB':>8} vs best bf16"
+        f"{'tokens':>6} {'mode':>8} {'variant':<22} {'best ms':>9} {'median':>9} {'host ms':>8} {'TFLOP/s':>8}"
+        f" {'peak GiB':>8} vs best bf16"
     )
     rows = run_all(args, hidden, ffn)
     print("\nratios against the best bf16 of each token count (higher is faster):")

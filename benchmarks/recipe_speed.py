@@ -84,10 +84,16 @@ def main() -> None:
                     shutil.rmtree(out / run_name / "checkpoints", ignore_errors=True)
                 tps = throughput(rows, args.skip_windows, "train/effective_tokens_per_s") if code == 0 else float("nan")
                 loss = rows[-1]["train/loss"] if rows else float("nan")
+                # the run's peak allocated CUDA memory (its telemetry, on a GPU only)
+                peak = max((r["train/mem_peak_gib"] for r in rows if "train/mem_peak_gib" in r), default=float("nan"))
                 runs = result.setdefault(key, {"runs": [], "mode": mode, "variant": name})["runs"]
-                runs.append({"effective_tokens_per_s": tps, "exit": code, "final_loss": loss})
+                runs.append({"effective_tokens_per_s": tps, "exit": code, "final_loss": loss, "peak_gib": peak})
                 tag = f" [repeat {rep + 1}/{args.repeat}]" if args.repeat > 1 else ""
-                print(f"{key:>20}{tag}: {tps:,.0f} effective tokens/s, exit {code}, final loss {loss:.4f}", flush=True)
+                print(
+                    f"{key:>20}{tag}: {tps:,.0f} effective tokens/s, exit {code}, final loss {loss:.4f},"
+                    f" peak {peak:.1f} GiB",
+                    flush=True,
+                )
     keys = [k for k, v in result.items() if isinstance(v, dict) and "runs" in v]
     for key in keys:
         best = max(result[key]["runs"], key=lambda r: _or_minus_inf(r["effective_tokens_per_s"]))

@@ -18,6 +18,7 @@ __all__ = [
     "CLIP_ALGORITHMS",
     "SOURCE_GROUPINGS",
     "clip_event",
+    "device_memory",
     "gradient_norms",
     "gradient_summary",
     "loss_summary",
@@ -165,3 +166,17 @@ def loss_summary(loss: torch.Tensor) -> dict[str, torch.Tensor]:
     """The step's loss (detached, float64) and whether it is finite."""
     value = loss.detach().reshape(()).to(torch.float64)
     return {"loss": value, "loss_finite": torch.isfinite(value).to(torch.float64)}
+
+
+def device_memory(device: torch.device | None) -> dict[str, float]:
+    """The caching allocator's memory of a CUDA ``device`` in GiB: ``train/mem_peak_gib``, the
+    most allocated at once since the process began (or since the caller's last
+    ``torch.cuda.reset_peak_memory_stats``: never reset here, a user's own reading stays theirs),
+    and ``train/mem_reserved_gib``, what the allocator holds now. Host counters only: no device
+    sync. Empty for any other device."""
+    if device is None or device.type != "cuda":
+        return {}
+    return {
+        "train/mem_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "train/mem_reserved_gib": torch.cuda.memory_reserved(device) / 2**30,
+    }

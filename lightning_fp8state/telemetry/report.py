@@ -119,6 +119,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     elif seconds > 0:
         s["steps/s"] = sum(r["train/window_steps"] for r in windows) / seconds
         s["effective steps/s"] = sum(r["train/steps_applied_window"] for r in windows) / seconds
+    peaks = _finite(r.get("train/mem_peak_gib") for r in rows)
+    if peaks:  # a resumed run's process starts its peak afresh: the run's is the largest
+        s["peak memory GiB (CUDA, allocated)"] = max(peaks)
     health = [r for r in rows if "fp8state/owners" in r]
     if health:
         h = health[-1]

@@ -38,6 +38,7 @@ from .metrics import (
     CLIP_ALGORITHMS,
     SOURCE_GROUPINGS,
     clip_event,
+    device_memory,
     gradient_norms,
     gradient_summary,
     loss_summary,
@@ -457,6 +458,7 @@ class TrainingTelemetry:
         if self._tokens_seen:
             last["train/tokens_per_s"] = tokens / elapsed
             last["train/effective_tokens_per_s"] = eff_tokens / elapsed
+        last.update(device_memory(self._model_device()))
         if self.protocol is not None:
             health, self._after_event = quantizer_health(
                 self.protocol, saturation=self.saturation, after_event=self._after_event, per_owner=self.per_owner
@@ -467,6 +469,13 @@ class TrainingTelemetry:
         self.sink.write(rows)
         self.last_row = last
         return last
+
+    def _model_device(self) -> torch.device | None:
+        """The device of the model's first parameter (its memory is logged), if any."""
+        if isinstance(self.model, nn.Module):
+            for p in self.model.parameters():
+                return p.device
+        return None
 
     def checkpoint(self) -> None:
         """Write the rows measured so far and put them on the disk: called when a checkpoint is

@@ -234,7 +234,7 @@ def test_recipe_speed_runs_each_mode_as_named_whatever_the_recipe_ships(recipe, 
 
     def fake_train(out, name, args):
         runs.append((name, load_config(args[0], args[1:])))
-        return 0, [{"train/loss": 1.0}]
+        return 0, [{"train/loss": 1.0, "train/mem_peak_gib": 3.25}, {"train/loss": 1.0, "train/mem_peak_gib": 2.0}]
 
     monkeypatch.setattr(recipe_speed, "train", fake_train)
     monkeypatch.setattr(recipe_speed, "throughput", lambda rows, skip, key: 1.0)
@@ -256,4 +256,5 @@ def test_recipe_speed_runs_each_mode_as_named_whatever_the_recipe_ships(recipe, 
     assert [name for name, _ in runs] == ["fp8", "bf16"]
     assert all(cfg.trainer.cuda_graphs == shipped.trainer.cuda_graphs for _, cfg in runs)
     assert runs[1][1].quant.recipe == "bf16" and runs[0][1].quant.recipe == shipped.quant.recipe
-    capsys.readouterr()
+    out = capsys.readouterr().out
+    assert out.count("peak 3.2 GiB") == 2 + 2 * len(modes)  # each run's largest, from its telemetry

@@ -299,6 +299,16 @@ def test_bad_arguments_are_config_errors(tmp_path):
         TrainingTelemetry(tmp_path, max_grad_norm=-1)
 
 
+def _train(model, opt, tel, steps: int) -> None:
+    for batch in regression_batches(steps):
+        loss = backward(model, batch)
+        tel.before_optimizer_step(opt, loss=loss, tokens=8)
+        opt.step()
+        opt.zero_grad()
+        tel.after_optimizer_step()
+    tel.close()
+
+
 def test_a_cuda_models_log_rows_carry_the_allocators_peak_and_reserved_memory(tmp_path, monkeypatch):
     """On log steps, the model's CUDA device: the peak allocated since the process began (never
     reset here, so a user's own reading stays theirs) and the reserved memory, in GiB, read from the
@@ -315,13 +325,7 @@ def test_a_cuda_models_log_rows_carry_the_allocators_peak_and_reserved_memory(tm
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 * 2**29)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: pytest.fail("the peak was reset"))
     monkeypatch.setattr(type(tel), "_model_device", lambda self: cuda0)
-    for batch in regression_batches(4):
-        loss = backward(model, batch)
-        tel.before_optimizer_step(opt, loss=loss, tokens=8)
-        opt.step()
-        opt.zero_grad()
-        tel.after_optimizer_step()
-    tel.close()
+    _train(model, opt, tel, 4)
     rows = read_jsonl(tmp_path / "telemetry.jsonl")
     logged = [r for r in rows if "train/mem_peak_gib" in r]
     assert [r["step"] for r in logged] == [2, 4]  # the windows' last rows
@@ -333,13 +337,7 @@ def test_a_cuda_models_log_rows_carry_the_allocators_peak_and_reserved_memory(tm
 def test_a_cpu_models_rows_carry_no_device_memory(tmp_path):
     model, opt, tel = make(tmp_path, log_every=2)
     assert tel._model_device() == torch.device("cpu")
-    for batch in regression_batches(2):
-        loss = backward(model, batch)
-        tel.before_optimizer_step(opt, loss=loss, tokens=8)
-        opt.step()
-        opt.zero_grad()
-        tel.after_optimizer_step()
-    tel.close()
+    _train(model, opt, tel, 2)
     rows = read_jsonl(tmp_path / "telemetry.jsonl")
     assert not any("train/mem_peak_gib" in r for r in rows)
     assert not any("memory" in key for key in summarize(rows))

@@ -307,6 +307,9 @@ class CallRecord:
     # what the call derives from its parameters once per event, for its recomputes to reuse
     # (the parameters do not change inside an event): e.g. Fp8Linear's bias in the GEMM's dtype
     derived: dict = field(default_factory=dict)
+    # whether a recompute of the call may come in the event (read at the call's entry:
+    # records.recompute_may_follow); where none can, the weight codes are not held for one
+    may_recompute: bool = True
 
 
 class SnapshotStash:

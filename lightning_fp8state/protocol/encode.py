@@ -134,7 +134,12 @@ class Quantizer:
             if order.active:
                 order.use(x.device, bank.amax_pending, snap.scale)
             data = encoder.encode_record(x, snap, bank, index, prologue)
-        if role == "weight" and self._recipe.weight_codes_once and record.layer not in self._codes_not_kept:
+        if (
+            role == "weight"
+            and self._recipe.weight_codes_once
+            and record.layer not in self._codes_not_kept
+            and record.may_recompute
+        ):
             # for the recompute: the same parameter, snapshot and stage give these codes
             record.derived[_CODES] = (_parameter_key(x), snap, prologue, data)
         return data, snap

@@ -20,7 +20,22 @@ from ..recompute import CallRecord
 from ..state import QuantSnapshot, current_stream_ident, scoped_owner
 from .events import OpenEvent
 
-__all__ = ["CallRecords"]
+__all__ = ["CallRecords", "recompute_may_follow"]
+
+
+def recompute_may_follow(region: tuple | None) -> bool:
+    """Whether a recompute of a call entered now may run in its event, so that its weight codes
+    are worth holding (``QuantConfig.weight_codes_once``): inside a checkpoint region of ours,
+    under saved-tensor hooks (torch's non-reentrant checkpoint, SAC, FSDP2's wrapper) or with
+    gradients off (a reentrant checkpoint's forward runs so; so does evaluation). Otherwise plain
+    autograd keeps what the backward reads and no recompute can come: held codes would only add a
+    byte per weight element to the peak (Mixtral's experts: 1.4 GB). A recompute that came anyway
+    encodes the weight again from the same snapshot: the same codes, one pass later."""
+    return (
+        region is not None
+        or not torch.is_grad_enabled()
+        or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    )
 
 
 class _Entrant(NamedTuple):
@@ -223,6 +238,7 @@ class CallRecords:
             center = frozen.center(i, widths[role]) if widths[role] else None
             snapshots[role] = self.snapshot(owner, role, scales[i], descales[i], center, event, region, ordinal)
         record = CallRecord(event, layer, site, region, ordinal, stream, ident, owners, indices, snapshots)
+        record.may_recompute = recompute_may_follow(region)
         self._stash.put(record)
         return record
 

@@ -83,7 +83,9 @@ class AmaxReducer:
         device = self._device(bank)
         fp = registry_fingerprint(bank)
         self._header = device_constant(torch.tensor(fp + [-v for v in fp], dtype=torch.float32), device)
-        self._role_mask = device_constant(torch.tensor([self.reduces(o.role) for o in bank.owners]), device)
+        self._role_mask = device_constant(
+            torch.tensor([self.reduces(o.role) for o in bank.owners], dtype=torch.bool), device
+        )
         self._masks = {}
         self._version = bank.version
 

@@ -31,11 +31,10 @@ def recompute_may_follow(region: tuple | None) -> bool:
     autograd keeps what the backward reads and no recompute can come: held codes would only add a
     byte per weight element to the peak (Mixtral's experts: 1.4 GB). A recompute that came anyway
     encodes the weight again from the same snapshot: the same codes, one pass later."""
-    return (
-        region is not None
-        or not torch.is_grad_enabled()
-        or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-    )
+    if region is not None or not torch.is_grad_enabled():
+        return True
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top_hooks is None or top_hooks(False) is not None  # (a torch without the query: keep them)
 
 
 class _Entrant(NamedTuple):

@@ -23,6 +23,7 @@ __all__ = [
     "check_quantize_args",
     "check_update_args",
     "count_clips",
+    "encode_record",
     "define_from",
     "register_fake_from",
 ]
@@ -137,6 +138,16 @@ def count_clips(
     saturation[:, slot].add_(counts.to(saturation.device))
 
 
+def encode_record(y, scale, dtype, amax_pending, slot: int, saturation) -> torch.Tensor:
+    """A recording quantize op's reference on the values it encodes, ``y`` (a prologue op's: its
+    prologue's output): the codes, ``max|y|`` folded into ``amax_pending[slot]`` (NaN sticks),
+    the clips counted into ``saturation``."""
+    cell = amax_pending.narrow(0, slot, 1)
+    cell.copy_(ref.canonical_nan(torch.maximum(cell, ref.amax_reference(y).reshape(1))))
+    count_clips(saturation, slot, y, scale, dtype)
+    return ref.quantize_fp8_reference(y, scale, dtype).contiguous()
+
+
 _UPDATE_SIGNATURE = inspect.signature(ref.update_scales_reference)
 # the state tensors (one column per owner) and the dtype each must have
 _UPDATE_TENSORS = (
@@ -185,10 +196,7 @@ def _quantize_fp8_record_amax(
     check_quantize_args(x, scale, dtype)
     _check_pending(amax_pending, slot, x.device)
     _check_saturation(saturation, amax_pending, x.device)
-    cell = amax_pending.narrow(0, slot, 1)
-    cell.copy_(ref.canonical_nan(torch.maximum(cell, ref.amax_reference(x).reshape(1))))
-    count_clips(saturation, slot, x, scale, dtype)
-    return ref.quantize_fp8_reference(x, scale, dtype).contiguous()
+    return encode_record(x, scale, dtype, amax_pending, slot, saturation)
 
 
 @torch.library.impl(LIB, "dequantize_fp8", "CompositeExplicitAutograd")

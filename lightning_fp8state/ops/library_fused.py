@@ -20,9 +20,8 @@ from .library import (
     _check_pending,
     _check_saturation,
     check_quantize_args,
-    count_clips,
+    encode_record,
 )
-from .reference import amax_reference, canonical_nan, quantize_fp8_reference
 from .reference_ln import layer_norm_backward_reference
 
 __all__ = ["check_layer_norm_args", "check_layer_norm_backward_args", "layer_norm_max_width", "layer_norm_width_ok"]
@@ -107,19 +106,6 @@ def check_layer_norm_backward_args(grad_y, x, mean, rstd, weight, output_mask) -
         require_that(t.device == x.device, f"{name}.device", t.device, str(x.device))
     _check_affine("weight", weight, x)
     require_that(len(output_mask) == 3, "len(output_mask)", len(output_mask), "3")
-
-
-def _fold(amax_pending: torch.Tensor, slot: int, amax: torch.Tensor) -> None:
-    cell = amax_pending.narrow(0, slot, 1)
-    cell.copy_(canonical_nan(torch.maximum(cell, amax.reshape(1))))
-
-
-def encode_record(y, scale, dtype, amax_pending, slot: int, saturation) -> torch.Tensor:
-    """A recording prologue op's tail on its prologue's output ``y`` (what its reference does
-    after the prologue): the codes, ``max|y|`` folded into the pending slot, the clips counted."""
-    _fold(amax_pending, slot, amax_reference(y))
-    count_clips(saturation, slot, y, scale, dtype)
-    return quantize_fp8_reference(y, scale, dtype).contiguous()
 
 
 @torch.library.impl(LIB, "gelu_quantize_fp8", "CompositeExplicitAutograd")

@@ -14,8 +14,16 @@ import torch
 
 from ..config import require_that
 from . import reference_rms as ref
-from .library import _IN_DTYPES, LIB, SATURATION_ARG, _check_pending, _check_saturation, check_quantize_args
-from .library_fused import _check_affine, _check_row_width, _codes_like, encode_record
+from .library import (
+    _IN_DTYPES,
+    LIB,
+    SATURATION_ARG,
+    _check_pending,
+    _check_saturation,
+    check_quantize_args,
+    encode_record,
+)
+from .library_fused import _check_affine, _check_row_width, _codes_like
 
 __all__ = ["check_rms_norm_args", "check_rms_norm_backward_args"]
 

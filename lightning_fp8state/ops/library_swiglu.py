@@ -14,8 +14,16 @@ import torch
 
 from ..config import require_that
 from . import reference_swiglu as ref
-from .library import _FP8_DTYPES, _IN_DTYPES, LIB, SATURATION_ARG, _check_pending, _check_saturation, _check_scalar
-from .library_fused import encode_record
+from .library import (
+    _FP8_DTYPES,
+    _IN_DTYPES,
+    LIB,
+    SATURATION_ARG,
+    _check_pending,
+    _check_saturation,
+    _check_scalar,
+    encode_record,
+)
 
 __all__ = ["check_swiglu_args", "check_swiglu_backward_args", "swiglu_width"]
 

@@ -123,6 +123,8 @@ class FallbackMonitor:
         self._bad_output: dict[str, torch.Tensor] = {}
         # layer -> the bank indices of its FP8 operands; the counters at the last event's end
         self._owners: dict[str, set[int]] = {}
+        # (bank indices, their layers' slots) as device tensors, made again when _owners grows
+        self._owner_map: tuple[torch.Tensor, torch.Tensor] | None = None
         self._seen: torch.Tensor | None = None
         self._clear_event()
 
@@ -162,6 +164,7 @@ class FallbackMonitor:
         self.deferred = None
         self._bad_output = {}
         self._owners = {}
+        self._owner_map = None
         self._seen = None
         self._clear_event()
 
@@ -181,7 +184,10 @@ class FallbackMonitor:
         if _codes(q) is None:
             return
         self._slot(record.layer)
-        self._owners.setdefault(record.layer, set()).add(index)
+        indices = self._owners.setdefault(record.layer, set())
+        if index not in indices:
+            indices.add(index)
+            self._owner_map = None
 
     def observe_output(self, record, phase: Phase, output) -> None:
         """Flag ``record``'s layer when its output is not finite while its operands' pending
@@ -218,10 +224,23 @@ class FallbackMonitor:
             flags[0, self._slots[layer]] = bad.to(device, torch.float32)
         if self._owners:
             clipped, elements = grown.to(torch.float64)
-            over = (clipped / elements.clamp(min=1)) > self.threshold  # per owner, this event
-            for layer, indices in self._owners.items():
-                flags[1, self._slots[layer]] = over[sorted(indices)].any().to(torch.float32)
+            over = ((clipped / elements.clamp(min=1)) > self.threshold).to(torch.float32)  # per owner, this event
+            owners, slots = self._owner_slots(device)
+            flags[1].scatter_reduce_(0, slots, over[owners], reduce="amax")  # a layer: any of its owners
         return flags
+
+    def _owner_slots(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every watched owner's bank index and its layer's slot, as device tensors (one copy
+        when a layer meets an owner it had not, none per event)."""
+        cached = self._owner_map
+        if cached is None or cached[0].device != device:
+            owners, slots = [], []
+            for layer, indices in self._owners.items():
+                owners += sorted(indices)
+                slots += [self._slots[layer]] * len(indices)
+            cached = (torch.tensor(owners, device=device), torch.tensor(slots, device=device))
+            self._owner_map = cached
+        return cached
 
     def _reduce(self, flags: torch.Tensor) -> torch.Tensor:
         """MAX over the data-parallel group (the amax reduction's), where there is one."""
@@ -245,7 +264,6 @@ class FallbackMonitor:
         :meth:`decide_replayed` decides after each replay; the event is kept in :attr:`deferred`."""
         if _capturing(self._protocol.bank.device):
             self.deferred = (int(event[0]), int(event[1]))
-            self._hits, self._elements = {}, {}  # (counted by Python per call: a replay does not)
             return []
         flags = self._flags()
         self._clear_event()

@@ -79,7 +79,8 @@ class StateBank:
     """Contiguous per-owner state: ``amax_history [H, n]``, ``scale``/``descale [n]``
     (rows of one ``[2, n]`` buffer), ``amax_pending [n]``, ``nonfinite_count [n]``,
     ``fmax [n]``, ``saturation [2, n]`` (int64: elements clipped, elements quantized, added by
-    the recording quantize kernels; the telemetry reads and resets it), and the registry owner -> index, with each owner's format name
+    the recording quantize kernels; only grows: the telemetry and the fallback read its growth),
+    and the registry owner -> index, with each owner's format name
     (``e4m3``, ``e5m2``, ``nvfp4``, ``mxfp4``).
 
     Centered FP4 owners also keep a running center: ``center [n, C]`` (C = the widest

@@ -341,7 +341,7 @@ __global__ void colwise_scale_kernel(const unsigned* __restrict__ amax_bits, flo
 template <typename T, bool E4M3>
 __global__ void __launch_bounds__(256) colwise_t_kernel(const T* __restrict__ x, uint8_t* __restrict__ qt,
                                                         const float* __restrict__ col_scale, int64_t R, int64_t C,
-                                                        bool vec_ok) {
+                                                        bool vec_ok, bool vec_t) {
   constexpr int EPL = 16 / sizeof(T);
   constexpr int LPR = kTile / EPL;
   constexpr int RPP = 256 / LPR;
@@ -391,7 +391,7 @@ __global__ void __launch_bounds__(256) colwise_t_kernel(const T* __restrict__ x,
     }
   }
   __syncthreads();
-  if (full) {
+  if (full && vec_t) {
     store_tile_transposed(tile, qt, R, r0, c0);
   } else {
     store_tile_transposed_partial(tile, qt, R, C, r0, c0);
@@ -445,12 +445,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fp8_colwise_
       ldexpf(1.0f, int(margin)));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (R == 0) return {qt, scale, descale, amax};
-  const bool vec_ok = vec && R % 16 == 0;  // the transposed tile's 16-byte stores
+  const bool vec_t = R % 16 == 0;  // the transposed tile's 16-byte stores (else byte by byte)
   const dim3 grid{unsigned(row_tiles), unsigned(col_tiles), 1u};
   auto* qp = reinterpret_cast<uint8_t*>(qt.data_ptr());
   const float* sp = scale.data_ptr<float>();
 #define FP8S_COL(T, E) \
-  colwise_t_kernel<T, E><<<grid, 256, 0, stream>>>(reinterpret_cast<const T*>(x.data_ptr()), qp, sp, R, C, vec_ok)
+  colwise_t_kernel<T, E><<<grid, 256, 0, stream>>>(reinterpret_cast<const T*>(x.data_ptr()), qp, sp, R, C, vec, vec_t)
 #define FP8S_COL_BY_FORMAT(T) \
   if (e4m3)                   \
     FP8S_COL(T, true);        \

@@ -278,13 +278,16 @@ at::Tensor transpose_fp8_cuda(const at::Tensor& q) {
 // each thread sums its P rows in order j; the RPP partials of a column are summed in order i,
 // one float per column per row tile into a workspace; column_sum_kernel sums those over the
 // row tiles in order. Tiles past the edge (or shapes the 16-byte path cannot take) go element
-// by element in the same order, elements outside x counting as +0.0.
+// by element in the same order, elements outside x counting as +0.0. Where only R % 16 != 0
+// (the transposed rows are not 16-byte aligned) the loads stay vectorized and the transposed
+// tile is stored byte by byte.
 // ---------------------------------------------------------------------------------------
 template <typename T, bool E4M3, bool COLSUM>
 __global__ void __launch_bounds__(256) quantize_t_kernel(const T* __restrict__ x, uint8_t* __restrict__ q,
                                                           uint8_t* __restrict__ qt, float* __restrict__ partial,
                                                           const float* __restrict__ scale_ptr, float* amax_slot,
-                                                          int64_t R, int64_t C, bool vec_ok, ClipCells cells) {
+                                                          int64_t R, int64_t C, bool vec_ok, bool vec_t,
+                                                          ClipCells cells) {
   constexpr int EPL = 16 / sizeof(T);
   constexpr int LPR = kTile / EPL;
   constexpr int RPP = 256 / LPR;
@@ -351,7 +354,7 @@ __global__ void __launch_bounds__(256) quantize_t_kernel(const T* __restrict__ x
     for (int e = 0; e < EPL; ++e) s_part[i][g * EPL + e] = acc[e];
   }
   __syncthreads();
-  if (full) {
+  if (full && vec_t) {
     store_tile_transposed(tile, qt, R, r0, c0);
   } else {
     store_tile_transposed_partial(tile, qt, R, C, r0, c0);
@@ -403,7 +406,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_t_record_amax_cuda(c
   at::Tensor partial = at::empty({column_sum ? row_tiles : 0, C}, x.options().dtype(at::kFloat));
   auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t per_load = 16 / int64_t(x.element_size());
-  const bool vec_ok = C % per_load == 0 && R % 16 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  // 16-byte loads and code stores need whole loads per row and an aligned x; the transposed
+  // tile's 16-byte stores need R % 16 == 0 besides (else its bytes are stored one by one, the
+  // loads staying vectorized: an expert's share of the tokens is any count)
+  const bool vec_ok = C % per_load == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  const bool vec_t = R % 16 == 0;
   const bool e4m3 = dtype == at::kFloat8_e4m3fn;
   const dim3 grid{unsigned(row_tiles), unsigned(col_tiles), 1u};
   auto* qp = reinterpret_cast<uint8_t*>(q.data_ptr());
@@ -411,7 +418,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_t_record_amax_cuda(c
   float* pp = column_sum ? partial.data_ptr<float>() : nullptr;
 #define FP8S_QT(T, E, S)                                                                                     \
   quantize_t_kernel<T, E, S><<<grid, 256, 0, stream>>>(reinterpret_cast<const T*>(x.data_ptr()), qp, qtp, pp, \
-                                                       scale.data_ptr<float>(), cell, R, C, vec_ok, cells)
+                                                       scale.data_ptr<float>(), cell, R, C, vec_ok, vec_t, cells)
 #define FP8S_QT_BY_FLAGS(T)      \
   if (e4m3 && column_sum)        \
     FP8S_QT(T, true, true);      \

@@ -45,7 +45,17 @@ from ..config import require_bool, require_int, require_that
 from ..errors import StateTransitionError
 from ..protocol import QuantProtocol, release_weight_codes
 from ..recompute import Phase
-from .grouped_gemm import bf16_grouped_problem, grouped_expert_gemms, grouped_linear
+from .grouped_gemm import (
+    aligned_groups,
+    aligned_rows,
+    bf16_grouped_problem,
+    grouped_expert_gemms,
+    grouped_expert_problem,
+    grouped_linear,
+    pad_groups,
+    per_tensor_gemms,
+    unpad_groups,
+)
 from .linear import autocast_off
 from .linear_call import LINEAR_ROLES
 
@@ -255,12 +265,22 @@ def _projection_backward(grad_out, saved, call: _Call, needs) -> tuple:
 
 def _weight_gradient(call: _Call, gws, x_saved, sgs, sxs, device) -> torch.Tensor:
     """``[E, out, in]``: each active expert's product, an idle expert's zero. The grouped GEMM's
-    ``[E, out, in]`` is the gradient itself when every expert is active."""
+    ``[E, out, in]`` is the gradient itself when every expert is active; the per-tensor loop
+    writes each product into its expert's slice (no zero fill where every expert is active, no
+    second copy of the products)."""
     recipe = call.protocol.recipe
+    every = len(call.entries) == call.w_shape[0]
     if not call.entries:
         return torch.zeros(call.w_shape, dtype=call.w_dtype, device=device)
-    products = expert_gemms("grad_weight", recipe, gws, x_saved, sgs, sxs, call.w_dtype, call.backend, call.grouped)
-    if isinstance(products, torch.Tensor) and products.shape == call.w_shape and products.dtype == call.w_dtype:
+    args = ("grad_weight", recipe, gws, x_saved, sgs, sxs, call.w_dtype, call.backend)
+    if not (call.grouped and grouped_expert_problem(*args[:4], call.w_dtype, call.backend) is None):
+        if per_tensor_gemms(recipe):
+            grad_w = (torch.empty if every else torch.zeros)(call.w_shape, dtype=call.w_dtype, device=device)
+            for entry, g_w, x_e, sg, sx in zip(call.entries, gws, x_saved, sgs, sxs, strict=True):
+                recipe.grad_weight(g_w, x_e, sg, sx, call.w_dtype, call.backend, out=grad_w[entry.expert])
+            return grad_w
+    products = expert_gemms(*args, call.grouped)
+    if every and isinstance(products, torch.Tensor) and products.dtype == call.w_dtype:
         return products  # every expert active, in expert order
     grad_w = torch.zeros(call.w_shape, dtype=call.w_dtype, device=device)
     for entry, product in zip(call.entries, products, strict=True):
@@ -400,21 +420,29 @@ class Fp8Experts(GroupedExperts):
     @torch.compiler.disable
     def grouped(self, x_sorted: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
         active = self._active(counts, x_sorted.device)
+        on_device = self.grouped_gemm and x_sorted.is_cuda
+        # on the device, a quantized call pads each expert's rows to a multiple of 16 (zero rows:
+        # grouped_gemm.pad_groups says why and why nothing changes); elsewhere the rows are the
+        # counts, the module bitwise the per-expert loop
+        pad = self.grouped_gemm and self.protocol.recipe.quantized and aligned_groups(x_sorted.device)
+        rows = aligned_rows(counts) if pad else counts
+        x_sorted = pad_groups(x_sorted, counts, rows)
         if self.projections is EXPERT_PROJECTIONS:
-            h = self._projection("gate_up_proj", self.gate_up_proj, x_sorted, counts, active)
+            h = self._projection("gate_up_proj", self.gate_up_proj, x_sorted, counts, rows, active)
             gate, up = h.chunk(2, dim=-1)
         else:
-            gate = self._projection("gate_proj", self.gate_proj, x_sorted, counts, active)
-            up = self._projection("up_proj", self.up_proj, x_sorted, counts, active)
-        if self.grouped_gemm and x_sorted.is_cuda:
+            gate = self._projection("gate_proj", self.gate_proj, x_sorted, counts, rows, active)
+            up = self._projection("up_proj", self.up_proj, x_sorted, counts, rows, active)
+        if on_device:
             a = self.act_fn(gate) * up  # one kernel each over all experts (no per-expert copies)
         else:
             # the activation per expert, as the per-expert calls do (a vectorized op may round a
             # tensor's tail elements otherwise than its body: one tensor would differ in the last bit)
-            rows = [n for n in counts if n]
-            act = [self.act_fn(g) * u for g, u in zip(gate.split(rows), up.split(rows), strict=True)]
+            sizes = [n for n in rows if n]
+            act = [self.act_fn(g) * u for g, u in zip(gate.split(sizes), up.split(sizes), strict=True)]
             a = torch.cat(act) if act else x_sorted.new_empty((0, self.intermediate_dim))
-        return self._projection("down_proj", self.down_proj, a, counts, active)
+        y = self._projection("down_proj", self.down_proj, a, counts, rows, active)
+        return unpad_groups(y, counts, rows)
 
     def _active(self, counts: tuple[int, ...], device: torch.device) -> tuple[bool, ...]:
         """Which experts this call enters: those that received rows here, and, where pending
@@ -430,15 +458,17 @@ class Fp8Experts(GroupedExperts):
         dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=reducer.group)
         return tuple(bool(v) for v in mask.tolist())
 
-    def _enter(self, projection: str, counts: tuple[int, ...], active: tuple[bool, ...], roles: tuple, device):
+    def _enter(self, projection: str, counts: tuple, rows: tuple, active: tuple[bool, ...], roles: tuple, device):
         """Enter the call of every active expert of ``projection`` (an idle one is not entered:
-        it observes, records and commits nothing). A recompute must see the true forward's counts.
+        it observes, records and commits nothing); ``rows``: each expert's rows in the call's
+        operands (its count, or padded: :meth:`grouped`). A recompute must see the true forward's
+        counts.
 
         Raises:
             StateTransitionError: a recompute that routes tokens otherwise than its true forward.
         """
         entries = []
-        for e, rows in enumerate(counts):
+        for e, n in enumerate(rows):
             if not active[e]:
                 continue
             layer = self.expert_layers[projection][e]
@@ -451,20 +481,20 @@ class Fp8Experts(GroupedExperts):
                     f"{list(record.derived.get(_ROWS) or ())}: routing must be deterministic (a router in high "
                     "precision on bitwise-equal inputs, ties broken by position)"
                 )
-            entries.append(_Entry(e, rows, phase, record))
+            entries.append(_Entry(e, n, phase, record))
         observer = self.routing_observer
         if observer is not None and projection == self.projections[0] and entries and entries[0].phase is Phase.FORWARD:
             observer(self, counts)  # once per call (its first projection), never for a recompute
         return tuple(entries)
 
-    def _projection(self, projection: str, weight: torch.Tensor, x: torch.Tensor, counts, active) -> torch.Tensor:
+    def _projection(self, projection: str, weight: torch.Tensor, x: torch.Tensor, counts, rows, active):
         protocol = self.protocol
         quantized = protocol.recipe.quantized
-        entries = self._enter(projection, counts, active, LINEAR_ROLES if quantized else (), x.device)
+        entries = self._enter(projection, counts, rows, active, LINEAR_ROLES if quantized else (), x.device)
         if not x.is_contiguous():
             x = x.contiguous()
         if not quantized:
-            y = self._high_precision(weight, x, entries, counts)
+            y = self._high_precision(weight, x, entries, rows)
         else:
             device = x.device.type
             grouped = bool(self.grouped_gemm)

@@ -42,13 +42,17 @@ __all__ = [
     "MAX_GROUPS",
     "bf16_grouped_problem",
     "fp8_grouped_problem",
+    "aligned_groups",
+    "aligned_rows",
     "group_ends",
     "grouped_device",
     "grouped_expert_gemms",
     "grouped_expert_problem",
     "grouped_linear",
+    "pad_groups",
     "padded_rows",
     "per_tensor_gemms",
+    "unpad_groups",
 ]
 
 # rows of one group of the weight gradient's operands: 16 FP8 bytes, the device's TMA alignment
@@ -148,6 +152,67 @@ def padded_rows(rows: Sequence[int], align: int = GROUP_ALIGN) -> tuple[int, ...
     """Each count rounded up to a multiple of ``align``, at least ``align`` (the weight gradient's
     groups: 16-byte aligned starts, and no empty group whose output the kernel might not write)."""
     return tuple(max(align, -(-n // align) * align) for n in rows)
+
+
+def aligned_groups(device: torch.device) -> bool:
+    """Whether the quantized experts pad each expert's rows to :data:`GROUP_ALIGN` on ``device``
+    (:func:`pad_groups`): on any CUDA device (the kernels' 16-byte paths) and wherever the grouped
+    kernels run; not on the CPU, where the module is bitwise the per-expert loop."""
+    return device.type == "cuda" or grouped_device(device)
+
+
+def aligned_rows(rows: Sequence[int], align: int = GROUP_ALIGN) -> tuple[int, ...]:
+    """Each count rounded up to a multiple of ``align`` (zero stays zero): the experts' groups as
+    :func:`pad_groups` lays them out."""
+    return tuple(-(-n // align) * align for n in rows)
+
+
+def _regroup(x: torch.Tensor, take: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> torch.Tensor:
+    """Consecutive groups of ``src[e]`` rows of ``x`` as groups of ``dst[e]`` rows: the first
+    ``take[e]`` rows of each kept, the rest of a ``dst`` group zero. One copy kernel (a cat)."""
+    width = x.shape[1]
+    extra = max((d - n for d, n in zip(dst, take, strict=True)), default=0)
+    zeros = x.new_zeros((extra, width)) if extra else None
+    pieces = []
+    for x_e, n, d in zip(x.split(list(src)), take, dst, strict=True):
+        if n:
+            pieces.append(x_e[:n])
+        if d > n:
+            pieces.append(zeros[: d - n])
+    return torch.cat(pieces) if pieces else x.new_empty((0, width))
+
+
+class _Regroup(torch.autograd.Function):
+    """:func:`_regroup` from ``src`` to ``dst`` groups; the gradient goes back the other way."""
+
+    @staticmethod
+    def forward(ctx, x, counts, src, dst):
+        ctx.groups = (counts, src, dst)
+        return _regroup(x, counts, src, dst)
+
+    @staticmethod
+    def backward(ctx, grad):
+        counts, src, dst = ctx.groups
+        return _regroup(grad.contiguous(), counts, dst, src), None, None, None
+
+
+def pad_groups(x: torch.Tensor, counts: Sequence[int], rows: Sequence[int]) -> torch.Tensor:
+    """``x [sum counts, D]`` (expert ``e``'s ``counts[e]`` rows in expert order) with each expert's
+    group zero-padded to ``rows[e]`` rows (:func:`aligned_rows`); differentiable.
+
+    On the device every expert's operands then have a multiple of 16 rows: the cast-transpose
+    stores its transposed codes 16 bytes at a time, the weight gradient's contraction needs no
+    padding copy, the FP8 operands' byte transposes take their tiled path. Zero rows change no
+    amax, no code of another row and no sum, and their outputs are dropped (:func:`unpad_groups`),
+    their gradients zero."""
+    counts, rows = tuple(counts), tuple(rows)
+    return x if counts == rows else _Regroup.apply(x, counts, counts, rows)
+
+
+def unpad_groups(y: torch.Tensor, counts: Sequence[int], rows: Sequence[int]) -> torch.Tensor:
+    """The inverse of :func:`pad_groups`: each group's first ``counts[e]`` of its ``rows[e]`` rows."""
+    counts, rows = tuple(counts), tuple(rows)
+    return y if counts == rows else _Regroup.apply(y, counts, rows, counts)
 
 
 def group_ends(rows: Sequence[int]) -> tuple[int, ...]:

@@ -38,11 +38,12 @@ class PerTensorFp8(Recipe):
         # the transposed codes as the [out, in] view the input gradient's GEMM takes without a copy
         return (xq, wq[1].t()) if type(wq) is tuple else (xq, wq)
 
-    def grad_weight(self, g_w, x_saved, sg, sx, out_dtype, backend):
-        return scaled_matmul(g_w, x_saved, sg.descale, sx.descale, out_dtype, backend)
+    # ``out``: where the product is written (scaled_matmul's; the experts' gradients use it)
+    def grad_weight(self, g_w, x_saved, sg, sx, out_dtype, backend, out=None):
+        return scaled_matmul(g_w, x_saved, sg.descale, sx.descale, out_dtype, backend, out=out)
 
-    def grad_input(self, g_x, w_saved, sg, sw, out_dtype, backend):
-        return scaled_matmul(g_x, w_saved, sg.descale, sw.descale, out_dtype, backend)
+    def grad_input(self, g_x, w_saved, sg, sw, out_dtype, backend, out=None):
+        return scaled_matmul(g_x, w_saved, sg.descale, sw.descale, out_dtype, backend, out=out)
 
 
 @register

@@ -9,6 +9,7 @@ import functools
 import torch
 
 from .. import ops
+from ..config import require_that
 
 __all__ = ["scaled_matmul", "scaled_mm_available"]
 
@@ -78,6 +79,7 @@ def scaled_matmul(
     out_dtype: torch.dtype,
     backend: str = "auto",
     bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(a @ b) * descale_a * descale_b (+ bias)`` for FP8 ``a [M, K]`` and ``b [K, N]``.
 
@@ -88,7 +90,18 @@ def scaled_matmul(
 
     ``backend``: ``auto`` (``_scaled_mm`` when available and the shapes allow it),
     ``emulated`` or ``scaled_mm`` (raises where it cannot run).
+
+    ``out`` (contiguous ``[M, N]`` of ``out_dtype``; returned): written in place, by the GEMM
+    itself where it runs on the device, so a caller assembling products into one tensor (the
+    experts' ``[E, out, in]`` weight gradient) holds no second copy of them.
     """
+    if out is not None:
+        require_that(
+            out.shape == (a.shape[0], b.shape[1]) and out.dtype == out_dtype and out.is_contiguous(),
+            "out",
+            f"a contiguous {out_dtype} tensor of shape {(a.shape[0], b.shape[1])}",
+            f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}",
+        )
     # (on the host path of every linear call, 3-4 times a step: each check is kept cheap)
     use_mm = backend == "scaled_mm" or (
         backend == "auto"
@@ -97,7 +110,7 @@ def scaled_matmul(
         and not (a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2)
     )
     if not use_mm:
-        return _emulated(a, b, descale_a, descale_b, out_dtype, bias)
+        return _into(_emulated(a, b, descale_a, descale_b, out_dtype, bias), out)
     if a.shape[1] % 16:
         # cuBLASLt wants K a multiple of 16: a weight gradient over a token count that is not
         # (an expert's share of the routed tokens) pads both operands' K with zero codes, whose
@@ -114,9 +127,14 @@ def scaled_matmul(
         b = _row_major(b_t).t()
     sa, sb = _scalar(descale_a), _scalar(descale_b)
     if bias is None:
+        if out is not None:
+            return torch._scaled_mm(a, b, sa, sb, out_dtype=out_dtype, out=out)
         return torch._scaled_mm(a, b, sa, sb, out_dtype=out_dtype)
     if out_dtype in _SIXTEEN_BIT:  # the epilogue takes a bias of the output's 16-bit dtype only
-        return torch._scaled_mm(
-            a, b, sa, sb, bias if bias.dtype == out_dtype else bias.to(out_dtype), out_dtype=out_dtype
-        )
-    return torch._scaled_mm(a, b, sa, sb, out_dtype=out_dtype) + bias.to(out_dtype)
+        bias = bias if bias.dtype == out_dtype else bias.to(out_dtype)
+        return _into(torch._scaled_mm(a, b, sa, sb, bias, out_dtype=out_dtype), out)
+    return _into(torch._scaled_mm(a, b, sa, sb, out_dtype=out_dtype) + bias.to(out_dtype), out)
+
+
+def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return result if out is None else out.copy_(result)

@@ -142,6 +142,28 @@ def test_a_k_not_a_multiple_of_16_runs_scaled_mm_on_padded_codes(monkeypatch, k)
     assert rel < 5e-4, rel
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
+def test_out_is_written_in_place_with_the_bits_of_a_fresh_product(bias):
+    """``scaled_matmul(out=)`` (the experts' weight gradient writes each expert's product into
+    its slice of ``[E, out, in]``): the slice holds what a fresh product would, bit for bit, and
+    the rest of the tensor is untouched."""
+    from lightning_fp8state.quant_recipes import gemm as per_tensor
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    a = (torch.randn(192, 64, device="cuda", generator=g) * 4).to(torch.float8_e5m2)
+    b = (torch.randn(256, 64, device="cuda", generator=g) * 4).to(torch.float8_e4m3fn).t()
+    da, db = torch.tensor(0.25, device="cuda"), torch.tensor(0.125, device="cuda")
+    bi = torch.randn(256, device="cuda", generator=g) if bias else None
+    for backend in ("auto", "emulated"):
+        fresh = per_tensor.scaled_matmul(a, b, da, db, torch.bfloat16, backend, bias=bi)
+        whole = torch.randn(3, 192, 256, device="cuda", generator=g).to(torch.bfloat16)
+        before = whole.clone()
+        got = per_tensor.scaled_matmul(a, b, da, db, torch.bfloat16, backend, bias=bi, out=whole[1])
+        assert got.data_ptr() == whole[1].data_ptr()
+        assert torch.equal(whole[1].view(torch.int16), fresh.view(torch.int16)), backend
+        assert torch.equal(whole[0], before[0]) and torch.equal(whole[2], before[2])
+
+
 def test_no_host_sync_inside_a_training_step():
     state = f8s.Fp8State(f8s.QuantConfig())
     model = state.convert(make_stack(n=4, d=D, ckpt=("torch", False))).cuda().bfloat16()

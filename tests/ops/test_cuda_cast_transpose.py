@@ -17,9 +17,10 @@ pytestmark = [
 ]
 
 IN_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# full tiles (the 16-byte path); full tiles plus edge tiles; rows not a multiple of 16 (every
-# tile element by element); fewer rows or columns than a tile; the 124M grad_output shape
-SHAPES = [(256, 384), (300, 200), (136, 256), (7, 33), (1, 1), (128 * 33, 768)]
+# full tiles (the 16-byte path); full tiles plus edge tiles; rows not a multiple of 16 (16-byte
+# loads, the transposed tile stored byte by byte); an expert's share of the tokens (an odd row
+# count over several row tiles); fewer rows or columns than a tile; the 124M grad_output shape
+SHAPES = [(256, 384), (300, 200), (136, 256), (1003, 512), (7, 33), (1, 1), (128 * 33, 768)]
 
 
 @pytest.fixture(scope="module", autouse=True)

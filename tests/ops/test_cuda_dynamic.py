@@ -157,6 +157,7 @@ COL_SHAPES = [
     (200, 130),
     (256, 1000),
     (1000, 264),
+    (1003, 512),  # an odd row count over full tiles: 16-byte loads, the transposed tile byte by byte
     (37, 4096),
     (4096, 96),
 ]

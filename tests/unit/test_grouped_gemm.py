@@ -271,3 +271,71 @@ def test_grouped_gemm_false_keeps_the_loop(device_op):
     state, module = experts("fp8_current", grouped=False, backward_format="e4m3")
     step(state, module, routing(0), 0)
     assert device_op == {"fp8": 0, "bf16": 0}
+
+
+# --- each expert's rows padded to a multiple of 16 on the device ---------------------------------
+
+
+def test_pad_groups_pads_each_group_with_zero_rows_and_unpad_inverts_it_with_gradients():
+    counts = (5, 0, 16, 17)
+    rows = gg.aligned_rows(counts)
+    assert rows == (16, 0, 16, 32)
+    x = torch.randn(sum(counts), 8, requires_grad=True)
+    padded = gg.pad_groups(x, counts, rows)
+    assert padded.shape == (sum(rows), 8)
+    starts, src = 0, 0
+    for n, r in zip(counts, rows, strict=True):
+        assert torch.equal(padded[starts : starts + n], x[src : src + n])
+        assert not padded[starts + n : starts + r].any()  # the padding: zero rows
+        starts, src = starts + r, src + n
+    back = gg.unpad_groups(padded * 3.0, counts, rows)
+    assert torch.equal(back, x * 3.0)
+    grad = torch.randn(back.shape)
+    back.backward(grad)
+    assert torch.equal(x.grad, grad * 3.0)  # the padding rows' gradients are dropped, the rest kept
+    aligned = torch.randn(32, 8)
+    assert gg.pad_groups(aligned, (16, 16), (16, 16)) is aligned  # nothing to pad: no copy
+
+
+def test_the_experts_operands_are_padded_to_16_rows_on_the_device(device_op, monkeypatch):
+    """Every group of every grouped GEMM has a multiple of 16 rows (the token counts routing gives
+    are not), and the padded module is the unpadded loop up to accumulation order."""
+    groups = []
+    reference = torch._scaled_grouped_mm
+
+    def recording(mat_a, mat_b, scale_a, scale_b, offs=None, **kw):
+        ends = offs.tolist()
+        groups.extend(e - s for s, e in zip([0, *ends[:-1]], ends, strict=True))
+        return reference(mat_a, mat_b, scale_a, scale_b, offs=offs, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", recording)
+    state, module = experts("fp8_delayed", grouped=True, backward_format="e4m3")
+    ref_state, ref = experts("fp8_delayed", grouped=False, backward_format="e4m3")
+    event = routing(5)
+    counts = f8s.nn.experts.route(event[1], E).counts
+    assert any(n % 16 for n in counts)  # the case padding is for
+    got = step(state, module, event, 0)
+    want = step(ref_state, ref, event, 0)
+    assert groups and all(g % 16 == 0 for g in groups), groups
+    for g, w in zip(got, want, strict=True):
+        close(g, w)
+
+
+def test_scaled_matmul_writes_out_in_place_and_names_a_wrong_out():
+    from lightning_fp8state.errors import ConfigError
+    from lightning_fp8state.quant_recipes.gemm import scaled_matmul
+
+    a = torch.randn(24, 32).to(E5M2)
+    b = torch.randn(32, 40).to(E4M3)
+    da, db = torch.tensor(0.5), torch.tensor(0.25)
+    fresh = scaled_matmul(a, b, da, db, torch.bfloat16)
+    whole = torch.full((2, 24, 40), 7.0, dtype=torch.bfloat16)
+    assert scaled_matmul(a, b, da, db, torch.bfloat16, out=whole[1]).data_ptr() == whole[1].data_ptr()
+    assert bitwise_equal(whole[1], fresh) and (whole[0] == 7.0).all()
+    for wrong in (
+        torch.empty(24, 41, dtype=torch.bfloat16),
+        torch.empty(24, 40),
+        torch.empty(40, 24, dtype=torch.bfloat16).t(),
+    ):
+        with pytest.raises(ConfigError, match="out"):
+            scaled_matmul(a, b, da, db, torch.bfloat16, out=wrong)

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .. import ops
 from ..config import require_bool, require_int, require_that
 from ..errors import StateTransitionError
 from ..protocol import QuantProtocol, release_weight_codes
@@ -49,8 +50,8 @@ from .grouped_gemm import (
     aligned_groups,
     aligned_rows,
     bf16_grouped_problem,
+    fp8_grouped_problem,
     grouped_expert_gemms,
-    grouped_expert_problem,
     grouped_linear,
     pad_groups,
     per_tensor_gemms,
@@ -200,19 +201,39 @@ class _Call(NamedTuple):
     x_dtype: torch.dtype
     w_dtype: torch.dtype
     w_shape: torch.Size
+    # per entry: None (the weight's codes saved), else the backward re-encodes them from the saved
+    # weight, transposed (True) or not, as the recipe's weight stage would have laid them out
+    reencoded: tuple
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _weight_codes(w_e: torch.Tensor, sw, transposed: bool) -> torch.Tensor:
+    """An expert's weight codes re-encoded at its call's frozen snapshot: bitwise the forward's
+    (the same tensor, scale and rounding), made in the backward, where the GEMMs read them, so
+    that no expert's codes are held from its forward to its backward. Records nothing.
+    ``transposed``: as the ``[out, in]`` view of the transposed codes (what the cast-transpose
+    stage saves, the input gradient's GEMM takes it without a copy), else row-major."""
+    codes = ops.quantize_fp8(w_e, sw.scale, sw.dtype)
+    return ops.transpose_fp8(codes).t() if transposed else codes
 
 
 def _projection_forward(x, weight, protocol: QuantProtocol, entries: tuple, out_dtype, backend, grouped: bool):
     """Quantize each active expert's input rows and weight (its own owners), then the grouped
     GEMM: ``(y [rows, out], saved tensors, _Call)``."""
     recipe = protocol.recipe
-    xqs, wqs, sxs, sws, saved = [], [], [], [], []
+    # a per-tensor recipe's weight codes are re-encoded in the backward from the weight itself
+    # (a parameter, held anyway): the forward writes no transposed codes and saves none; the
+    # experts' weights are most of an MoE layer's bytes, their codes more than its activations'
+    reencode = per_tensor_gemms(recipe)
+    xqs, wqs, sxs, sws, saved, reencoded = [], [], [], [], [], []
     for entry, x_e in zip(entries, x.split([e.rows for e in entries]), strict=True):
         record, phase = entry.record, entry.phase
         w_e = weight[entry.expert]
         xq, sx = protocol.quantize(record, "input", x_e, phase)
         stage = None if phase is Phase.INFERENCE else recipe.weight_stage(w_e)
-        wq, sw = protocol.quantize(record, "weight", w_e, phase, stage)
+        wq, sw = protocol.quantize(record, "weight", w_e, phase, None if reencode else stage)
         if phase is not Phase.INFERENCE:
             protocol.check_consumer(record, "input", sx)
             protocol.check_consumer(record, "weight", sw)
@@ -220,67 +241,128 @@ def _projection_forward(x, weight, protocol: QuantProtocol, entries: tuple, out_
         wqs.append(wq)
         sxs.append(sx)
         sws.append(sw)
-        saved += recipe.saved_for_backward(xq, wq, x_e, w_e)
+        again = reencode and type(wq) is torch.Tensor and wq.dtype in _FP8 and sw.dtype == wq.dtype
+        reencoded.append((stage is not None) if again else None)
+        saved += (xq, w_e) if again else recipe.saved_for_backward(xq, wq, x_e, w_e)
     if entries:
         y = expert_gemms("forward", recipe, xqs, wqs, sxs, sws, out_dtype, backend, grouped)
     else:
         y = x.new_empty((0, weight.shape[1]), dtype=out_dtype)
     snaps = tuple(zip(sxs, sws, strict=True))
-    call = _Call(protocol, entries, snaps, backend, grouped, x.dtype, weight.dtype, weight.shape)
+    call = _Call(protocol, entries, snaps, backend, grouped, x.dtype, weight.dtype, weight.shape, tuple(reencoded))
     return y, saved, call
 
 
 def _projection_backward(grad_out, saved, call: _Call, needs) -> tuple:
     """Gradients of ``(x, weight)``: grad_output quantized per expert (its own owner), then the
-    grouped weight- and input-gradient GEMMs; an idle expert's weight gradient is zero."""
-    protocol = call.protocol
-    recipe = protocol.recipe
+    weight- and input-gradient GEMMs; an idle expert's weight gradient is zero.
+
+    Where the GEMMs are a per-tensor recipe's per-expert loop (E5M2 gradients, the default, or no
+    grouped kernel) the experts stream: each expert's gradient codes, its weight's codes
+    (re-encoded) and its two products, written into their slices of the results, before the next
+    expert's; only one expert's codes are alive at a time. Else (the grouped GEMMs, a recipe with
+    GEMMs of its own) every expert's codes are made first."""
     g = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
-    gqs, gws, sgs = [], [], []
-    for entry, g_e, (sx, sw) in zip(call.entries, g.split([e.rows for e in call.entries]), call.snaps, strict=True):
-        record = entry.record
-        release_weight_codes(record)  # no recompute of this call follows its backward in the event
-        (gq, g_w, _), sg = protocol.quantize(record, "grad_output", g_e, Phase.FORWARD, recipe.grad_output_stage(False))
-        protocol.check_consumer(record, "input", sx)
-        protocol.check_consumer(record, "weight", sw)
-        protocol.check_consumer(record, "grad_output", sg)
-        gqs.append(gq)
-        gws.append(g_w)
-        sgs.append(sg)
+    device = grad_out.device
+    if not call.entries:
+        grad_x = g.new_empty((0, call.w_shape[2]), dtype=call.x_dtype) if needs[0] else None
+        return grad_x, torch.zeros(call.w_shape, dtype=call.w_dtype, device=device) if needs[1] else None
+    grads = g.split([e.rows for e in call.entries])
     x_saved, w_saved = saved[0::2], saved[1::2]
+    first = _grad_codes(call, 0, grads[0])
+    if _streams(call, first[0].dtype, sum(e.rows for e in call.entries), device):
+        return _streamed_backward(call, grads, first, x_saved, w_saved, needs, device)
+    gqs, gws, sgs = zip(first, *(_grad_codes(call, i, g_e) for i, g_e in enumerate(grads[1:], 1)), strict=True)
     sxs, sws = [s[0] for s in call.snaps], [s[1] for s in call.snaps]
     grad_x = grad_w = None
     if needs[1]:
-        grad_w = _weight_gradient(call, gws, x_saved, sgs, sxs, grad_out.device)
+        grad_w = _weight_gradient(call, list(gws), x_saved, list(sgs), sxs, device)
     del gws
     if needs[0]:
-        if call.entries:
-            grad_x = expert_gemms(
-                "grad_input", recipe, gqs, w_saved, sgs, sws, call.x_dtype, call.backend, call.grouped
-            )
-        else:
-            grad_x = grad_out.new_empty((0, call.w_shape[2]), dtype=call.x_dtype)
+        w_codes = [
+            w if t is None else _weight_codes(w, sw, t) for w, sw, t in zip(w_saved, sws, call.reencoded, strict=True)
+        ]
+        grad_x = expert_gemms(
+            "grad_input",
+            call.protocol.recipe,
+            list(gqs),
+            w_codes,
+            list(sgs),
+            sws,
+            call.x_dtype,
+            call.backend,
+            call.grouped,
+        )
+    return grad_x, grad_w
+
+
+def _grad_codes(call: _Call, i: int, g_e: torch.Tensor) -> tuple:
+    """Entry ``i``'s grad_output quantized by its owner: ``(codes, weight-gradient operand,
+    snapshot)``, every operand's snapshot checked as its consumer's."""
+    protocol, record = call.protocol, call.entries[i].record
+    sx, sw = call.snaps[i]
+    release_weight_codes(record)  # no recompute of this call follows its backward in the event
+    stage = protocol.recipe.grad_output_stage(False)
+    (gq, g_w, _), sg = protocol.quantize(record, "grad_output", g_e, Phase.FORWARD, stage)
+    protocol.check_consumer(record, "input", sx)
+    protocol.check_consumer(record, "weight", sw)
+    protocol.check_consumer(record, "grad_output", sg)
+    return gq, g_w, sg
+
+
+def _streams(call: _Call, grad_dtype: torch.dtype, rows: int, device: torch.device) -> bool:
+    """Whether the backward runs the per-tensor GEMMs expert by expert: the recipe's GEMMs are
+    the per-tensor products and the grouped kernel does not take these operands (a pure function
+    of dtypes, shapes, device and backend, as :func:`expert_gemms`'s choice)."""
+    if not per_tensor_gemms(call.protocol.recipe):
+        return False
+    if not call.grouped:
+        return True
+    w_dtype = call.snaps[0][1].dtype
+    dims = (call.w_shape[1], call.w_shape[2])
+    groups = len(call.entries)
+    return any(
+        fp8_grouped_problem(grad_dtype, right, out, dims, groups, rows, device, call.backend) is not None
+        for right, out in ((w_dtype, call.x_dtype), (torch.float8_e4m3fn, call.w_dtype))
+    )
+
+
+def _streamed_backward(call: _Call, grads, first, x_saved, w_saved, needs, device) -> tuple:
+    """The per-tensor loop, one expert at a time (see :func:`_projection_backward`): each product
+    written by its GEMM into its slice (``scaled_matmul(out=)``), no zero fill where every expert
+    is active, no copy of the products."""
+    recipe = call.protocol.recipe
+    every = len(call.entries) == call.w_shape[0]
+    grad_w = grad_x = None
+    if needs[1]:
+        grad_w = (torch.empty if every else torch.zeros)(call.w_shape, dtype=call.w_dtype, device=device)
+    if needs[0]:
+        grad_x = torch.empty((sum(e.rows for e in call.entries), call.w_shape[2]), dtype=call.x_dtype, device=device)
+    start = 0
+    for i, (entry, g_e) in enumerate(zip(call.entries, grads, strict=True)):
+        gq, g_w, sg = first if i == 0 else _grad_codes(call, i, g_e)
+        sx, sw = call.snaps[i]
+        n = entry.rows
+        if grad_w is not None:
+            if n:
+                recipe.grad_weight(g_w, x_saved[i], sg, sx, call.w_dtype, call.backend, out=grad_w[entry.expert])
+            else:  # active on another rank only: no local row
+                grad_w[entry.expert].zero_()
+        if grad_x is not None and n:
+            t = call.reencoded[i]
+            w = w_saved[i] if t is None else _weight_codes(w_saved[i], sw, t)
+            recipe.grad_input(gq, w, sg, sw, call.x_dtype, call.backend, out=grad_x[start : start + n])
+        start += n
     return grad_x, grad_w
 
 
 def _weight_gradient(call: _Call, gws, x_saved, sgs, sxs, device) -> torch.Tensor:
     """``[E, out, in]``: each active expert's product, an idle expert's zero. The grouped GEMM's
-    ``[E, out, in]`` is the gradient itself when every expert is active; the per-tensor loop
-    writes each product into its expert's slice (no zero fill where every expert is active, no
-    second copy of the products)."""
-    recipe = call.protocol.recipe
-    every = len(call.entries) == call.w_shape[0]
-    if not call.entries:
-        return torch.zeros(call.w_shape, dtype=call.w_dtype, device=device)
-    args = ("grad_weight", recipe, gws, x_saved, sgs, sxs, call.w_dtype, call.backend)
-    if not (call.grouped and grouped_expert_problem(*args[:4], call.w_dtype, call.backend) is None):
-        if per_tensor_gemms(recipe):
-            grad_w = (torch.empty if every else torch.zeros)(call.w_shape, dtype=call.w_dtype, device=device)
-            for entry, g_w, x_e, sg, sx in zip(call.entries, gws, x_saved, sgs, sxs, strict=True):
-                recipe.grad_weight(g_w, x_e, sg, sx, call.w_dtype, call.backend, out=grad_w[entry.expert])
-            return grad_w
-    products = expert_gemms(*args, call.grouped)
-    if every and isinstance(products, torch.Tensor) and products.dtype == call.w_dtype:
+    ``[E, out, in]`` is the gradient itself when every expert is active."""
+    products = expert_gemms(
+        "grad_weight", call.protocol.recipe, gws, x_saved, sgs, sxs, call.w_dtype, call.backend, call.grouped
+    )
+    if len(call.entries) == call.w_shape[0] and isinstance(products, torch.Tensor) and products.dtype == call.w_dtype:
         return products  # every expert active, in expert order
     grad_w = torch.zeros(call.w_shape, dtype=call.w_dtype, device=device)
     for entry, product in zip(call.entries, products, strict=True):

@@ -151,6 +151,33 @@ def _grad_or_zero(p):
     return torch.zeros_like(p) if p.grad is None else p.grad
 
 
+@pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_current"])
+def test_no_expert_weight_codes_are_held_from_the_forward_to_the_backward(recipe):
+    """A per-tensor recipe saves each expert's weight itself (a parameter, held anyway) and
+    re-encodes its codes at the call's snapshot in the backward: the experts' weights are most of
+    an MoE layer's bytes. Saved are the input codes and views of the parameters, no FP8 tensor of
+    a weight's size (the gradients stay bitwise the Fp8Linear loop's: the test above)."""
+    model = experts_model()
+    state = convert(model, recipe=recipe)
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel(), t.untyped_storage().data_ptr()))
+        return t
+
+    x, index, weights = routed(0)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with state.step(0), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = model.experts(x.requires_grad_(True), index, weights)
+        state.commit_forward()
+        y.float().pow(2).mean().backward()
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    weight_sizes = {2 * FF * D, FF * D}
+    assert not [s for s in saved if s[0] in fp8 and s[1] in weight_sizes and s[2] not in params]
+    assert any(s[2] in params for s in saved)  # the weights themselves
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
 # --- (b) checkpointing: bitwise the plain run, identical routing --------------------------------
 
 

@@ -59,7 +59,14 @@ def main() -> None:
         action="store_true",
         help="keep each run's checkpoints (by default removed once the run ends: the 1B recipes write ~14 GiB each)",
     )
-    p.add_argument("overrides", nargs="*")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=["fp8", "bf16"],
+        default=["fp8", "bf16"],
+        help="run only these (one alone prints no ratio: an A/B of an FP8 setting against a bf16 run measured before)",
+    )
+    p.add_argument("overrides", nargs="*", help="config overrides for both runs (after `--` when following --modes)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -72,7 +79,7 @@ def main() -> None:
         *args.overrides,
     ]
     result = {"recipe": args.recipe, "overrides": args.overrides, "steps": args.steps, "repeat": args.repeat}
-    variants = (("fp8", []), ("bf16", ["quant.recipe=bf16"]))
+    variants = tuple(v for v in (("fp8", []), ("bf16", ["quant.recipe=bf16"])) if v[0] in args.variants)
     for rep in range(args.repeat):
         for mode in args.modes:
             for name, extra in variants:
@@ -98,6 +105,9 @@ def main() -> None:
     for key in keys:
         best = max(result[key]["runs"], key=lambda r: _or_minus_inf(r["effective_tokens_per_s"]))
         result[key].update(best)
+    if len(variants) < 2:
+        (out / "recipe_speed.json").write_text(json.dumps(result, indent=1))
+        return
     if args.modes == ["recipe"]:
         ratio = result["fp8"]["effective_tokens_per_s"] / result["bf16"]["effective_tokens_per_s"]
     else:

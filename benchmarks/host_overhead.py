@@ -70,8 +70,8 @@ def stub_kernels() -> None:
         torch.empty(x.shape[1], device=x.device) if needs[1] else None,
         torch.empty(x.shape[1], device=x.device) if needs[2] else None,
     )
-    delayed_recipe.scaled_matmul = lambda a, b, da, db, out_dtype, backend="auto", bias=None: torch.empty(
-        a.shape[0], b.shape[1], dtype=out_dtype, device=a.device
+    delayed_recipe.scaled_matmul = lambda a, b, da, db, out_dtype, backend="auto", bias=None, out=None: (
+        torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device) if out is None else out
     )
 
 

@@ -318,12 +318,12 @@ def _streams(call: _Call, grad_dtype: torch.dtype, rows: int, device: torch.devi
         return False
     if not call.grouped:
         return True
-    w_dtype = call.snaps[0][1].dtype
+    x_dtype, w_dtype = call.snaps[0][0].dtype, call.snaps[0][1].dtype  # the operands' formats
     dims = (call.w_shape[1], call.w_shape[2])
     groups = len(call.entries)
     return any(
         fp8_grouped_problem(grad_dtype, right, out, dims, groups, rows, device, call.backend) is not None
-        for right, out in ((w_dtype, call.x_dtype), (torch.float8_e4m3fn, call.w_dtype))
+        for right, out in ((w_dtype, call.x_dtype), (x_dtype, call.w_dtype))  # dX = g W, dW = g^T x
     )
 
 

@@ -43,6 +43,7 @@ RESUMABLE_KEYS = (  # (not trainer.cpu_threads: another thread count changes CPU
     "trainer.gc_full_every_n_steps",
     "trainer.schedule_steps",
     "trainer.checkpoint_every_n_steps",
+    "trainer.enable_checkpointing",
     "telemetry.log_every_n_steps",
     "telemetry.wandb",
     "telemetry.audit",

@@ -259,13 +259,20 @@ def resume_command(run_dir: Path, *overrides: str) -> str:
     return shlex.join(["fp8state", "train", "--resume", str(run_dir), *overrides])
 
 
-def report_interrupted(run_dir: Path, step: int, *, fresh: bool, stopping: bool) -> int:
+def report_interrupted(run_dir: Path, step: int, *, fresh: bool, stopping: bool, checkpointing: bool = True) -> int:
     """Say where an interrupted run stands (exit 130). With a checkpoint: which one, and the command
     that continues from it. Without one (a new run stopped before its first save): nothing can be
-    resumed, so the run's directory is removed and the line says to start again."""
+    resumed, so the run's directory is removed and the line says to start again. A run without
+    checkpoints (``checkpointing`` false) keeps its directory, its telemetry, and says so."""
     saved = sorted((run_dir / "checkpoints").glob("step=*.ckpt"), key=lambda p: p.stat().st_mtime)
     how = "stopped by a signal (SIGTERM or SIGHUP)" if stopping else "interrupted"
-    if saved:
+    if not checkpointing:
+        print(
+            f"fp8state: {how} at step {step}; trainer.enable_checkpointing=false, so nothing can be resumed; "
+            f"the run directory {run_dir} keeps its telemetry",
+            file=sys.stderr,
+        )
+    elif saved:
         print(
             f"fp8state: {how} at step {step}; the last checkpoint is {saved[-1]}. "
             f"Continue with: {resume_command(run_dir)}",
@@ -396,7 +403,8 @@ def shared_run_dir_callback(run_dir: Path, telemetry, checkpoint):
         def setup(self, trainer, pl_module, stage: str) -> None:
             self.run_dir = Path(trainer.strategy.broadcast(str(self.run_dir), src=0))
             telemetry.run_dir = self.run_dir
-            checkpoint.dirpath = str(self.run_dir / "checkpoints")
+            if checkpoint is not None:  # None: trainer.enable_checkpointing=false
+                checkpoint.dirpath = str(self.run_dir / "checkpoints")
 
     return SharedRunDir()
 

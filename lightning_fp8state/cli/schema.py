@@ -191,6 +191,10 @@ class TrainerCfg:
     schedule_steps: int = 0
     seed: int = 0
     checkpoint_every_n_steps: int = 100
+    # false: no checkpoint is written (a throwaway or benchmark run, or a model whose checkpoint
+    # would not fit the disk); such a run cannot be resumed, and one interrupted keeps its
+    # directory (its telemetry) and says so
+    enable_checkpointing: bool = True
     deterministic: bool = False
     # torch.compile every block of the model (each FP8 linear is one op in the block's graph);
     # with the strategies whose contract says compiles_blocks
@@ -223,6 +227,7 @@ class TrainerCfg:
         for key in ("gradient_clip_val", "lr", "weight_decay"):
             require_number(key, getattr(self, key), 0)
         require_bool("deterministic", self.deterministic)
+        require_bool("enable_checkpointing", self.enable_checkpointing)
         require_bool("compile", self.compile)
         require_bool("cuda_graphs", self.cuda_graphs)
         require_int("cuda_graphs_warmup", self.cuda_graphs_warmup, 1)

@@ -117,7 +117,13 @@ def _fit(cfg: DictConfig, run_dir: Path, plan: ResumePlan | None, rank: int, *, 
     for line in failures:
         print(f"fp8state: warning: {line}", file=sys.stderr)
     if interrupted:
-        return report_interrupted(run_dir, trainer.global_step, fresh=plan is None, stopping=trainer.received_sigterm)
+        return report_interrupted(
+            run_dir,
+            trainer.global_step,
+            fresh=plan is None,
+            stopping=trainer.received_sigterm,
+            checkpointing=cfg.trainer.enable_checkpointing,
+        )
     rewrite_run_files(run_dir, cfg)
     _print_summary(run_dir, trainer, telemetry, module.last_loss, failures)
     return 0
@@ -197,23 +203,25 @@ def _callbacks(cfg: DictConfig, run_dir: Path, plan: ResumePlan | None, telemetr
     from ..lightning import Fp8StateCallback
     from ..lightning.checkpoint_io import RunCheckpoint
 
-    checkpoint = RunCheckpoint(  # ModelCheckpoint that still prunes when the run directory moved
-        dirpath=run_dir / "checkpoints",
-        filename="{step}",
-        every_n_train_steps=cfg.trainer.checkpoint_every_n_steps,
-        monitor="step",  # keep the two newest step=N.ckpt: the previous good one survives
-        mode="max",
-        save_top_k=2,
-        save_last=True,
-        enable_version_counter=False,  # a resume rewrites last.ckpt / step=N.ckpt (atomically), never last-v1.ckpt
-    )
+    checkpoint = None
+    if cfg.trainer.enable_checkpointing:
+        checkpoint = RunCheckpoint(  # ModelCheckpoint that still prunes when the run directory moved
+            dirpath=run_dir / "checkpoints",
+            filename="{step}",
+            every_n_train_steps=cfg.trainer.checkpoint_every_n_steps,
+            monitor="step",  # keep the two newest step=N.ckpt: the previous good one survives
+            mode="max",
+            save_top_k=2,
+            save_last=True,
+            enable_version_counter=False,  # a resume rewrites last.ckpt / step=N.ckpt (atomically), never last-v1.ckpt
+        )
     fp8 = Fp8StateCallback(config=quant_config(cfg), audit=cfg.telemetry.audit, verbose=verbose)
     return [
         shared_run_dir_callback(run_dir, telemetry, checkpoint),
         fp8,
         run_files_callback(run_dir, cfg, plan, fp8),
         telemetry,
-        checkpoint,
+        *([checkpoint] if checkpoint is not None else []),
         _progress_bar(),
         *_garbage_collection(cfg.trainer),
     ]
@@ -248,6 +256,7 @@ def _trainer(cfg: DictConfig, run_dir: Path, loggers: list, callbacks: list):
             enable_model_summary=False,
             plugins=plugins,
             callbacks=callbacks,
+            enable_checkpointing=t.enable_checkpointing,
         )
     except MisconfigurationException as exc:
         raise ConfigError(f"trainer: {exc}") from exc

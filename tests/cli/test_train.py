@@ -566,3 +566,36 @@ def test_weight_codes_once_may_change_on_resume_and_changes_no_bit(run_root, cap
     capsys.readouterr()
     assert main(["train", *common, "quant.weight_codes_once=maybe", f"out_dir={run_root / 'bad'}"]) == 2
     assert "weight_codes_once" in capsys.readouterr().err
+
+
+def test_a_run_without_checkpoints_writes_none_and_its_resume_is_refused_plainly(run_root, capsys):
+    """``trainer.enable_checkpointing=false`` (a benchmark, or a model whose checkpoint would not fit
+    the disk): the run trains and logs, writes no checkpoint, and a resume of it exits 2 naming
+    what is missing."""
+    out = run_root / "runs"
+    args = [*SMALL, "telemetry.wandb=disabled", "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=2"]
+    assert main(["train", *args, "trainer.enable_checkpointing=false", f"out_dir={out}"]) == 0
+    run = out / "tiny_gpt_cpu"
+    assert not list(run.rglob("*.ckpt"))
+    assert read_jsonl(run / "telemetry.jsonl")[-1]["step"] == 6
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run)]) == 2
+    assert "last.ckpt" in capsys.readouterr().err
+
+
+def test_enable_checkpointing_must_be_a_bool(run_root, capsys):
+    assert main(["train", *SMALL, "trainer.enable_checkpointing=sometimes", f"out_dir={run_root}"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.enable_checkpointing" in err and "not a valid bool" in err
+
+
+def test_an_interrupted_run_without_checkpoints_keeps_its_directory(tmp_path, capsys):
+    from lightning_fp8state.cli.rundir import report_interrupted
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "telemetry.jsonl").write_text('{"step": 1}\n')
+    assert report_interrupted(run, 1, fresh=True, stopping=False, checkpointing=False) == 130
+    assert (run / "telemetry.jsonl").is_file()  # a run with checkpoints would have been removed here
+    assert "enable_checkpointing=false" in capsys.readouterr().err
+    assert report_interrupted(run, 1, fresh=True, stopping=False) == 130 and not run.exists()

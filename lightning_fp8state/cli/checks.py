@@ -157,7 +157,7 @@ def require_accelerator(cfg: DictConfig, recipe: str | None) -> None:
     """Refuse a GPU configuration on a machine without (enough) GPUs, before anything is created
     (``recipe``: the run recipe's name or path as given, for the message)."""
     t = cfg.trainer
-    needs_cuda = strategy_facts(cfg.strategy).needs_cuda
+    needs_cuda = strategy_facts(cfg.strategy).cuda_required()
     if not (t.accelerator in ("gpu", "cuda") or needs_cuda):
         return
     what = f"recipe {recipe!r}" if recipe else f"recipe {cfg.name!r}"

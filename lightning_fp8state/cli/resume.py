@@ -74,6 +74,12 @@ class ResumePlan:
     reshard: ReshardReport | None = None
 
     @property
+    def universal(self) -> bool:
+        """Whether the checkpoint loads through DeepSpeed's universal checkpoint (another world
+        size under a strategy whose partitions reshard only that way): converted before the fit."""
+        return self.reshard is not None and strategy_facts(self.cfg.strategy).resumes_through_universal_checkpoint
+
+    @property
     def complete(self) -> bool:
         return self.step >= int(self.cfg.trainer.max_steps)
 
@@ -239,7 +245,8 @@ def _world_size_change(cfg: DictConfig, ckpt: dict, path: Path, resume: str) -> 
     if saved == world:
         return None
     where = f"--resume {resume!r}: {path} was saved by {saved} rank(s), this configuration runs {world}"
-    if not strategy_facts(cfg.strategy).resumes_on_another_world_size:
+    facts = strategy_facts(cfg.strategy)
+    if not (facts.resumes_on_another_world_size or facts.resumes_through_universal_checkpoint):
         raise RunDirectoryError(
             f"{where}, and strategy.name={cfg.strategy.name!r} cannot load it there: DeepSpeed's ZeRO optimizer "
             f"partitions are laid out for {saved} rank(s) and reshard only through DeepSpeed's universal checkpoint, "

@@ -109,7 +109,17 @@ def _fit(cfg: DictConfig, run_dir: Path, plan: ResumePlan | None, rank: int, *, 
     loggers = _loggers(cfg, run_dir, rank)
     module, data = module_and_data(cfg)
     telemetry = _telemetry(cfg, run_dir)
+    universal = plan is not None and plan.universal
+    if universal and rank == 0:
+        # DeepSpeed's partitions of another world size: their universal form, made once before any
+        # rank starts (the others join the process group after this; they load what it wrote)
+        from ..lightning.strategies import to_universal_checkpoint
+
+        print(f"fp8state: converting {plan.checkpoint} to DeepSpeed's universal checkpoint", file=sys.stderr)
+        to_universal_checkpoint(plan.checkpoint)
     trainer = _trainer(cfg, run_dir, loggers, _callbacks(cfg, run_dir, plan, telemetry, verbose=verbose))
+    if universal:
+        trainer.strategy.use_universal_checkpoint()
     interrupted = _run_fit(trainer, module, data, cfg, plan, loggers)
     if not trainer.is_global_zero:
         return 130 if interrupted else 0

@@ -44,6 +44,14 @@ class Fp8StateStrategyContract:
     #: its checkpoint's weights and optimizer state load on another number of ranks (replicated,
     #: or resharded by DCP); the quantizer state is mapped by the callback (``state/reshard.py``)
     resumes_on_another_world_size: ClassVar[bool] = True
+    #: its checkpoint loads on another number of ranks once converted to DeepSpeed's universal
+    #: checkpoint (``to_universal_checkpoint``), the CLI converting it before such a resume
+    resumes_through_universal_checkpoint: ClassVar[bool] = False
+
+    @classmethod
+    def cuda_required(cls) -> bool:
+        """:attr:`needs_cuda`, unless this environment opted the strategy into CPU ranks."""
+        return cls.needs_cuda
 
     @classmethod
     def fused_optimizer(cls, strategy_cfg: Any) -> bool:

@@ -9,13 +9,20 @@ the engine's gradient-accumulation window in checkpoints (``deepspeed_accumulati
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import inspect
+import io
 import os
+import re
+import shutil
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -33,6 +40,7 @@ from .contract import Fp8StateStrategyContract
 from .deepspeed_accumulation import (
     ACCUMULATION_FORMAT_VERSION,
     ACCUMULATION_KEY,
+    LIGHTNING_TAG,
     capture_window,
     check_format_version,
     rank_file,
@@ -117,6 +125,67 @@ def _zero_stage(args: tuple, kwargs: dict) -> int:
     return bound.arguments.get("stage", 2)
 
 
+DEEPSPEED_CPU_ENV = "DS_ACCELERATOR"
+# the universal form's folder, beside the tag Lightning's DeepSpeedStrategy saves under
+UNIVERSAL_TAG = "checkpoint_universal"
+_RANK_OF_FILE = re.compile(r"(?:zero_pp_rank_|fp8state_accumulation_rank)0*(\d+)")
+
+
+def _clear_stale_files(checkpoint: str | os.PathLike, world_size: int) -> None:
+    """Before a save into an existing checkpoint directory: remove what the save will not rewrite
+    and a load would read, the files of ranks ``>= world_size`` (a run resumed on fewer ranks
+    than saved the directory first) and an earlier universal form of it."""
+    root = Path(checkpoint)
+    shutil.rmtree(root / UNIVERSAL_TAG, ignore_errors=True)
+    (root / "latest_universal").unlink(missing_ok=True)
+    tag = root / LIGHTNING_TAG
+    if tag.is_dir():
+        for path in tag.iterdir():
+            match = _RANK_OF_FILE.search(path.name)
+            if match and int(match.group(1)) >= world_size:
+                path.unlink()
+
+
+def to_universal_checkpoint(checkpoint: str | os.PathLike) -> None:
+    """Convert a checkpoint directory ``fp8state_deepspeed`` saved (ZeRO 1-3, any number of ranks)
+    to DeepSpeed's universal checkpoint, in place: ``<checkpoint>/checkpoint_universal`` and
+    ``<checkpoint>/latest_universal`` naming it (DeepSpeed's ``ds_to_universal``), which loads on
+    any number of ranks (:meth:`Fp8StateDeepSpeedStrategy.use_universal_checkpoint`). A universal
+    form left by an earlier conversion is replaced. The source must have passed
+    ``check_checkpoint`` (the converter unpickles it). CPU work, on one process."""
+    from deepspeed.checkpoint import ds_to_universal  # noqa: PLC0415  (DeepSpeed loads when a conversion runs)
+
+    root = Path(checkpoint)
+    out = root / UNIVERSAL_TAG
+    shutil.rmtree(out, ignore_errors=True)
+    (root / "latest_universal").unlink(missing_ok=True)
+    args = argparse.Namespace(
+        input_folder=str(root / LIGHTNING_TAG),
+        output_folder=str(out),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,  # Lightning's client state has no universal_checkpoint_info
+    )
+    with contextlib.redirect_stdout(io.StringIO()):
+        ds_to_universal.main(args)
+
+
+def deepspeed_cpu_requested() -> bool:
+    """Whether DeepSpeed's CPU accelerator was chosen explicitly (``DS_ACCELERATOR=cpu``)."""
+    return os.environ.get(DEEPSPEED_CPU_ENV) == "cpu"
+
+
+def _skip_shared_memory_allreduce() -> None:
+    """DeepSpeed's CPU accelerator would compile a shared-memory all-reduce op (C++, on first use)
+    when its process group starts; gloo's all-reduce serves CPU ranks, so that op is marked
+    unavailable (no compiler is needed, none runs)."""
+    import deepspeed.ops  # noqa: PLC0415
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
     """``DeepSpeedStrategy`` (ZeRO stages 1-3, CUDA only) for stateful FP8 training.
 
@@ -162,9 +231,15 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
     writes_checkpoint_directory = True
     needs_cuda = True  # Lightning's DeepSpeedStrategy refuses any other accelerator
     # DeepSpeed's ZeRO optimizer partitions are laid out for the saved number of ranks: a resume on
-    # another one needs DeepSpeed's universal checkpoint (ds_to_universal, then
-    # load_universal_checkpoint), which this strategy does not drive
+    # another one goes through DeepSpeed's universal checkpoint (to_universal_checkpoint, then
+    # use_universal_checkpoint before the fit), which the CLI drives
     resumes_on_another_world_size = False
+    resumes_through_universal_checkpoint = True
+
+    @classmethod
+    def cuda_required(cls) -> bool:
+        # DeepSpeed's CPU accelerator chosen explicitly (DS_ACCELERATOR=cpu): gloo ranks
+        return not deepspeed_cpu_requested()
 
     @classmethod
     def fused_optimizer(cls, strategy_cfg: Any) -> bool:
@@ -248,16 +323,49 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
         """ZeRO stage 3 partitions the parameters when the engine wraps the model."""
         return self.zero_stage_3
 
+    @property
+    def on_cpu(self) -> bool:
+        """Whether this run is DeepSpeed on CPU ranks (gloo): the CPU accelerator with DeepSpeed's
+        own CPU accelerator chosen explicitly (``DS_ACCELERATOR=cpu``), for tests and laptops."""
+        return not isinstance(self.accelerator, CUDAAccelerator) and deepspeed_cpu_requested()
+
     @override
     def setup_environment(self) -> None:
+        if self.on_cpu:
+            # Lightning's DeepSpeedStrategy refuses every accelerator but CUDA; DDP's setup is the rest
+            DDPStrategy.setup_environment(self)
+            return
         if not isinstance(self.accelerator, CUDAAccelerator):
             raise MisconfigurationException(
                 f"strategy '{self.strategy_name}' needs CUDA GPUs: Lightning's DeepSpeedStrategy refuses "
-                f"{type(self.accelerator).__name__}. On the CPU use strategy='fp8state_ddp' (gloo); "
+                f"{type(self.accelerator).__name__}. On the CPU use strategy='fp8state_ddp' (gloo), or set "
+                f"{DEEPSPEED_CPU_ENV}=cpu to run DeepSpeed's CPU accelerator on gloo ranks; "
                 "lightning_fp8state.checkpoint(..., engine='deepspeed') and deepspeed.checkpointing.checkpoint "
-                "work inside it"
+                "work inside fp8state_ddp"
             )
         super().setup_environment()
+
+    def use_universal_checkpoint(self) -> None:
+        """Load the checkpoint of this fit from its universal form (``latest_universal``:
+        :func:`to_universal_checkpoint`), which DeepSpeed reshards to this run's ranks."""
+        self.config.setdefault("checkpoint", {})["load_universal"] = True
+
+    @override
+    def setup_distributed(self) -> None:
+        if not self.on_cpu:
+            super().setup_distributed()
+            return
+        # Lightning's checks a GPU index per rank; CPU ranks have none
+        reset_seed()
+        self.set_world_ranks()
+        _skip_shared_memory_allreduce()
+        self._init_deepspeed_distributed()
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        # DeepSpeed's engine reads the device's index as its rank's device: the one CPU is cpu:0
+        return torch.device("cpu", 0) if self.on_cpu else super().root_device
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -314,6 +422,9 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
         inside an accumulation window under ZeRO-2, each rank's accumulated gradient partition
         (one file per rank beside DeepSpeed's own, see ``deepspeed_accumulation``)."""
         filepath = self.broadcast(filepath)
+        if self.is_global_zero:
+            _clear_stale_files(filepath, self.world_size)
+        self.barrier("fp8state stale checkpoint files removed")
         window = None
         if "loops" in checkpoint:  # a full checkpoint (weights-only ones resume no window)
             engine = self.deepspeed_engine

@@ -248,9 +248,8 @@ def _world_size_change(cfg: DictConfig, ckpt: dict, path: Path, resume: str) -> 
     facts = strategy_facts(cfg.strategy)
     if not (facts.resumes_on_another_world_size or facts.resumes_through_universal_checkpoint):
         raise RunDirectoryError(
-            f"{where}, and strategy.name={cfg.strategy.name!r} cannot load it there: DeepSpeed's ZeRO optimizer "
-            f"partitions are laid out for {saved} rank(s) and reshard only through DeepSpeed's universal checkpoint, "
-            f"which fp8state does not drive. Resume with trainer.devices x trainer.num_nodes = {saved}"
+            f"{where}, and strategy.name={cfg.strategy.name!r} cannot load it there (its checkpoint is laid out "
+            f"per rank). Resume with trainer.devices x trainer.num_nodes = {saved}"
         )
     try:
         return plan_reshard(entry["ranks"], world, quant_config(cfg).world_size_merge)

@@ -473,9 +473,10 @@ class Fp8StateDeepSpeedStrategy(Fp8StateStrategyContract, DeepSpeedStrategy):
         if fitting and not universal and saved_world not in (None, self.world_size):  # before the engine reads one
             raise StateLoadError(
                 f"{checkpoint_path}: DeepSpeed's ZeRO optimizer partitions were saved by {saved_world} rank(s), this run "
-                f"has {self.world_size}: they reshard only through DeepSpeed's universal checkpoint (convert the "
-                "checkpoint with deepspeed.checkpoint.ds_to_universal, then pass a DeepSpeed config with "
-                f'"checkpoint": {{"load_universal": true}}), or resume with devices x num_nodes = {saved_world}'
+                f"has {self.world_size}: they reshard only through DeepSpeed's universal checkpoint (convert it with "
+                "lightning_fp8state.lightning.strategies.to_universal_checkpoint(path) and call the strategy's "
+                "use_universal_checkpoint() before the fit: `fp8state train --resume` does both), or resume with "
+                f"devices x num_nodes = {saved_world}"
             )
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         entry = checkpoint.get(ACCUMULATION_KEY)

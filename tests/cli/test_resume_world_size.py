@@ -198,18 +198,7 @@ def test_a_mapping_the_config_forbids_exits_2_with_one_line(saved, capsys, monke
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 
 
-def test_deepspeed_on_another_world_size_is_refused_plainly(tmp_path, capsys):
-    """DeepSpeed's ZeRO partitions are laid out per rank count: the plan says so and stops."""
-    from lightning_fp8state.cli.config import load_config  # noqa: PLC0415
-    from lightning_fp8state.cli.resume import _world_size_change  # noqa: PLC0415
-    from lightning_fp8state.errors import RunDirectoryError  # noqa: PLC0415
-
-    cfg = load_config("gpt_350m_h200x2_deepspeed", ["trainer.devices=1"])
-    ckpt = {"fp8state": {"world_size": 2, "ranks": {0: {}, 1: {}}}}
-    with pytest.raises(
-        RunDirectoryError, match=r"cannot load it there: DeepSpeed's ZeRO optimizer partitions .*universal"
-    ):
-        _world_size_change(cfg, ckpt, tmp_path, str(tmp_path))
+# DeepSpeed on another world size (through its universal checkpoint): tests/cli/test_deepspeed_cpu.py
 
 
 def test_the_deepspeed_strategy_refuses_partitions_of_another_world_size_before_its_engine_reads_them(

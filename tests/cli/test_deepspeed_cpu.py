@@ -8,30 +8,22 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from lightning_fp8state.lightning.strategies import UNIVERSAL_TAG, _clear_stale_files
 from lightning_fp8state.state.checkpoint_files import zero_world_size
 from lightning_fp8state.telemetry.sinks import read_jsonl
+from tests.cli.test_resume_world_size import ok
+from tests.cli.test_resume_world_size import train as train_in_process
 
 SMALL = ["model.d_model=32", "model.n_layers=2", "model.seq_len=16", "data.batch_size=4", "data.num_samples=400"]
 SAVED_STEPS = 4
 
 
-def train(root, *args) -> subprocess.CompletedProcess:
-    from tests.lightning.launch import launch_env  # noqa: PLC0415
-
-    env = dict(launch_env(), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "lightning_fp8state", "train", *args]
-    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-
-
-def ok(done: subprocess.CompletedProcess) -> str:
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
-    return done.stdout + done.stderr
+def train(root, *args):
+    """``fp8state train`` with DeepSpeed's CPU accelerator chosen (one thread a rank: 2 cores)."""
+    return train_in_process(root, *args, env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,14 @@ SAVED_STEPS = 4  # the two-rank run stops (and saves) here
 STEPS = 7  # the resumed runs train on to here
 
 
-def train(root, *args) -> subprocess.CompletedProcess:
+def train(root, *args, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``fp8state train ARGS`` in a process of its own (``env``: variables added to this one's)."""
     from tests.lightning.launch import launch_env  # noqa: PLC0415
 
     cmd = [sys.executable, "-m", "lightning_fp8state", "train", *args]
-    return subprocess.run(cmd, cwd=root, env=launch_env(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        cmd, cwd=root, env=dict(launch_env(), **(env or {})), capture_output=True, text=True, timeout=300
+    )
 
 
 def ok(done: subprocess.CompletedProcess) -> str:

@@ -131,13 +131,18 @@ UNIVERSAL_TAG = "checkpoint_universal"
 _RANK_OF_FILE = re.compile(r"(?:zero_pp_rank_|fp8state_accumulation_rank)0*(\d+)")
 
 
+def _remove_universal_form(root: Path) -> None:
+    """``<root>/checkpoint_universal`` and the ``latest_universal`` naming it, where present."""
+    shutil.rmtree(root / UNIVERSAL_TAG, ignore_errors=True)
+    (root / "latest_universal").unlink(missing_ok=True)
+
+
 def _clear_stale_files(checkpoint: str | os.PathLike, world_size: int) -> None:
     """Before a save into an existing checkpoint directory: remove what the save will not rewrite
     and a load would read, the files of ranks ``>= world_size`` (a run resumed on fewer ranks
     than saved the directory first) and an earlier universal form of it."""
     root = Path(checkpoint)
-    shutil.rmtree(root / UNIVERSAL_TAG, ignore_errors=True)
-    (root / "latest_universal").unlink(missing_ok=True)
+    _remove_universal_form(root)
     tag = root / LIGHTNING_TAG
     if tag.is_dir():
         for path in tag.iterdir():
@@ -156,12 +161,10 @@ def to_universal_checkpoint(checkpoint: str | os.PathLike) -> None:
     from deepspeed.checkpoint import ds_to_universal  # noqa: PLC0415  (DeepSpeed loads when a conversion runs)
 
     root = Path(checkpoint)
-    out = root / UNIVERSAL_TAG
-    shutil.rmtree(out, ignore_errors=True)
-    (root / "latest_universal").unlink(missing_ok=True)
+    _remove_universal_form(root)
     args = argparse.Namespace(
         input_folder=str(root / LIGHTNING_TAG),
-        output_folder=str(out),
+        output_folder=str(root / UNIVERSAL_TAG),
         num_extract_workers=1,
         num_merge_workers=1,
         keep_temp_folder=False,

@@ -151,7 +151,7 @@ def bf16_grouped_problem(
 def padded_rows(rows: Sequence[int], align: int = GROUP_ALIGN) -> tuple[int, ...]:
     """Each count rounded up to a multiple of ``align``, at least ``align`` (the weight gradient's
     groups: 16-byte aligned starts, and no empty group whose output the kernel might not write)."""
-    return tuple(max(align, -(-n // align) * align) for n in rows)
+    return tuple(max(align, n) for n in aligned_rows(rows, align))
 
 
 def aligned_groups(device: torch.device) -> bool:
@@ -387,15 +387,8 @@ def _bf16_weight_gradient(grad: torch.Tensor, x: torch.Tensor, rows: tuple[int, 
     """``stack(grad_e^T @ x_e)`` ``[E, out, in]``, the groups zero-padded as the FP8 weight
     gradient's (an idle expert's: 16 zero rows, an exact zero gradient)."""
     padded = padded_rows(rows)
-    pieces_g, pieces_x = [], []
-    for g_e, x_e, r, p in zip(grad.split(list(rows)), x.split(list(rows)), rows, padded, strict=True):
-        pieces_g.append(g_e)
-        pieces_x.append(x_e)
-        if p > r:
-            pieces_g.append(g_e.new_zeros((p - r, g_e.shape[1])))
-            pieces_x.append(x_e.new_zeros((p - r, x_e.shape[1])))
     offs = _device_offsets(group_ends(padded), x.device)
-    return torch._grouped_mm(torch.cat(pieces_g).t(), torch.cat(pieces_x), offs=offs)
+    return torch._grouped_mm(_regroup(grad, rows, rows, padded).t(), _regroup(x, rows, rows, padded), offs=offs)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:

@@ -76,6 +76,8 @@ RUNS: dict[str, list[str]] = {
     "fp8_current": ["quant.recipe=fp8_current"],
     "fp8_rowwise": ["quant.recipe=fp8_rowwise", "quant.backward_format=e4m3"],
     "fp8_rowwise_gw_hp": ["quant.recipe=fp8_rowwise_gw_hp", "quant.backward_format=e4m3"],
+    # issue 45: block scaling's loss at 1.2B over 300 steps within 0.25 % of bf16
+    "fp8_blockwise": ["quant.recipe=fp8_blockwise", "quant.backward_format=e4m3"],
 }
 # preset -> (packaged recipe, overrides): the model shape, lr, warmup, clipping and precision
 # come from the recipe (bf16-mixed means bf16 autocast, on CUDA only)

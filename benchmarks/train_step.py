@@ -75,6 +75,7 @@ EXTRA_VARIANTS = (
     "blockwise",  # quant.recipe=fp8_blockwise (1x128 tiles, 128x128 weight blocks)
     "torchao_rowwise",  # torchao's "rowwise" recipe
     "torchao_rowwise_gw_hp",  # torchao's "rowwise_with_gw_hp"
+    "torchao_blockwise",  # torchao's blockwise prototype (1x128 / 128x128; bias-free Linears only)
 )
 OUR_RECIPES = {
     "current": "fp8_current",
@@ -128,6 +129,22 @@ def build(
         convert_to_float8_training(
             model, config=config, module_filter_fn=lambda mod, fqn: not any(fnmatch(fqn, p) for p in exclude)
         )
+    elif variant == "torchao_blockwise":
+        from torchao.prototype.blockwise_fp8_training.linear import (  # noqa: PLC0415  (optional peer)
+            Float8BlockwiseLinearConfig,
+        )
+        from torchao.quantization import quantize_  # noqa: PLC0415
+
+        def takes(mod, fqn):  # what its from_float accepts: no bias, both dims multiples of 128
+            return (
+                isinstance(mod, torch.nn.Linear)
+                and mod.bias is None
+                and mod.in_features % 128 == 0
+                and mod.out_features % 128 == 0
+                and not any(fnmatch(fqn, p) for p in exclude)
+            )
+
+        quantize_(model, Float8BlockwiseLinearConfig(), filter_fn=takes)
     if compile_blocks:
         for block in model.blocks:
             block.compile()
@@ -504,7 +521,7 @@ def main(argv=None) -> list[dict]:
         ao_version = torchao.__version__
     except ImportError:
         ao_version = None
-        args.variants = [v for v in args.variants if v not in TORCHAO_RECIPES]
+        args.variants = [v for v in args.variants if not v.startswith("torchao")]
     modes = args.modes or (["compile"] if args.compile else ["eager"])
     print(
         f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, torchao {ao_version}; "
@@ -516,7 +533,7 @@ def main(argv=None) -> list[dict]:
     runs: dict[tuple[str, str], list[dict]] = {}
     for rep in range(args.repeat):  # repeats interleaved: a noisy host affects every variant alike
         for v in args.variants:
-            for mode in (args.peer_modes or modes) if v in TORCHAO_RECIPES else modes:
+            for mode in (args.peer_modes or modes) if v.startswith("torchao") else modes:
                 try:
                     r = measure(v, cfg, args, data, mode)
                 except ConfigError as exc:  # a mode the library refuses for this variant, by key

@@ -128,10 +128,18 @@ def blockwise_matmul(a, b, descale_a, descale_b, out_dtype, backend: str = "auto
     sb = descale_b.to(torch.float32)
     sb = sb.contiguous() if per_column else sb.t().contiguous().t()
     out = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
-    if out_dtype == torch.bfloat16 and bias is None:
-        return out
-    out = out.to(torch.float32)
-    return (out if bias is None else out + bias.to(torch.float32)).to(out_dtype)
+    return _widened_with_bias(out, bias, out_dtype)
+
+
+def _widened_with_bias(out: torch.Tensor, bias, out_dtype) -> torch.Tensor:
+    """The bfloat16 GEMM result in ``out_dtype``, ``+ bias`` added in float32 and rounded once:
+    ``(out.float() + bias.float()).to(out_dtype)``, in one pass over ``out`` (an in-place add
+    computes in float32, the promoted type, and rounds into ``out``'s dtype) instead of three."""
+    if out_dtype != out.dtype:
+        out = out.to(out_dtype)
+    if bias is not None:
+        out.add_(bias if bias.dtype == torch.float32 else bias.to(torch.float32))
+    return out
 
 
 class _GradStage:

@@ -11,7 +11,7 @@ from torch import nn
 
 import lightning_fp8state as f8s
 from lightning_fp8state.quant_recipes import recipe_for
-from lightning_fp8state.quant_recipes.blockwise import blockwise_matmul
+from lightning_fp8state.quant_recipes.blockwise import _widened_with_bias, blockwise_matmul
 from tests.conftest import bitwise_equal
 from tests.ops.test_reference_blockwise import fresh, tiled_by_loop
 
@@ -63,6 +63,22 @@ def test_the_emulated_gemm_of_one_k_slice_is_its_formula_bitwise():
     got = blockwise_matmul(a, b, da, blocks, torch.bfloat16, "emulated")
     want = product * (da * blocks.repeat_interleave(128, 1)[:, :200])
     assert bitwise_equal(got, want.to(torch.bfloat16))
+
+
+def test_the_gemm_output_takes_its_bias_in_float32_rounded_once_in_one_pass():
+    """The block-scaled GEMM writes bfloat16; the bias is added in float32 and rounded once, in
+    place (one pass over the output, not a float32 copy, an add and a copy back)."""
+    out = fresh(96, 384, seed=19).to(torch.bfloat16)
+    for bias_dtype in (torch.float32, torch.bfloat16):
+        bias = (fresh(1, 384, seed=20)[0] * 50).to(bias_dtype)
+        for out_dtype in (torch.bfloat16, torch.float32):
+            want = (out.float() + bias.float()).to(out_dtype)
+            given = out.clone()
+            got = _widened_with_bias(given, bias, out_dtype)
+            assert got.dtype == out_dtype and bitwise_equal(got, want), (bias_dtype, out_dtype)
+            if out_dtype == torch.bfloat16:
+                assert got.data_ptr() == given.data_ptr()  # in place: no float32 copy of the output
+    assert _widened_with_bias(out, None, torch.bfloat16) is out
 
 
 def test_the_telemetry_reports_the_tiles_scales_and_the_largest_amax():

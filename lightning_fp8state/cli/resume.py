@@ -26,7 +26,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError, RunDirectoryError, StateLoadError, UntrustedCheckpointError
 from ..fp8state import Fp8State
-from ..state.checkpoint_files import DEEPSPEED_LATEST, check_checkpoint, deepspeed_safe_globals, load_checkpoint_file
+from ..state.checkpoint_files import (
+    DEEPSPEED_LATEST,
+    check_checkpoint,
+    deepspeed_safe_globals,
+    load_checkpoint_file,
+    zero_world_size,
+)
 from ..state.reshard import ReshardReport, plan_reshard
 from .config import quant_config
 from .rundir import RUN_CONFIG_KEY, require_no_links, resume_command
@@ -72,12 +78,21 @@ class ResumePlan:
     saved_cfg: DictConfig | None = None  # the run's config.yaml as it was (before the overrides)
     # on another world size: what the quantizer state's mapping will do (checked before the run)
     reshard: ReshardReport | None = None
+    # DeepSpeed: how many ranks wrote the checkpoint's ZeRO optimizer partitions (None: not such
+    # a checkpoint)
+    partitions: int | None = None
 
     @property
     def universal(self) -> bool:
-        """Whether the checkpoint loads through DeepSpeed's universal checkpoint (another world
-        size under a strategy whose partitions reshard only that way): converted before the fit."""
-        return self.reshard is not None and strategy_facts(self.cfg.strategy).resumes_through_universal_checkpoint
+        """Whether the checkpoint loads through DeepSpeed's universal checkpoint: its ZeRO
+        partitions were written by another number of ranks than this run has, under a strategy
+        whose partitions reshard only that way. Converted before the fit. (The partitions decide,
+        not the quantizer state's world size: they are what DeepSpeed's engine reads.)"""
+        world = int(self.cfg.trainer.devices) * int(self.cfg.trainer.num_nodes)
+        return (
+            self.partitions not in (None, world)
+            and strategy_facts(self.cfg.strategy).resumes_through_universal_checkpoint
+        )
 
     @property
     def complete(self) -> bool:
@@ -365,4 +380,7 @@ def plan_resume(resume: str, recipe: str | None, overrides: list[str]) -> Resume
     _check_recorded_config(saved_path, old, ckpt.get(RUN_CONFIG_KEY), path)
     reshard = _world_size_change(cfg, ckpt, path, resume)
     step = int(ckpt["global_step"])
-    return ResumePlan(cfg=cfg, checkpoint=path, step=step, notes=notes, saved_cfg=saved, reshard=reshard)
+    partitions = zero_world_size(path) if path.is_dir() else None
+    return ResumePlan(
+        cfg=cfg, checkpoint=path, step=step, notes=notes, saved_cfg=saved, reshard=reshard, partitions=partitions
+    )

@@ -2,20 +2,30 @@
 gloo), and its resume on another world size through DeepSpeed's universal checkpoint (issue 46):
 a ZeRO-2 run of 2 ranks resumed on 1 and then on 3, the quantizer state mapped by the rule
 ``quant.world_size_merge`` states, the data position carried, the audit clean; a save into a
-checkpoint directory written by more ranks leaves none of their files behind."""
+checkpoint directory written by more ranks leaves none of their files behind.
+
+Checked against a reference, as under DDP and FSDP2 (``test_resume_world_size*.py``): the same
+checkpoint with its quantizer state and loader position mapped by hand in its client state
+(``mp_rank_00_model_states.pt``), resumed on one rank. DeepSpeed reshards the weights and the
+optimizer partitions in both (its universal checkpoint, which the partitions' own count selects),
+so the two runs must match bit for bit: the losses, the gradient norms, the fp32 weights DeepSpeed
+reassembles from the partitions, and the quantizer state. ZeRO stages 1, 2 and 3."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_fp8state.lightning.strategies import UNIVERSAL_TAG, _clear_stale_files
-from lightning_fp8state.state.checkpoint_files import zero_world_size
+from lightning_fp8state.state.checkpoint_files import deepspeed_safe_globals, zero_world_size
 from lightning_fp8state.telemetry.sinks import read_jsonl
-from tests.cli.test_resume_world_size import ok
+from tests.cli.test_resume_world_size import Fp8Rank0, hand_mapped, ok
 from tests.cli.test_resume_world_size import train as train_in_process
+from tests.conftest import bitwise_equal
 
 SMALL = ["model.d_model=32", "model.n_layers=2", "model.seq_len=16", "data.batch_size=4", "data.num_samples=400"]
 SAVED_STEPS = 4
@@ -26,25 +36,79 @@ def train(root, *args):
     return train_in_process(root, *args, env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """A ZeRO-2 run of SAVED_STEPS steps on two CPU ranks, its last checkpoint at its end."""
-    root = tmp_path_factory.mktemp("ds")
+def train_two_ranks(root: Path, stage: int) -> Path:
+    """A ZeRO run of SAVED_STEPS steps on two CPU ranks, its last checkpoint at its end."""
     ok(
         train(
             root,
             *SMALL,
             "strategy.name=fp8state_deepspeed",
+            f"strategy.zero_stage={stage}",
             "trainer.devices=2",
             f"trainer.max_steps={SAVED_STEPS}",
             f"trainer.checkpoint_every_n_steps={SAVED_STEPS}",
             "telemetry.wandb=disabled",
             "telemetry.log_every_n_steps=1",
+            "quant.strict=true",
             f"out_dir={root}",
             "name=two",
         )
     )
+    return root / "two"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A ZeRO-2 run of two ranks (``two``) under a folder the resumed copies sit beside."""
+    root = tmp_path_factory.mktemp("ds")
+    train_two_ranks(root, 2)
     return root
+
+
+def client_state_file(run: Path) -> Path:
+    """The checkpoint's client state (Lightning's, the quantizer state among it): rank 0's model
+    states file in the folder ``latest`` names (ZeRO-3's is ``zero_pp_rank_0_mp_rank_00_...``)."""
+    last = run / "checkpoints" / "last.ckpt"
+    return next((last / (last / "latest").read_text().strip()).glob("*mp_rank_00_model_states.pt"))
+
+
+def load_client_state(run: Path) -> dict:
+    with torch.serialization.safe_globals(deepspeed_safe_globals()):
+        return torch.load(client_state_file(run), weights_only=True)
+
+
+def hand_mapped_reference(two: Path, ref: Path) -> None:
+    """``two`` copied to ``ref`` with its quantizer state mapped to one rank by hand (the rule of
+    ``hand_mapped``) and its loader position carried (two ranks' batches read on one)."""
+    shutil.copytree(two, ref)
+    path = client_state_file(ref)
+    state = load_client_state(ref)
+    state["fp8state"] = dict(
+        state["fp8state"], world_size=1, ranks={0: Fp8Rank0(hand_mapped(state["fp8state"]["ranks"]))}
+    )
+    state["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["consumed"] *= 2
+    torch.save(state, path)
+
+
+def assert_bitwise_the_same_run(resumed: Path, ref: Path, steps: int) -> None:
+    """Two one-rank continuations of one checkpoint: the same losses and gradient norms at every
+    step, the same fp32 weights (reassembled from the ZeRO partitions) and quantizer state."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: PLC0415
+
+    def logged(run):
+        rows = read_jsonl(run / "telemetry.jsonl")
+        return [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in rows if r["step"] > SAVED_STEPS]
+
+    assert [s for s, *_ in logged(resumed)] == list(range(SAVED_STEPS + 1, steps + 1))
+    assert logged(resumed) == logged(ref)
+    weights = [get_fp32_state_dict_from_zero_checkpoint(str(r / "checkpoints" / "last.ckpt")) for r in (resumed, ref)]
+    assert weights[0].keys() == weights[1].keys() and weights[0]
+    assert all(bitwise_equal(weights[0][k], weights[1][k]) for k in weights[1])
+    a, b = (load_client_state(r)["fp8state"] for r in (resumed, ref))
+    assert a["world_size"] == b["world_size"] == 1 and a["ranks"][0]["clock"]["last"] == [steps - 1, 0]
+    bank_a, bank_b = a["ranks"][0]["bank"], b["ranks"][0]["bank"]
+    assert bank_a["owners"] == bank_b["owners"]
+    assert all(bitwise_equal(bank_a[k], bank_b[k]) for k in ("amax_history", "scale", "descale"))
 
 
 def test_two_cpu_ranks_resume_on_one_and_then_on_three_through_the_universal_checkpoint(saved):
@@ -66,6 +130,13 @@ def test_two_cpu_ranks_resume_on_one_and_then_on_three_through_the_universal_che
     assert audited and all(r["fp8state/recompute_mismatches"] == 0 for r in audited)
     # the one-rank save rewrote the directory: no shard of rank 1 left, no stale universal form
     assert zero_world_size(last) == 1 and not (last / UNIVERSAL_TAG).exists()
+    # bitwise the run from the checkpoint mapped by hand (its quantizer state already of one rank:
+    # the partitions alone send it through the universal checkpoint)
+    ref = saved / "reference"
+    hand_mapped_reference(saved / "two", ref)
+    out = ok(train(saved, "--resume", str(ref), "trainer.max_steps=6", "trainer.devices=1"))
+    assert "to DeepSpeed's universal checkpoint" in out and "resuming the quantizer state" not in out
+    assert_bitwise_the_same_run(run, ref, 6)
     # and on three ranks from the one-rank checkpoint
     out = ok(train(saved, "--resume", str(run), "trainer.max_steps=8", "trainer.devices=3"))
     assert "of 1 rank(s) on 3" in next(x for x in out.splitlines() if "resuming the quantizer state" in x)
@@ -98,3 +169,17 @@ def test_a_save_removes_the_files_of_ranks_beyond_its_world_and_an_old_universal
         ]
     )
     assert not (tmp_path / UNIVERSAL_TAG).exists() and not (tmp_path / "latest_universal").exists()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_1_and_3_runs_of_two_ranks_resume_on_one_bitwise_the_hand_mapped_reference(tmp_path, stage):
+    two = train_two_ranks(tmp_path, stage)
+    resumed, ref = tmp_path / "on_one", tmp_path / "reference"
+    shutil.copytree(two, resumed)
+    hand_mapped_reference(two, ref)
+    out = ok(train(tmp_path, "--resume", str(resumed), "trainer.max_steps=6", "trainer.devices=1"))
+    assert "of 2 rank(s) on 1" in next(x for x in out.splitlines() if "resuming the quantizer state" in x)
+    assert "the data continues at sample 32 (none repeated or skipped)" in out
+    ok(train(tmp_path, "--resume", str(ref), "trainer.max_steps=6", "trainer.devices=1"))
+    assert_bitwise_the_same_run(resumed, ref, 6)
+    assert zero_world_size(resumed / "checkpoints" / "last.ckpt") == 1

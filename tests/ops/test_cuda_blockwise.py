@@ -130,3 +130,23 @@ def test_the_gemm_on_the_gpu_is_its_emulation_up_to_accumulation_order(per_colum
     want = blockwise_matmul(a, b, da, db, torch.float32, "emulated")
     assert want.isfinite().all() and want.abs().max() > 0
     torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-3 * want.abs().max().item())
+
+
+def test_the_gpu_gemm_adds_its_bias_in_float32_and_rounds_once():
+    """The block-scaled GEMM writes bfloat16; its bias is added in float32 in place, rounded
+    once: bitwise ``(product.float() + bias).to(out_dtype)`` for bfloat16 and float32 outputs."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    m, k, n = 272, 512, 256
+    a = (torch.randn(m, k, device="cuda", generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    b = (torch.randn(n, k, device="cuda", generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn).t()
+    da = torch.rand(m, k // 128, device="cuda", generator=g) + 0.5
+    db = torch.rand(k // 128, n // 128, device="cuda", generator=g) + 0.5
+    bias = torch.randn(n, device="cuda", generator=g) * 1000
+    if not _uses_scaled_mm(a, b, torch.bfloat16, "auto"):
+        pytest.skip("this torch/GPU has no block-scaled FP8 GEMM (sm90, CUDA 12.9+): the emulation runs")
+    product = blockwise_matmul(a, b, da, db, torch.bfloat16, "auto")
+    assert product.abs().max() > 0
+    for out_dtype in (torch.bfloat16, torch.float32):
+        got = blockwise_matmul(a, b, da, db, out_dtype, "auto", bias)
+        assert got.dtype == out_dtype
+        assert same_bits(got, (product.float() + bias).to(out_dtype)), out_dtype

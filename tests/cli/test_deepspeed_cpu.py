@@ -90,25 +90,28 @@ def hand_mapped_reference(two: Path, ref: Path) -> None:
     torch.save(state, path)
 
 
-def assert_bitwise_the_same_run(resumed: Path, ref: Path, steps: int) -> None:
-    """Two one-rank continuations of one checkpoint: the same losses and gradient norms at every
-    step, the same fp32 weights (reassembled from the ZeRO partitions) and quantizer state."""
+def assert_bitwise_the_same_run(resumed: Path, ref: Path, steps: int, start: int = SAVED_STEPS, world: int = 1) -> None:
+    """Two continuations of one checkpoint (at step ``start``) on ``world`` ranks: the same losses
+    and gradient norms at every step, the same fp32 weights (reassembled from the ZeRO partitions)
+    and quantizer state on every rank."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: PLC0415
 
     def logged(run):
         rows = read_jsonl(run / "telemetry.jsonl")
-        return [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in rows if r["step"] > SAVED_STEPS]
+        return [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in rows if r["step"] > start]
 
-    assert [s for s, *_ in logged(resumed)] == list(range(SAVED_STEPS + 1, steps + 1))
+    assert [s for s, *_ in logged(resumed)] == list(range(start + 1, steps + 1))
     assert logged(resumed) == logged(ref)
     weights = [get_fp32_state_dict_from_zero_checkpoint(str(r / "checkpoints" / "last.ckpt")) for r in (resumed, ref)]
     assert weights[0].keys() == weights[1].keys() and weights[0]
     assert all(bitwise_equal(weights[0][k], weights[1][k]) for k in weights[1])
     a, b = (load_client_state(r)["fp8state"] for r in (resumed, ref))
-    assert a["world_size"] == b["world_size"] == 1 and a["ranks"][0]["clock"]["last"] == [steps - 1, 0]
-    bank_a, bank_b = a["ranks"][0]["bank"], b["ranks"][0]["bank"]
-    assert bank_a["owners"] == bank_b["owners"]
-    assert all(bitwise_equal(bank_a[k], bank_b[k]) for k in ("amax_history", "scale", "descale"))
+    assert a["world_size"] == b["world_size"] == world and sorted(a["ranks"]) == list(range(world))
+    for rank in range(world):
+        assert a["ranks"][rank]["clock"]["last"] == [steps - 1, 0]
+        bank_a, bank_b = a["ranks"][rank]["bank"], b["ranks"][rank]["bank"]
+        assert bank_a["owners"] == bank_b["owners"] and {o[2] for o in bank_a["owners"]} == {rank}
+        assert all(bitwise_equal(bank_a[k], bank_b[k]) for k in ("amax_history", "scale", "descale"))
 
 
 def test_two_cpu_ranks_resume_on_one_and_then_on_three_through_the_universal_checkpoint(saved):
@@ -137,11 +140,21 @@ def test_two_cpu_ranks_resume_on_one_and_then_on_three_through_the_universal_che
     out = ok(train(saved, "--resume", str(ref), "trainer.max_steps=6", "trainer.devices=1"))
     assert "to DeepSpeed's universal checkpoint" in out and "resuming the quantizer state" not in out
     assert_bitwise_the_same_run(run, ref, 6)
-    # and on three ranks from the one-rank checkpoint
+    # and on three ranks from the one-rank checkpoint, against it mapped by hand to three: every
+    # owner copied, re-keyed to each rank; each rank's loader at the last whole batch of three
+    ref3 = saved / "three_reference"
+    shutil.copytree(run, ref3)
     out = ok(train(saved, "--resume", str(run), "trainer.max_steps=8", "trainer.devices=3"))
     assert "of 1 rank(s) on 3" in next(x for x in out.splitlines() if "resuming the quantizer state" in x)
-    assert [r["step"] for r in read_jsonl(run / "telemetry.jsonl") if r["step"] > 6] == [7, 8]
     assert zero_world_size(last) == 3
+    state = load_client_state(ref3)
+    state["fp8state"] = dict(
+        state["fp8state"], world_size=3, ranks={r: Fp8Rank0(state["fp8state"]["ranks"][0], r) for r in range(3)}
+    )
+    state["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["consumed"] //= 3
+    torch.save(state, client_state_file(ref3))
+    ok(train(saved, "--resume", str(ref3), "trainer.max_steps=8", "trainer.devices=3"))
+    assert_bitwise_the_same_run(run, ref3, 8, start=6, world=3)
 
 
 def test_a_save_removes_the_files_of_ranks_beyond_its_world_and_an_old_universal_form(tmp_path):

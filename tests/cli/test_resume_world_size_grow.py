@@ -1,13 +1,18 @@
-"""``fp8state train --resume DIR trainer.devices=2`` of a one-rank ``fp8state_ddp`` run: every owner is
-copied (one saved rank holds one state), each new rank under its own rank; the data continues at
-the same sample. The reference is the same checkpoint mapped by hand onto two ranks."""
+"""``fp8state train --resume DIR trainer.devices=2`` of a one-rank ``fp8state_ddp`` or ``fp8state_fsdp``
+run: every owner is copied (one saved rank holds one state), each new rank under its own rank; the
+data continues at the same sample. The reference is the same checkpoint mapped by hand onto two
+ranks (FSDP2: its ``meta.pt``; the weights and optimizer state resharded by torch distributed
+checkpoint in both runs)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
+import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_fp8state.telemetry.sinks import read_jsonl
 from tests.cli.test_resume_world_size import SMALL, ok, train
@@ -23,12 +28,29 @@ def rekeyed(sd: dict, rank: int) -> dict:
     return out
 
 
-def test_a_one_rank_run_resumed_on_two_copies_every_owner_and_matches_the_hand_mapped_reference(tmp_path):
+def lightning_state(run: Path) -> Path:
+    """The file holding Lightning's state and the quantizer state: the checkpoint itself, or
+    FSDP2's ``meta.pt`` beside its distributed-checkpoint shards."""
+    last = run / "checkpoints" / "last.ckpt"
+    return last / "meta.pt" if last.is_dir() else last
+
+
+def weights(run: Path, tmp: Path) -> dict:
+    last = run / "checkpoints" / "last.ckpt"
+    if not last.is_dir():
+        return torch.load(last, weights_only=True)["state_dict"]
+    whole = tmp / f"{run.name}_weights.pt"
+    dcp_to_torch_save(last, whole)  # FSDP2's shards, gathered into one state dict
+    return torch.load(whole, weights_only=True)["state_dict"]
+
+
+@pytest.mark.parametrize("strategy", ["fp8state_ddp", "fp8state_fsdp"])
+def test_a_one_rank_run_resumed_on_two_copies_every_owner_and_matches_the_hand_mapped_reference(tmp_path, strategy):
     ok(
         train(
             tmp_path,
             *SMALL,
-            "strategy.name=fp8state_ddp",
+            f"strategy.name={strategy}",
             "trainer.devices=1",
             "trainer.deterministic=true",
             f"trainer.max_steps={SAVED_STEPS}",
@@ -50,7 +72,7 @@ def test_a_one_rank_run_resumed_on_two_copies_every_owner_and_matches_the_hand_m
     prov = json.loads((resumed / "provenance.json").read_text())["resumed_from"]["world_size"]
     assert (prov["saved_world_size"], prov["world_size"], prov["merged"]) == (1, 2, [])
 
-    path = ref / "checkpoints" / "last.ckpt"
+    path = lightning_state(ref)
     ckpt = torch.load(path, weights_only=True)
     saved = ckpt["fp8state"]["ranks"][0]
     ckpt["fp8state"] = dict(ckpt["fp8state"], world_size=2, ranks={0: saved, 1: rekeyed(saved, 1)})
@@ -64,9 +86,11 @@ def test_a_one_rank_run_resumed_on_two_copies_every_owner_and_matches_the_hand_m
 
     assert [s for s, *_ in logged(resumed)] == list(range(SAVED_STEPS + 1, STEPS + 1))
     assert logged(resumed) == logged(ref)
-    a = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)
-    b = torch.load(ref / "checkpoints" / "last.ckpt", weights_only=True)
-    assert all(bitwise_equal(a["state_dict"][k], b["state_dict"][k]) for k in b["state_dict"])
+    wa, wb = weights(resumed, tmp_path), weights(ref, tmp_path)
+    assert wa.keys() == wb.keys() and wa
+    assert all(bitwise_equal(wa[k], wb[k]) for k in wb)
+    a = torch.load(lightning_state(resumed), weights_only=True)
+    b = torch.load(lightning_state(ref), weights_only=True)
     for r in (0, 1):
         bank_a, bank_b = a["fp8state"]["ranks"][r]["bank"], b["fp8state"]["ranks"][r]["bank"]
         assert bank_a["owners"] == bank_b["owners"] and {o[2] for o in bank_a["owners"]} == {r}

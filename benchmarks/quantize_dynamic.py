@@ -1,5 +1,5 @@
-"""Benchmark: the stateless-scaling quantizes (``fp8_current``, ``fp8_rowwise``) against the copy
-ceiling, torch eager and torch.compile of the same numerics.
+"""Benchmark: the stateless-scaling quantizes (``fp8_current``, ``fp8_rowwise``, ``fp8_blockwise``)
+against the copy ceiling, torch eager and torch.compile of the same numerics.
 
 For 2^20 ... 2^28 bf16 elements laid out ``[n / cols, cols]``, in one run: a device copy of the
 same bytes (the ceiling; its GB/s count read + write), the pure-torch reference
@@ -8,11 +8,15 @@ scales: compiled torch), and ours (``fp8state::quantize_fp8_current`` / ``_rowwi
 copy then the rowwise kernel, the colwise operands before their kernel). Every
 variant is timed as a CUDA graph of ``--calls`` calls (each in its best mode: no host launch
 cost in any of them), over several inputs when they would fit in L2, so HBM is what is timed.
-Effective bandwidth counts the ideal bytes: 2 read + 1 written per element. ``/copy`` is ours
-over the copy ceiling (issue 28's target for rowwise: >= 0.85 at 2^28). Also ours called
-eagerly (``ours call``, host launch included).
+Effective bandwidth counts the ideal bytes: 2 read + 1 written per element (``block``: 2 written,
+its codes in both layouts). ``/copy`` is ours over the copy ceiling (issue 28's target for rowwise:
+>= 0.85 at 2^28; issue 45's for the blockwise encodes: near it). Also ours called eagerly (``ours
+call``, host launch included). The blockwise rows (``ops/reference_blockwise.py``): ``tile`` (1x128
+tiles: activations, gradients), ``tile_t`` (128x1 tiles written transposed: the weight gradient's
+operands), ``block`` (128x128 blocks and the transpose's: weights).
 
     python benchmarks/quantize_dynamic.py [--cols 4096 8192] [--max-log2 28] [--json out.json]
+    python benchmarks/quantize_dynamic.py --recipes tile tile_t block --cols 1024 4096   # issue 45
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import torch
 from timing import median_ms as bench
 
 from lightning_fp8state import ops
+from lightning_fp8state.ops import library_blockwise as blk
 from lightning_fp8state.ops import library_dynamic as dyn
+from lightning_fp8state.ops import reference_blockwise as ref_blk
 from lightning_fp8state.ops import reference_dynamic as ref
 
 E4M3 = torch.float8_e4m3fn
@@ -57,6 +63,10 @@ def main() -> None:
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     assert ops.cuda.ensure_loaded(), ops.cuda.extension_info()
     dev = torch.cuda.get_device_name()
+
+    def no_pow2(op):  # the blockwise ops' signature with pow2=False (fp8_blockwise's scales)
+        return lambda x, dtype, margin: op(x, dtype, margin, False)
+
     peers = {
         "current": (ref.quantize_fp8_current_reference, dyn.quantize_fp8_current),
         "rowwise": (ref.quantize_fp8_rowwise_reference, dyn.quantize_fp8_rowwise),
@@ -67,13 +77,18 @@ def main() -> None:
             ref.quantize_fp8_colwise_reference,
             lambda x, dtype, margin: dyn.quantize_fp8_rowwise(x.t().contiguous(), dtype, margin),
         ),
+        "tile": (no_pow2(ref_blk.quantize_fp8_tile_reference), no_pow2(blk.quantize_fp8_tile)),
+        "tile_t": (no_pow2(ref_blk.quantize_fp8_tile_t_reference), no_pow2(blk.quantize_fp8_tile_t)),
+        "block": (no_pow2(ref_blk.quantize_fp8_block_reference), no_pow2(blk.quantize_fp8_block)),
     }
+    written = {"block": 2}  # bytes written per element (both layouts); the others 1
     if args.recipes:
         peers = {
             k: v for k, v in peers.items() if k in args.recipes or (k == "colwise" and "t+rowwise" in args.recipes)
         }
     compiled = {k: torch.compile(v[0]) for k, v in peers.items() if k != "t+rowwise"}
-    compiled["t+rowwise"] = compiled["colwise"]
+    if "t+rowwise" in peers:
+        compiled["t+rowwise"] = compiled["colwise"]
     results = {"device": dev, "torch": torch.__version__, "rows": []}
     lines = []
     for cols in args.cols:
@@ -93,7 +108,7 @@ def main() -> None:
                 }
                 t = {k: v / args.calls for k, v in t.items()}
                 t["ours_call"] = bench(lambda f=ours: f(xs[0], E4M3, 0), reps=reps)
-                gbs = {k: 3 * n / v / 1e6 for k, v in t.items()}
+                gbs = {k: (2 + written.get(recipe, 1)) * n / v / 1e6 for k, v in t.items()}
                 results["rows"].append(
                     {"recipe": recipe, "cols": cols, "log2": log2, "copy_GBs": copy_gbs, "ms": t, "GBs": gbs}
                 )
@@ -103,7 +118,7 @@ def main() -> None:
                     f"{gbs['ours_call']:10.0f}"
                 )
     print(f"device: {dev}, torch {torch.__version__}")
-    print("FP8 E4M3 stateless quantize from bf16 [n / cols, cols]; GB/s of ideal bytes (3 per element), each")
+    print("FP8 E4M3 stateless quantize from bf16 [n / cols, cols]; GB/s of ideal bytes (3 per element, block 4), each")
     print("variant a CUDA graph of calls; copy counts read + write; 'ours call': one eager call, host included")
     print(
         f"{'recipe':<9} {'cols':>6} {'n':<5} {'copy':>8} {'eager':>8} {'compile':>8} {'ours':>8} {'/copy':>7} "

@@ -162,17 +162,35 @@ def to_universal_checkpoint(checkpoint: str | os.PathLike) -> None:
 
     root = Path(checkpoint)
     _remove_universal_form(root)
+    # Converted beside the checkpoint, then moved in: a conversion killed halfway leaves its files
+    # outside it (removed by the next conversion), never a partial universal form inside, which
+    # would make the checkpoint unreadable and send the resume back to an older one.
+    staging = _universal_staging(root)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
     args = argparse.Namespace(
         input_folder=str(root / LIGHTNING_TAG),
-        output_folder=str(root / UNIVERSAL_TAG),
+        output_folder=str(staging / UNIVERSAL_TAG),
         num_extract_workers=1,
         num_merge_workers=1,
         keep_temp_folder=False,
         strict=True,
         inject_missing_state=True,  # Lightning's client state has no universal_checkpoint_info
     )
-    with contextlib.redirect_stdout(io.StringIO()):
-        ds_to_universal.main(args)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            ds_to_universal.main(args)  # writes staging/checkpoint_universal, then staging/latest_universal
+        os.replace(staging / UNIVERSAL_TAG, root / UNIVERSAL_TAG)
+        os.replace(staging / "latest_universal", root / "latest_universal")  # last: names a complete form
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _universal_staging(root: Path) -> Path:
+    """Where :func:`to_universal_checkpoint` converts ``root``: a hidden folder beside it (on the
+    same file system, so the finished form moves in by rename), named as the temporaries a killed
+    save leaves (``.NAME....tmp``), which a run's start removes too."""
+    return root.parent / f".{root.name}.universal.tmp"
 
 
 def deepspeed_cpu_requested() -> bool:

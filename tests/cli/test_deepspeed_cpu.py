@@ -196,3 +196,45 @@ def test_zero_1_and_3_runs_of_two_ranks_resume_on_one_bitwise_the_hand_mapped_re
     ok(train(tmp_path, "--resume", str(ref), "trainer.max_steps=6", "trainer.devices=1"))
     assert_bitwise_the_same_run(resumed, ref, 6)
     assert zero_world_size(resumed / "checkpoints" / "last.ckpt") == 1
+
+
+_KILLED_CONVERSION = """
+import os, signal, sys
+from pathlib import Path
+from deepspeed.checkpoint import ds_to_universal
+from lightning_fp8state.lightning.strategies import to_universal_checkpoint
+
+def killed_halfway(args):  # DeepSpeed's converter, killed after its first files
+    out = Path(args.output_folder)
+    (out / "zero").mkdir(parents=True)
+    (out / "mp_rank_00_model_states.pt").write_bytes(b"PK" + bytes(30))  # a truncated copy
+    os.kill(os.getpid(), signal.SIGKILL)
+
+ds_to_universal.main = killed_halfway
+to_universal_checkpoint(sys.argv[1])
+"""
+
+
+def test_a_conversion_killed_halfway_leaves_the_checkpoint_readable_and_its_files_outside_it(saved):
+    """kill -9 during the universal conversion (rank 0, before the fit): the checkpoint it
+    converts stays readable, so the next resume does not fall back past it; the staging folder
+    beside it is removed by the run's start (or the next conversion)."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from lightning_fp8state.cli.rundir import _remove_stale_temporaries  # noqa: PLC0415
+    from lightning_fp8state.state.checkpoint_files import check_checkpoint  # noqa: PLC0415
+    from tests.lightning.launch import launch_env  # noqa: PLC0415
+
+    run = saved / "killed"
+    shutil.copytree(saved / "two", run)
+    last = run / "checkpoints" / "last.ckpt"
+    env = dict(launch_env(), DS_ACCELERATOR="cpu")
+    done = subprocess.run([sys.executable, "-c", _KILLED_CONVERSION, str(last)], env=env, capture_output=True)
+    assert done.returncode == -9, done.stderr[-2000:]
+    assert not (last / UNIVERSAL_TAG).exists() and not (last / "latest_universal").exists()
+    check_checkpoint(last)  # readable: nothing half-written inside it
+    leftovers = [p.name for p in last.parent.iterdir() if p.name.startswith(".")]
+    assert leftovers == [".last.ckpt.universal.tmp"]
+    _remove_stale_temporaries(run)
+    assert not [p for p in last.parent.iterdir() if p.name.startswith(".")]

@@ -23,12 +23,9 @@ import torch
 from lightning_fp8state.lightning.strategies import UNIVERSAL_TAG, _clear_stale_files
 from lightning_fp8state.state.checkpoint_files import deepspeed_safe_globals, zero_world_size
 from lightning_fp8state.telemetry.sinks import read_jsonl
-from tests.cli.test_resume_world_size import Fp8Rank0, hand_mapped, ok
+from tests.cli.test_resume_world_size import SAVED_STEPS, Fp8Rank0, hand_mapped, ok, saved_run
 from tests.cli.test_resume_world_size import train as train_in_process
 from tests.conftest import bitwise_equal
-
-SMALL = ["model.d_model=32", "model.n_layers=2", "model.seq_len=16", "data.batch_size=4", "data.num_samples=400"]
-SAVED_STEPS = 4
 
 
 def train(root, *args):
@@ -38,22 +35,7 @@ def train(root, *args):
 
 def train_two_ranks(root: Path, stage: int) -> Path:
     """A ZeRO run of SAVED_STEPS steps on two CPU ranks, its last checkpoint at its end."""
-    ok(
-        train(
-            root,
-            *SMALL,
-            "strategy.name=fp8state_deepspeed",
-            f"strategy.zero_stage={stage}",
-            "trainer.devices=2",
-            f"trainer.max_steps={SAVED_STEPS}",
-            f"trainer.checkpoint_every_n_steps={SAVED_STEPS}",
-            "telemetry.wandb=disabled",
-            "telemetry.log_every_n_steps=1",
-            "quant.strict=true",
-            f"out_dir={root}",
-            "name=two",
-        )
-    )
+    ok(train(root, *saved_run(root, "fp8state_deepspeed", 2, f"strategy.zero_stage={stage}")))
     return root / "two"
 
 

@@ -36,6 +36,24 @@ def train(root, *args, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
+def saved_run(root, strategy: str, devices: int, *extra: str, name: str = "two") -> list[str]:
+    """The arguments of the run the world-size tests save and resume: SAVED_STEPS steps of the
+    small model on ``devices`` ranks, a checkpoint at its end, telemetry every step, strict."""
+    return [
+        *SMALL,
+        f"strategy.name={strategy}",
+        f"trainer.devices={devices}",
+        f"trainer.max_steps={SAVED_STEPS}",
+        f"trainer.checkpoint_every_n_steps={SAVED_STEPS}",
+        "telemetry.wandb=disabled",
+        "telemetry.log_every_n_steps=1",
+        "quant.strict=true",
+        *extra,
+        f"out_dir={root}",
+        f"name={name}",
+    ]
+
+
 def ok(done: subprocess.CompletedProcess) -> str:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
     return done.stdout + done.stderr
@@ -47,19 +65,7 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("world")
     ok(
         train(
-            root,
-            *SMALL,
-            "strategy.name=fp8state_ddp",
-            "trainer.devices=2",
-            "trainer.deterministic=true",
-            f"trainer.max_steps={SAVED_STEPS}",
-            f"trainer.schedule_steps={STEPS}",
-            f"trainer.checkpoint_every_n_steps={SAVED_STEPS}",
-            "telemetry.wandb=disabled",
-            "telemetry.log_every_n_steps=1",
-            "quant.strict=true",
-            f"out_dir={root}",
-            "name=two",
+            root, *saved_run(root, "fp8state_ddp", 2, "trainer.deterministic=true", f"trainer.schedule_steps={STEPS}")
         )
     )
     return root

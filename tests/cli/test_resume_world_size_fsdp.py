@@ -12,30 +12,15 @@ import shutil
 import torch
 
 from lightning_fp8state.telemetry.sinks import read_jsonl
-from tests.cli.test_resume_world_size import SMALL, Fp8Rank0, hand_mapped, ok, train
+from tests.cli.test_resume_world_size import Fp8Rank0, hand_mapped, ok, saved_run, train
 from tests.conftest import bitwise_equal
 
 SAVED_STEPS, STEPS = 4, 6
 
 
 def test_a_two_rank_fsdp_run_resumed_on_one_is_bitwise_the_hand_mapped_reference(tmp_path):
-    ok(
-        train(
-            tmp_path,
-            *SMALL,
-            "strategy.name=fp8state_fsdp",
-            "trainer.devices=2",
-            "trainer.deterministic=true",
-            f"trainer.max_steps={SAVED_STEPS}",
-            f"trainer.schedule_steps={STEPS}",
-            f"trainer.checkpoint_every_n_steps={SAVED_STEPS}",
-            "telemetry.wandb=disabled",
-            "telemetry.log_every_n_steps=1",
-            "quant.strict=true",
-            f"out_dir={tmp_path}",
-            "name=two",
-        )
-    )
+    args = saved_run(tmp_path, "fp8state_fsdp", 2, "trainer.deterministic=true", f"trainer.schedule_steps={STEPS}")
+    ok(train(tmp_path, *args))
     saved = tmp_path / "two" / "checkpoints" / "last.ckpt"
     assert sorted(p.name for p in saved.iterdir()) == [
         ".metadata",

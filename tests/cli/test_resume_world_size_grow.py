@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_fp8state.telemetry.sinks import read_jsonl
-from tests.cli.test_resume_world_size import SMALL, ok, train
+from tests.cli.test_resume_world_size import ok, saved_run, train
 from tests.conftest import bitwise_equal
 
 SAVED_STEPS, STEPS = 4, 6
@@ -46,23 +46,8 @@ def weights(run: Path, tmp: Path) -> dict:
 
 @pytest.mark.parametrize("strategy", ["fp8state_ddp", "fp8state_fsdp"])
 def test_a_one_rank_run_resumed_on_two_copies_every_owner_and_matches_the_hand_mapped_reference(tmp_path, strategy):
-    ok(
-        train(
-            tmp_path,
-            *SMALL,
-            f"strategy.name={strategy}",
-            "trainer.devices=1",
-            "trainer.deterministic=true",
-            f"trainer.max_steps={SAVED_STEPS}",
-            f"trainer.schedule_steps={STEPS}",
-            f"trainer.checkpoint_every_n_steps={SAVED_STEPS}",
-            "telemetry.wandb=disabled",
-            "telemetry.log_every_n_steps=1",
-            "quant.strict=true",
-            f"out_dir={tmp_path}",
-            "name=one",
-        )
-    )
+    extra = ("trainer.deterministic=true", f"trainer.schedule_steps={STEPS}")
+    ok(train(tmp_path, *saved_run(tmp_path, strategy, 1, *extra, name="one")))
     resumed, ref = tmp_path / "on_two", tmp_path / "reference"
     shutil.copytree(tmp_path / "one", resumed)
     shutil.copytree(tmp_path / "one", ref)

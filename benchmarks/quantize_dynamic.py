@@ -13,10 +13,11 @@ its codes in both layouts). ``/copy`` is ours over the copy ceiling (issue 28's 
 >= 0.85 at 2^28; issue 45's for the blockwise encodes: near it). Also ours called eagerly (``ours
 call``, host launch included). The blockwise rows (``ops/reference_blockwise.py``): ``tile`` (1x128
 tiles: activations, gradients), ``tile_t`` (128x1 tiles written transposed: the weight gradient's
-operands), ``block`` (128x128 blocks and the transpose's: weights).
+operands), ``block`` (128x128 blocks and the transpose's: weights), ``pair`` (a gradient's 1x128
+tiles and 128x1 tiles transposed from one read) against ``tile+t`` (the two kernels, two reads).
 
     python benchmarks/quantize_dynamic.py [--cols 4096 8192] [--max-log2 28] [--json out.json]
-    python benchmarks/quantize_dynamic.py --recipes tile tile_t block --cols 1024 4096   # issue 45
+    python benchmarks/quantize_dynamic.py --recipes tile tile_t block pair tile+t --cols 1024 4096   # issue 45
 """
 
 from __future__ import annotations
@@ -80,15 +81,26 @@ def main() -> None:
         "tile": (no_pow2(ref_blk.quantize_fp8_tile_reference), no_pow2(blk.quantize_fp8_tile)),
         "tile_t": (no_pow2(ref_blk.quantize_fp8_tile_t_reference), no_pow2(blk.quantize_fp8_tile_t)),
         "block": (no_pow2(ref_blk.quantize_fp8_block_reference), no_pow2(blk.quantize_fp8_block)),
+        # a gradient's two tilings: one kernel reading x once ("pair"), or the two kernels ("tile+t")
+        "pair": (no_pow2(ref_blk.quantize_fp8_tile_pair_reference), no_pow2(blk.quantize_fp8_tile_pair)),
+        "tile+t": (
+            no_pow2(ref_blk.quantize_fp8_tile_pair_reference),
+            lambda x, dtype, margin: (
+                blk.quantize_fp8_tile(x, dtype, margin),
+                blk.quantize_fp8_tile_t(x, dtype, margin),
+            ),
+        ),
     }
-    written = {"block": 2}  # bytes written per element (both layouts); the others 1
+    written = {"block": 2, "pair": 2, "tile+t": 2}  # bytes written per element (both layouts); the others 1
     if args.recipes:
         peers = {
             k: v for k, v in peers.items() if k in args.recipes or (k == "colwise" and "t+rowwise" in args.recipes)
         }
-    compiled = {k: torch.compile(v[0]) for k, v in peers.items() if k != "t+rowwise"}
+    compiled = {k: torch.compile(v[0]) for k, v in peers.items() if k not in ("t+rowwise", "tile+t")}
     if "t+rowwise" in peers:
         compiled["t+rowwise"] = compiled["colwise"]
+    if "tile+t" in peers:
+        compiled["tile+t"] = compiled.get("pair") or torch.compile(peers["tile+t"][0])
     results = {"device": dev, "torch": torch.__version__, "rows": []}
     lines = []
     for cols in args.cols:

@@ -18,12 +18,16 @@ from . import cuda
 from . import reference_blockwise as ref
 from .library import _FP8_DTYPES, _IN_DTYPES, LIB
 
-__all__ = ["quantize_fp8_block", "quantize_fp8_tile", "quantize_fp8_tile_t"]
+__all__ = ["quantize_fp8_block", "quantize_fp8_tile", "quantize_fp8_tile_pair", "quantize_fp8_tile_t"]
 
 LIB.define("quantize_fp8_tile(Tensor x, ScalarType dtype, int margin, bool pow2) -> (Tensor, Tensor, Tensor, Tensor)")
 LIB.define("quantize_fp8_tile_t(Tensor x, ScalarType dtype, int margin, bool pow2) -> (Tensor, Tensor, Tensor, Tensor)")
 LIB.define(
     "quantize_fp8_block(Tensor x, ScalarType dtype, int margin, bool pow2) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+LIB.define(
+    "quantize_fp8_tile_pair(Tensor x, ScalarType dtype, int margin, bool pow2) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
@@ -56,6 +60,13 @@ def _quantize_fp8_block(x: torch.Tensor, dtype: torch.dtype, margin: int, pow2: 
     return ref.quantize_fp8_block_reference(x, dtype, margin, pow2)
 
 
+# CUDA: csrc/blockwise_ops.cu (whole 128 x 128 tiles: one read gives both tilings; else the two kernels)
+@torch.library.impl(LIB, "quantize_fp8_tile_pair", "CompositeExplicitAutograd")
+def _quantize_fp8_tile_pair(x: torch.Tensor, dtype: torch.dtype, margin: int, pow2: bool):
+    _check(x, dtype, margin)
+    return ref.quantize_fp8_tile_pair_reference(x, dtype, margin, pow2)
+
+
 def _tiles(n: int) -> int:
     return -(-n // ref.BLOCK)
 
@@ -86,6 +97,13 @@ def _quantize_fp8_block_fake(x, dtype, margin, pow2):
     return (q, *_scales_fake(x, (_tiles(r), _tiles(c))), q_t, descale_t)
 
 
+@torch.library.register_fake("fp8state::quantize_fp8_tile_pair")
+def _quantize_fp8_tile_pair_fake(x, dtype, margin, pow2):
+    r, c = x.shape
+    q_t = x.new_empty((c, r), dtype=dtype)
+    return (*_quantize_fp8_tile_fake(x, dtype, margin, pow2), q_t, x.new_empty((c, _tiles(r)), dtype=torch.float32))
+
+
 def quantize_fp8_tile(x: torch.Tensor, dtype: torch.dtype, margin: int = 0, pow2: bool = False):
     """``x [R, C]`` in 1x128 tiles: ``(codes [R, C], scale, descale, amax)``, each of the last
     three float32 ``[R, ceil(C / 128)]`` (:func:`.reference_blockwise.quantize_fp8_tile_reference`)."""
@@ -106,3 +124,11 @@ def quantize_fp8_block(x: torch.Tensor, dtype: torch.dtype, margin: int = 0, pow
     (:func:`.reference_blockwise.quantize_fp8_block_reference`)."""
     cuda.load_for(x)
     return torch.ops.fp8state.quantize_fp8_block(x, dtype, margin, pow2)
+
+
+def quantize_fp8_tile_pair(x: torch.Tensor, dtype: torch.dtype, margin: int = 0, pow2: bool = False):
+    """A gradient ``x [R, C]`` in 1x128 tiles and in 128x1 tiles written transposed, from one read
+    where the kernel can: ``(codes, scale, descale, amax, codes_t [C, R], descale_t [C, ceil(R /
+    128)])``, bitwise :func:`quantize_fp8_tile` and :func:`quantize_fp8_tile_t`'s codes and descale."""
+    cuda.load_for(x)
+    return torch.ops.fp8state.quantize_fp8_tile_pair(x, dtype, margin, pow2)

@@ -126,3 +126,11 @@ def quantize_fp8_block_reference(x: torch.Tensor, dtype: torch.dtype, margin: in
     module doc)."""
     q, scale, descale, amax = _tiled(x, BLOCK, BLOCK, dtype, margin, pow2)
     return q, scale, descale, amax, q.t().contiguous(), descale.t().contiguous()
+
+
+def quantize_fp8_tile_pair_reference(x: torch.Tensor, dtype: torch.dtype, margin: int, pow2: bool):
+    """A gradient ``x [R, C]`` in both tilings its GEMMs read: ``(codes [R, C], scale, descale,
+    amax)`` of :func:`quantize_fp8_tile_reference` and ``(codes_t [C, R], descale_t [C,
+    ceil(R / 128)])`` of :func:`quantize_fp8_tile_t_reference`."""
+    q_t, _, descale_t, _ = quantize_fp8_tile_t_reference(x, dtype, margin, pow2)
+    return (*quantize_fp8_tile_reference(x, dtype, margin, pow2), q_t, descale_t)

@@ -48,7 +48,7 @@ from dataclasses import replace
 import torch
 
 from ..formats import BLOCK_128X128, TILE_1X128, ScaleLayout
-from ..ops.library_blockwise import quantize_fp8_block, quantize_fp8_tile, quantize_fp8_tile_t
+from ..ops.library_blockwise import quantize_fp8_block, quantize_fp8_tile, quantize_fp8_tile_pair, quantize_fp8_tile_t
 from ..ops.reference_blockwise import BLOCK
 from .base import GemmLayouts, Operand, PerCallFp8Encoder, PerCallScales, Recipe
 from .gemm import _mm_device
@@ -169,10 +169,10 @@ class BlockwiseFp8Encoder(PerCallFp8Encoder):
             if self.tiles == BLOCK_128X128:
                 q, scale, descale, amax, _, _ = quantize_fp8_block(x, self.dtype, self.margin, self.pow2)
                 return q, scale, descale, amax
-            q, scale, descale, amax = quantize_fp8_tile(x, self.dtype, self.margin, self.pow2)
             if stage is None:
-                return q, scale, descale, amax
-            q_t, _, descale_t, _ = quantize_fp8_tile_t(x, self.dtype, self.margin, self.pow2)  # g^T's rows
+                return quantize_fp8_tile(x, self.dtype, self.margin, self.pow2)
+            # g's tiles and g^T's rows, from one read where the kernel can
+            q, scale, descale, amax, q_t, descale_t = quantize_fp8_tile_pair(x, self.dtype, self.margin, self.pow2)
             sums = x.sum(0, dtype=torch.float32) if stage.column_sum else None
             return (q, (q_t, descale_t), sums), scale, descale, amax
 

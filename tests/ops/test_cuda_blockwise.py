@@ -30,9 +30,14 @@ FORMATS = pytest.mark.parametrize("fmt", [f8s.E4M3, f8s.E5M2], ids=["e4m3", "e5m
 DTYPES = pytest.mark.parametrize("dtype", IN_DTYPES, ids=str)
 POW2 = pytest.mark.parametrize("pow2", [False, True], ids=["exact", "pow2"])
 # (R, C): whole tiles; partial tiles on both edges; C not a multiple of 4 (no vector loads), R not
-# a multiple of 4 (no word stores of the transpose); one row; many tiles
-SHAPES = pytest.mark.parametrize("shape", [(256, 512), (200, 300), (131, 258), (130, 6), (1, 129), (1024, 2048)])
-OPS = ("quantize_fp8_tile", "quantize_fp8_tile_t", "quantize_fp8_block")
+# a multiple of 4 (no word stores of the transpose); one row; many tiles; whole 128 x 128 tiles
+# beside partial ones with 16-byte loads but R not a multiple of 16 (the whole tiles' transpose
+# then element by element); one tile a row (a warp's loads then span rows); C a multiple of 4 but
+# not of 8 (16-byte loads for float32 only)
+SHAPES = pytest.mark.parametrize(
+    "shape", [(256, 512), (200, 300), (131, 258), (130, 6), (1, 129), (1024, 2048), (264, 392), (77, 128), (384, 260)]
+)
+OPS = ("quantize_fp8_tile", "quantize_fp8_tile_t", "quantize_fp8_block", "quantize_fp8_tile_pair")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -92,13 +97,31 @@ def test_block_quantize_and_its_transpose_match_reference_bitwise(fmt, dtype, po
     assert_same(got, want, ("codes", "scale", "descale", "amax", "codes_t", "descale_t"))
 
 
+@FORMATS
+@DTYPES
+@POW2
+# whole 128 x 128 tiles (one kernel reads x once: tall, wide, one tile row); the others (the two
+# kernels): partial tiles, C a multiple of 4 only
+@pytest.mark.parametrize("shape", [(256, 512), (640, 128), (128, 1024), (200, 300), (256, 260), (131, 258)])
+def test_tile_pair_is_both_tilings_bitwise(fmt, dtype, pow2, shape):
+    x = data(shape, dtype, fmt, seed=sum(shape) + 3)
+    got = blk.quantize_fp8_tile_pair(x, fmt.dtype, 1, pow2)
+    want = ref.quantize_fp8_tile_pair_reference(x.cpu(), fmt.dtype, 1, pow2)
+    assert_same(got, want, ("codes", "scale", "descale", "amax", "codes_t", "descale_t"))
+    separate = (*blk.quantize_fp8_tile(x, fmt.dtype, 1, pow2), *blk.quantize_fp8_tile_t(x, fmt.dtype, 1, pow2)[::2])
+    assert_same(got, separate, ("codes", "scale", "descale", "amax", "codes_t", "descale_t"))
+
+
 def test_views_and_empty_inputs():
     base = fresh(300 * 260, torch.bfloat16, seed=9).reshape(300, 260)
-    for view in (base[1:, 3:], base.t(), base[:, ::2]):
+    # whole tiles at a base that 16-byte loads cannot take (one element past an aligned one)
+    shifted = fresh(1 + 256 * 384, torch.bfloat16, seed=10)[1:].view(256, 384)
+    for view in (base[1:, 3:], base.t(), base[:, ::2], shifted):
         for op, reference in (
             (blk.quantize_fp8_tile, ref.quantize_fp8_tile_reference),
             (blk.quantize_fp8_tile_t, ref.quantize_fp8_tile_t_reference),
             (blk.quantize_fp8_block, ref.quantize_fp8_block_reference),
+            (blk.quantize_fp8_tile_pair, ref.quantize_fp8_tile_pair_reference),
         ):
             got = op(view, torch.float8_e4m3fn, 0, False)
             want = reference(view.cpu(), torch.float8_e4m3fn, 0, False)
@@ -109,6 +132,7 @@ def test_views_and_empty_inputs():
             (blk.quantize_fp8_tile, ref.quantize_fp8_tile_reference),
             (blk.quantize_fp8_tile_t, ref.quantize_fp8_tile_t_reference),
             (blk.quantize_fp8_block, ref.quantize_fp8_block_reference),
+            (blk.quantize_fp8_tile_pair, ref.quantize_fp8_tile_pair_reference),
         ):
             got = op(x, torch.float8_e4m3fn)
             want = reference(x.cpu(), torch.float8_e4m3fn, 0, False)

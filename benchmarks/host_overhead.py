@@ -38,6 +38,7 @@ import time
 import torch
 
 import lightning_fp8state as f8s
+import lightning_fp8state.quant_recipes.blockwise as blockwise_recipe
 import lightning_fp8state.quant_recipes.delayed as delayed_recipe
 from lightning_fp8state import ops
 from lightning_fp8state.models import GPT, GPTConfig
@@ -73,14 +74,49 @@ def stub_kernels() -> None:
     delayed_recipe.scaled_matmul = lambda a, b, da, db, out_dtype, backend="auto", bias=None, out=None: (
         torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device) if out is None else out
     )
+    _stub_blockwise(codes)
+
+
+def _stub_blockwise(codes) -> None:
+    """fp8_blockwise's encodes and GEMM (what its recipe module calls) as allocations."""
+
+    def tiles(x, rows, cols):
+        return [torch.empty(-(-x.shape[0] // rows), -(-x.shape[1] // cols), device=x.device) for _ in range(3)]
+
+    def transposed(x, dtype):
+        return torch.empty(x.shape[1], x.shape[0], dtype=dtype, device=x.device)
+
+    blockwise_recipe.quantize_fp8_tile = lambda x, dtype, margin=0, pow2=False: (codes(x, dtype), *tiles(x, 1, 128))
+    blockwise_recipe.quantize_fp8_tile_t = lambda x, dtype, margin=0, pow2=False: (
+        transposed(x, dtype),
+        *tiles(x.t(), 1, 128),
+    )
+    blockwise_recipe.quantize_fp8_tile_pair = lambda x, dtype, margin=0, pow2=False: (
+        codes(x, dtype),
+        *tiles(x, 1, 128),
+        transposed(x, dtype),
+        tiles(x.t(), 1, 128)[0],
+    )
+    blockwise_recipe.quantize_fp8_block = lambda x, dtype, margin=0, pow2=False: (
+        codes(x, dtype),
+        *tiles(x, 128, 128),
+        transposed(x, dtype),
+        tiles(x.t(), 128, 128)[0],
+    )
+    blockwise_recipe.blockwise_matmul = lambda a, b, da, db, out_dtype, backend="auto", bias=None: torch.empty(
+        a.shape[0], b.shape[1], dtype=out_dtype, device=a.device
+    )
+
+
+RECIPES = {"safe": "fp8_delayed", "blockwise": "fp8_blockwise"}  # the variants of ours: their quant.recipe
 
 
 def build(variant: str, cfg: GPTConfig, mode: str, backend: str):
     torch.manual_seed(0)
     model = GPT(cfg)
     state = None
-    if variant == "safe":
-        state = f8s.Fp8State(f8s.QuantConfig(mode="safe", strict=True, exclude=("head",)))
+    if variant in RECIPES:
+        state = f8s.Fp8State(f8s.QuantConfig(recipe=RECIPES[variant], mode="safe", strict=True, exclude=("head",)))
         state.convert(model)
     if mode == "compile":  # (dynamo's caches are reset once per mode, in main: both variants stay compiled)
         for block in model.blocks:
@@ -110,7 +146,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3, help="timed windows per variant; the best is reported")
     p.add_argument("--modes", nargs="+", default=["eager", "compile"], choices=["eager", "compile"])
-    p.add_argument("--variants", nargs="+", default=["plain", "safe"], choices=["plain", "safe"])
+    p.add_argument("--variants", nargs="+", default=["plain", "safe"], choices=["plain", *RECIPES])
     p.add_argument("--backend", default="inductor", help="torch.compile's backend in the compile mode")
     p.add_argument("--autocast", action="store_true", help="run the steps under CPU bf16 autocast (bf16-mixed)")
     p.add_argument("--profile", type=int, default=0, help="print this many rows of a cProfile of ours, by own time")
@@ -145,20 +181,20 @@ def main(argv=None) -> list[dict]:
         for variant, (step, _state) in steps.items():
             rows.append({"mode": mode, "variant": variant, "ms_per_step": times[variant]})
             print(f"  {mode:>8} {variant:>6}: {times[variant]:8.2f} ms/step (best of {args.repeats})")
-            if args.profile and variant == "safe":
+            if args.profile and variant != "plain":
                 profiler = cProfile.Profile()
                 profiler.enable()
                 for n in range(start, start + 10):
                     step(n)
                 profiler.disable()
-                print(f"--- cProfile of 10 {mode} steps of ours, by own time")
+                print(f"--- cProfile of 10 {mode} steps of {variant}, by own time")
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
             if args.by_area:
                 areas[(mode, variant)] = _by_area(step, start + 10, 10)
-        if "plain" in times and "safe" in times:
-            per_call = (times["safe"] - times["plain"]) * 1e3 / linears
-            print(f"  {mode:>8}: ours adds {per_call:.1f} µs per linear (forward + recompute + backward)")
-            rows.append({"mode": mode, "us_per_linear_added": per_call})
+        for variant in [v for v in times if v != "plain" and "plain" in times]:
+            per_call = (times[variant] - times["plain"]) * 1e3 / linears
+            print(f"  {mode:>8}: {variant} adds {per_call:.1f} µs per linear (forward + recompute + backward)")
+            rows.append({"mode": mode, "variant": variant, "us_per_linear_added": per_call})
     if areas:
         _print_areas(areas)
     return rows

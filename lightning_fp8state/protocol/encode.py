@@ -11,7 +11,6 @@ replaces the rules for true-forward and recompute calls.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -161,7 +160,7 @@ class Quantizer:
         # (a layer the fallback moved to current scaling: its recipe's encoder, not the protocol's)
         encoder = self._records.encoder_of(record.layer, role)
         data, scale, descale, amax = encoder.encode_dynamic(x, stage)
-        snap = replace(record.snapshots[role], scale=scale, descale=descale, amax=amax)
+        snap = record.snapshots[role].with_scales(scale, descale, amax)
         if phase is Phase.FORWARD:
             with self._lock:
                 self._records.dynamic[owner] = snap

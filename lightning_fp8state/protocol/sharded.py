@@ -161,10 +161,10 @@ class ShardedWeights:
         snap = self._records.live_snapshot(owner, index, None, None, 0, "weight")
         if index < 0 and self._recipe.shard_scales:  # the shard's own blocks
             q, scale, descale, amax = self._own_scales(shard)
-            return q, replace(snap, scale=scale, descale=descale, amax=amax)
+            return q, snap.with_scales(scale, descale, amax)
         if index < 0:  # a per-call scale: the full weight's, one collective for this weight
             scale, descale, amax = self.full_weight_scales({layer: ShardSource(shard.device, shard, group)})[layer]
-            snap = replace(snap, scale=scale, descale=descale, amax=amax)
+            snap = snap.with_scales(scale, descale, amax)
         elif index in self._protocol.bank.fresh and self._config.initial_scale == "calibrate":
             self.calibrate(index, shard, snap, group)
         return self._quantizer.encode(shard, snap, "weight"), snap

@@ -43,7 +43,6 @@ multiple of 128, or an uneven split), that weight gathers in high precision and 
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 import torch
 
@@ -51,7 +50,7 @@ from ..formats import BLOCK_128X128, TILE_1X128, ScaleLayout
 from ..ops.library_blockwise import quantize_fp8_block, quantize_fp8_tile, quantize_fp8_tile_pair, quantize_fp8_tile_t
 from ..ops.reference_blockwise import BLOCK
 from .base import GemmLayouts, Operand, PerCallFp8Encoder, PerCallScales, Recipe
-from .gemm import _mm_device
+from .gemm import _mm_device, warn_unless_e4m3
 from .registry import register
 
 __all__ = ["COLUMN_TILE_128X1", "BlockwiseFp8Encoder", "Fp8Blockwise", "Fp8BlockwisePow2", "blockwise_matmul"]
@@ -165,16 +164,21 @@ class BlockwiseFp8Encoder(PerCallFp8Encoder):
         self.tiles, self.pow2 = tiles, pow2
 
     def encode_dynamic(self, x: torch.Tensor, stage: _GradStage | None = None):
-        with torch.no_grad():
-            if self.tiles == BLOCK_128X128:
-                q, scale, descale, amax, _, _ = quantize_fp8_block(x, self.dtype, self.margin, self.pow2)
-                return q, scale, descale, amax
-            if stage is None:
-                return quantize_fp8_tile(x, self.dtype, self.margin, self.pow2)
-            # g's tiles and g^T's rows, from one read where the kernel can
-            q, scale, descale, amax, q_t, descale_t = quantize_fp8_tile_pair(x, self.dtype, self.margin, self.pow2)
-            sums = x.sum(0, dtype=torch.float32) if stage.column_sum else None
-            return (q, (q_t, descale_t), sums), scale, descale, amax
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._encode(x, stage)
+        return self._encode(x, stage)  # (a Function's forward and backward: autograd already off)
+
+    def _encode(self, x: torch.Tensor, stage: _GradStage | None):
+        if self.tiles == BLOCK_128X128:
+            q, scale, descale, amax, _, _ = quantize_fp8_block(x, self.dtype, self.margin, self.pow2)
+            return q, scale, descale, amax
+        if stage is None:
+            return quantize_fp8_tile(x, self.dtype, self.margin, self.pow2)
+        # g's tiles and g^T's rows, from one read where the kernel can
+        q, scale, descale, amax, q_t, descale_t = quantize_fp8_tile_pair(x, self.dtype, self.margin, self.pow2)
+        sums = x.sum(0, dtype=torch.float32) if stage.column_sum else None
+        return (q, (q_t, descale_t), sums), scale, descale, amax
 
 
 @register
@@ -201,6 +205,10 @@ class Fp8Blockwise(PerCallScales, Recipe):
         "its input is bitwise the forward's (audited)"
     )
 
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        warn_unless_e4m3(self.name, config, "block-scaled")
+
     def _make_encoder(self, role: str):
         if self.attention_role(role):
             return super()._make_encoder(role)
@@ -224,18 +232,18 @@ class Fp8Blockwise(PerCallScales, Recipe):
 
     def grad_weight(self, g_w, x_saved, sg, sx, out_dtype, backend):
         g_t, g_descale_t = g_w  # g^T [out, tokens] in 1x128 tiles along the tokens
-        enc = self.encoder("input")
-        with torch.no_grad():
-            x_t, _, x_descale_t, _ = quantize_fp8_tile_t(x_saved, enc.dtype, enc.margin, self.pow2)
+        enc = self.encoder("input")  # (a backward: autograd off)
+        x_t, _, x_descale_t, _ = quantize_fp8_tile_t(x_saved, enc.dtype, enc.margin, self.pow2)
         return blockwise_matmul(g_t, x_t.t(), g_descale_t, x_descale_t.t(), out_dtype, backend)
 
     def grad_input(self, g_x, w_saved, sg, sw, out_dtype, backend):
         enc = self.encoder("weight")
         if w_saved.dtype == enc.dtype:  # the FP8-gathered codes [out, in] and their blocks
             return blockwise_matmul(g_x, w_saved, sg.descale, sw.descale, out_dtype, backend)
-        with torch.no_grad():  # the forward's blocks again (bitwise), written transposed: W [out, in] column-major
-            _, _, descale, _, w_t, _ = quantize_fp8_block(w_saved, enc.dtype, enc.margin, self.pow2)
-        return blockwise_matmul(g_x, w_t.t(), sg.descale, descale, out_dtype, backend)
+        # the forward's blocks again (bitwise), written transposed: W^T's blocks and their descales,
+        # already laid out as the GEMM reads them (W [out, in] column-major)
+        _, _, _, _, w_t, descale_t = quantize_fp8_block(w_saved, enc.dtype, enc.margin, self.pow2)
+        return blockwise_matmul(g_x, w_t.t(), sg.descale, descale_t.t(), out_dtype, backend)
 
     # -- FSDP2's FP8 all-gather (the module doc) ----------------------------------------
     def shard_gather_problem(self, full_shape, shard_rows):
@@ -261,7 +269,7 @@ class Fp8Blockwise(PerCallScales, Recipe):
         codes, blocks = outputs
         # copies: the gathered buffers are freed after each use, the snapshot is read later
         scale, descale, amax = (blocks[:, i].clone(memory_format=torch.contiguous_format) for i in range(3))
-        return codes.view(dtype), replace(snap, scale=scale, descale=descale, amax=amax)
+        return codes.view(dtype), snap.with_scales(scale, descale, amax)
 
     def telemetry(self, snap) -> dict[str, torch.Tensor]:
         if snap.scale.numel() == 0:

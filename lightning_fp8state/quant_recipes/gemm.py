@@ -5,13 +5,32 @@ torch._scaled_mm where the GPU has it, an exact emulation elsewhere. Moved uncha
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
 from .. import ops
 from ..config import require_that
 
-__all__ = ["scaled_matmul", "scaled_mm_available"]
+__all__ = ["scaled_matmul", "scaled_mm_available", "warn_unless_e4m3"]
+
+
+def warn_unless_e4m3(recipe: str, config, gemm: str) -> None:
+    """Warn where ``recipe``'s formats are not both E4M3: cuBLASLt's ``gemm`` (rowwise,
+    block-scaled) FP8 GEMM takes E4M3 operands only, so the recipe's GEMMs with an E5M2 operand
+    run as a float32 emulation: the run is correct and far slower than bf16. QuantConfig's
+    default ``backward_format`` is e5m2 (the per-tensor recipes' choice), so a config that names
+    the recipe alone lands here."""
+    formats = {"quant.forward_format": config.forward_format, "quant.backward_format": config.backward_format}
+    e5m2 = [key for key, name in formats.items() if name != "e4m3"]
+    if e5m2:
+        warnings.warn(
+            f"recipe={recipe!r} with {', '.join(f'{k}={formats[k]!r}' for k in e5m2)}: cuBLASLt's {gemm} FP8 GEMM "
+            "takes E4M3 operands only, so every GEMM with one of these operands runs as a float32 emulation, much "
+            f"slower than bf16 (docs/PERFORMANCE.md). Set them to 'e4m3', as configs/quant/{recipe}.yaml does",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 @functools.cache

@@ -21,14 +21,12 @@ rounding. On a GPU with FP8 it is ``torch._scaled_mm`` with ``scale_a [M, 1]`` a
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from ..formats import PER_COLUMN, PER_ROW
 from ..ops.library_dynamic import quantize_fp8_colwise, quantize_fp8_rowwise
 from .base import LINEAR_GEMM_ROLES, GemmLayouts, Operand, PerCallFp8Encoder, PerCallScales, Recipe
-from .gemm import _mm_device
+from .gemm import _mm_device, warn_unless_e4m3
 from .registry import register
 
 __all__ = ["Fp8Rowwise", "Fp8RowwiseGwHp", "RowwiseFp8Encoder", "rowwise_matmul"]
@@ -136,17 +134,7 @@ class Fp8Rowwise(PerCallScales, Recipe):
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        formats = {"quant.forward_format": config.forward_format, "quant.backward_format": config.backward_format}
-        e5m2 = [key for key, name in formats.items() if name != "e4m3"]
-        if e5m2:
-            warnings.warn(
-                f"recipe={self.name!r} with {', '.join(f'{k}={formats[k]!r}' for k in e5m2)}: cuBLASLt's rowwise "
-                "FP8 GEMM takes E4M3 operands only, so every GEMM with one of these operands runs as a float32 "
-                "emulation, much slower than bf16 (docs/PERFORMANCE.md). Set them to 'e4m3', as "
-                f"configs/quant/{self.name}.yaml does",
-                UserWarning,
-                stacklevel=3,
-            )
+        warn_unless_e4m3(self.name, config, "rowwise")
 
     def grad_output_stage(self, column_sum: bool):
         return _GradStage(column_sum, self.high_precision_weight_grad)

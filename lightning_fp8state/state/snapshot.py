@@ -66,6 +66,14 @@ class QuantSnapshot:
         )
         return snap
 
+    def with_scales(self, scale: torch.Tensor, descale: torch.Tensor, amax: torch.Tensor) -> QuantSnapshot:
+        """``dataclasses.replace(self, scale=..., descale=..., amax=...)`` with one attribute
+        write (replace reads the fields' definitions on every call): a stateless recipe's
+        snapshot, made at every call of every operand, recompute and backward included."""
+        snap = _new(type(self))
+        _set(snap, "__dict__", {**self.__dict__, "scale": scale, "descale": descale, "amax": amax})
+        return snap
+
     @property
     def event(self) -> tuple[int, int] | None:
         return None if self.step is None else (self.step, self.microbatch)

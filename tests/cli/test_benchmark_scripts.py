@@ -147,21 +147,20 @@ def test_fsdp_step_float32_blocks_recompute_under_torch_2_11_fsdp(block_inputs):
 
 
 def test_host_overhead_runs_on_the_cpu_with_the_kernels_stubbed():
-    """host_overhead.py runs without a GPU (its purpose): both variants, eager and compiled,
-    and the per-linear difference. In a subprocess: it replaces the kernels' entry points."""
+    """host_overhead.py runs without a GPU (its purpose): every variant (fp8_blockwise's stubs
+    too), eager and compiled, and the per-linear difference. In a subprocess: it replaces the
+    kernels' entry points."""
     import subprocess
     import sys
 
     out = subprocess.run(
-        [sys.executable, str(BENCH / "host_overhead.py"), "--layers", "2", "--steps", "2", "--warmup", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout
+        [sys.executable, str(BENCH / "host_overhead.py"), "--layers", "2", "--steps", "2", "--warmup", "1",
+         "--variants", "plain", "safe", "blockwise"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout  # fmt: skip
     for mode in ("eager", "compile"):
-        assert f"{mode:>8}  plain:" in out and f"{mode:>8}   safe:" in out
-        assert f"{mode:>8}: ours adds" in out
+        assert f"{mode:>8}  plain:" in out and f"{mode:>8}   safe:" in out and f"{mode:>8} blockwise:" in out
+        assert f"{mode:>8}: safe adds" in out and f"{mode:>8}: blockwise adds" in out
 
 
 def test_host_overhead_by_area_splits_each_variants_host_time():

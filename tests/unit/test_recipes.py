@@ -214,10 +214,12 @@ def test_fp8_delayed_is_bitwise_what_it_was_before_recipes():
     assert h.hexdigest() == DELAYED_BEFORE_RECIPES
 
 
-@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
-def test_rowwise_with_an_e5m2_operand_warns_that_its_gemms_fall_back_to_float32(recipe):
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise", "fp8_blockwise_pow2"])
+def test_rowwise_and_blockwise_with_an_e5m2_operand_warn_that_their_gemms_fall_back_to_float32(recipe):
     with pytest.warns(UserWarning, match=r"quant.backward_format='e5m2'.*E4M3 operands only"):
         f8s.Fp8State(f8s.QuantConfig(recipe=recipe, backward_format="e5m2"))
+    with pytest.warns(UserWarning, match=rf"recipe='{recipe}'.*as configs/quant/{recipe}.yaml does"):
+        f8s.Fp8State(f8s.QuantConfig(recipe=recipe))  # the recipe named alone: QuantConfig's default e5m2
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         f8s.Fp8State(f8s.QuantConfig(recipe=recipe, backward_format="e4m3"))  # as the shipped config: quiet

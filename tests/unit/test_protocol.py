@@ -169,6 +169,18 @@ def test_stamped_snapshot_is_the_constructed_one_and_check_consumer_refuses_anot
     assert set(vars(fast)) == {f.name for f in dataclasses.fields(QuantSnapshot)} and repr(fast) == repr(built)
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.step = 4
+    # a stateless call's snapshot (with_scales): dataclasses.replace's result, as frozen, the original untouched
+    scale, descale, amax = torch.full((2, 1), 4.0), torch.full((2, 1), 0.25), torch.full((2, 1), 112.0)
+    quick, slow = (
+        fast.with_scales(scale, descale, amax),
+        dataclasses.replace(fast, scale=scale, descale=descale, amax=amax),
+    )
+    assert [getattr(quick, f.name) for f in dataclasses.fields(QuantSnapshot)] == [
+        getattr(slow, f.name) for f in dataclasses.fields(QuantSnapshot)
+    ]
+    assert type(quick) is QuantSnapshot and repr(quick) == repr(slow) and fast.amax is None and fast.scale is s
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        quick.amax = None
     # the consumer check (its fast path and the fallback) on a real call's record, in two events
     state = f8s.Fp8State(f8s.QuantConfig())
     model = state.convert(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))

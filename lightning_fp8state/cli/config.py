@@ -1,4 +1,5 @@
-"""Loading a run configuration: schema defaults <- configs/ pieces <- recipe <- overrides.
+"""Loading a run configuration: schema defaults <- configs/ pieces <- recipe <- (an override
+switching ``quant.recipe``: that recipe's ``configs/quant`` piece) <- overrides.
 
 A recipe is a YAML file (a path, or a name under ``recipes/``) that may list reusable
 pieces under ``base:`` (paths relative to ``configs/``, or to the recipe's own folder); both
@@ -32,7 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..config import QuantConfig
 from ..errors import ConfigError
-from ..quant_recipes import check_recipe
+from ..quant_recipes import check_recipe, recipe_names
 from ..shipped import shipped_dir
 from .models import adopt_init_from, model_config
 from .schema import RunCfg
@@ -213,6 +214,7 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None) -
         piece_path = _base_piece(path, piece)
         cfg = _merge(cfg, _load_yaml(piece_path), str(piece_path))
     cfg = _merge(cfg, node, str(path))
+    cfg = _with_switched_recipe_piece(cfg, overrides or [])
     for item in overrides or []:
         key, _ = _parse_override(item)
         if not _is_known(cfg, key):
@@ -229,6 +231,21 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None) -
         raise ConfigError(f"model.{exc}") from exc
     validate(cfg)
     return cfg
+
+
+def _with_switched_recipe_piece(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """``cfg`` with ``configs/quant/NAME.yaml`` merged in where an override switches the run to
+    another quantization recipe ``NAME`` (``quant.recipe=NAME``): the recipe's shipped settings
+    (its formats, margin, mode) come with it, as a recipe YAML's ``base: [quant/NAME]`` brings
+    them, under every override (a key the user sets still wins). Without it the schema's
+    per-tensor defaults stayed: ``fp8_rowwise`` and ``fp8_blockwise`` ran E5M2 gradients, whose
+    GEMMs fall back to a float32 emulation. A name the registry does not list is left to the
+    validation (an error naming ``quant.recipe``), never looked up as a file."""
+    names = [value.strip() for key, value in map(_parse_override, overrides) if key == "quant.recipe"]
+    if not names or names[-1] == cfg.quant.recipe or names[-1] not in recipe_names():
+        return cfg
+    piece_path = CONFIGS_DIR / "quant" / f"{names[-1]}.yaml"
+    return _merge(cfg, _load_yaml(piece_path), str(piece_path)) if piece_path.is_file() else cfg
 
 
 def _open_mappings(node: DictConfig) -> None:

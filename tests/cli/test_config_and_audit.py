@@ -50,6 +50,28 @@ def test_every_config_piece_merges_and_validates(piece, tmp_path):
     assert cfg.name == "piece"
 
 
+def test_switching_the_recipe_on_the_command_line_brings_its_shipped_settings_under_the_users_own(tmp_path):
+    """``quant.recipe=NAME`` takes ``configs/quant/NAME.yaml`` as a recipe's ``base:`` would:
+    fp8_blockwise's E4M3 gradients (the schema's E5M2 sent its backward GEMMs to the float32
+    emulation), back to per-tensor formats for fp8_delayed; a key the user sets wins in any order;
+    the same recipe named again keeps the recipe file's own settings; no other name is a path."""
+    rowwise = tmp_path / "rowwise.yaml"
+    rowwise.write_text("base: [quant/fp8_rowwise]\nname: r\nquant: {margin: 2}\n")
+    for overrides, want in (
+        (["quant.recipe=fp8_blockwise"], ("fp8_blockwise", "e4m3", "e4m3", 0)),
+        (["quant.backward_format=e5m2", "quant.recipe=fp8_blockwise"], ("fp8_blockwise", "e4m3", "e5m2", 0)),
+        (["quant.recipe=fp8_rowwise", "quant.margin=1"], ("fp8_rowwise", "e4m3", "e4m3", 1)),
+    ):
+        q = load_config("tiny_gpt_cpu", overrides).quant
+        assert (q.recipe, q.forward_format, q.backward_format, q.margin) == want, overrides
+    q = load_config(str(rowwise), ["quant.recipe=fp8_delayed"]).quant
+    assert (q.recipe, q.backward_format, q.margin, q.initial_scale) == ("fp8_delayed", "e5m2", 0, "calibrate")
+    q = load_config(str(rowwise), ["quant.recipe=fp8_rowwise"]).quant
+    assert (q.backward_format, q.margin) == ("e4m3", 2)  # the recipe file's own margin stays
+    with pytest.raises(ConfigError, match="quant.recipe"):
+        load_config("tiny_gpt_cpu", ["quant.recipe=../../recipes/tiny_gpt_cpu"])
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [

@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_fp8state.cli.main import main
 from lightning_fp8state.lightning.strategies import UNIVERSAL_TAG, _clear_stale_files
 from lightning_fp8state.state.checkpoint_files import deepspeed_safe_globals, zero_world_size
 from lightning_fp8state.telemetry.sinks import read_jsonl
-from tests.cli.test_resume_world_size import SAVED_STEPS, Fp8Rank0, hand_mapped, ok, saved_run
+from tests.cli.test_resume_world_size import SAVED_STEPS, Fp8Rank0, copy_run, hand_mapped, ok, saved_run
 from tests.cli.test_resume_world_size import train as train_in_process
 from tests.conftest import bitwise_equal
 
@@ -164,6 +165,24 @@ def test_a_save_removes_the_files_of_ranks_beyond_its_world_and_an_old_universal
         ]
     )
     assert not (tmp_path / UNIVERSAL_TAG).exists() and not (tmp_path / "latest_universal").exists()
+
+
+def test_a_mapping_the_config_forbids_exits_2_before_any_conversion(saved, capsys, monkeypatch):
+    """``quant.world_size_merge=refuse`` under DeepSpeed: one line, exit 2, and the checkpoint as it
+    was: refused before DeepSpeed's universal conversion writes anything into it."""
+    monkeypatch.chdir(saved)
+    run = copy_run(saved, "refused")
+    last = run / "checkpoints" / "last.ckpt"
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    code = main(
+        ["train", "--resume", str(run), "trainer.devices=1", "quant.world_size_merge=refuse", "trainer.max_steps=6"]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "saved by 2 rank(s), this configuration runs 1" in err
+    assert "quant.world_size_merge=refuse forbids merging them" in err
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+    assert not (last / UNIVERSAL_TAG).exists() and not (last / "latest_universal").exists()
 
 
 @pytest.mark.parametrize("stage", [1, 3])

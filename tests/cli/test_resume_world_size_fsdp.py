@@ -11,6 +11,7 @@ import shutil
 
 import torch
 
+from lightning_fp8state.cli.main import main
 from lightning_fp8state.telemetry.sinks import read_jsonl
 from tests.cli.test_resume_world_size import Fp8Rank0, hand_mapped, ok, saved_run, train
 from tests.conftest import bitwise_equal
@@ -18,7 +19,7 @@ from tests.conftest import bitwise_equal
 SAVED_STEPS, STEPS = 4, 6
 
 
-def test_a_two_rank_fsdp_run_resumed_on_one_is_bitwise_the_hand_mapped_reference(tmp_path):
+def test_a_two_rank_fsdp_run_resumed_on_one_is_bitwise_the_hand_mapped_reference(tmp_path, capsys, monkeypatch):
     args = saved_run(tmp_path, "fp8state_fsdp", 2, "trainer.deterministic=true", f"trainer.schedule_steps={STEPS}")
     ok(train(tmp_path, *args))
     saved = tmp_path / "two" / "checkpoints" / "last.ckpt"
@@ -31,6 +32,15 @@ def test_a_two_rank_fsdp_run_resumed_on_one_is_bitwise_the_hand_mapped_reference
     resumed, ref = tmp_path / "on_one", tmp_path / "reference"
     shutil.copytree(tmp_path / "two", resumed)
     shutil.copytree(tmp_path / "two", ref)
+
+    # a mapping the config forbids: one line, exit 2, the checkpoint as it was
+    monkeypatch.chdir(tmp_path)
+    listing = sorted(p.name for p in saved.iterdir())
+    refused = ["train", "--resume", str(tmp_path / "two"), "trainer.devices=1", "quant.world_size_merge=refuse"]
+    assert main(refused) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "quant.world_size_merge=refuse forbids merging them" in err, err
+    assert sorted(p.name for p in saved.iterdir()) == listing
 
     out = ok(train(tmp_path, "--resume", str(resumed), f"trainer.max_steps={STEPS}", "trainer.devices=1"))
     assert "resuming the quantizer state of 2 rank(s) on 1: 8 owner(s) copied bitwise" in out

@@ -191,9 +191,13 @@ def test_zero_1_and_3_runs_of_two_ranks_resume_on_one_bitwise_the_hand_mapped_re
     resumed, ref = tmp_path / "on_one", tmp_path / "reference"
     shutil.copytree(two, resumed)
     hand_mapped_reference(two, ref)
-    out = ok(train(tmp_path, "--resume", str(resumed), "trainer.max_steps=6", "trainer.devices=1"))
+    out = ok(
+        train(tmp_path, "--resume", str(resumed), "trainer.max_steps=6", "trainer.devices=1", "telemetry.audit=true")
+    )
     assert "of 2 rank(s) on 1" in next(x for x in out.splitlines() if "resuming the quantizer state" in x)
     assert "the data continues at sample 32 (none repeated or skipped)" in out
+    audited = [r for r in read_jsonl(resumed / "telemetry.jsonl") if "fp8state/recompute_mismatches" in r]
+    assert audited and all(r["fp8state/recompute_mismatches"] == 0 for r in audited)
     ok(train(tmp_path, "--resume", str(ref), "trainer.max_steps=6", "trainer.devices=1"))
     assert_bitwise_the_same_run(resumed, ref, 6)
     assert zero_world_size(resumed / "checkpoints" / "last.ckpt") == 1

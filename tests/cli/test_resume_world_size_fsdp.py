@@ -42,8 +42,11 @@ def test_a_two_rank_fsdp_run_resumed_on_one_is_bitwise_the_hand_mapped_reference
     assert len(err.splitlines()) == 1 and "quant.world_size_merge=refuse forbids merging them" in err, err
     assert sorted(p.name for p in saved.iterdir()) == listing
 
-    out = ok(train(tmp_path, "--resume", str(resumed), f"trainer.max_steps={STEPS}", "trainer.devices=1"))
+    audit = "telemetry.audit=true"  # every recomputed call of the resumed run compared with its forward
+    out = ok(train(tmp_path, "--resume", str(resumed), f"trainer.max_steps={STEPS}", "trainer.devices=1", audit))
     assert "resuming the quantizer state of 2 rank(s) on 1: 8 owner(s) copied bitwise" in out
+    audited = [r for r in read_jsonl(resumed / "telemetry.jsonl") if "fp8state/recompute_mismatches" in r]
+    assert audited and all(r["fp8state/recompute_mismatches"] == 0 for r in audited)
     assert "the data continues at sample 32 (none repeated or skipped)" in out
     prov = json.loads((resumed / "provenance.json").read_text())["resumed_from"]["world_size"]
     assert (prov["saved_world_size"], prov["world_size"], len(prov["copied"]), len(prov["merged"])) == (2, 1, 8, 16)

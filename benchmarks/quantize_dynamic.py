@@ -96,6 +96,9 @@ def main() -> None:
         peers = {
             k: v for k, v in peers.items() if k in args.recipes or (k == "colwise" and "t+rowwise" in args.recipes)
         }
+    # one compiled graph per shape: past dynamo's recompile limit (8) a compiled peer would run its
+    # reference eagerly and be reported as torch.compile (2026-12-04: the 4096-column rows)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = {k: torch.compile(v[0]) for k, v in peers.items() if k not in ("t+rowwise", "tile+t")}
     if "t+rowwise" in peers:
         compiled["t+rowwise"] = compiled["colwise"]

@@ -229,8 +229,13 @@ def measure(variant: str, cfg: GPTConfig, args, data, mode: str = "eager") -> di
         collector = f8s.ManagedCollector()
         collector.start()
         step = collected(step, collector)
+    # what the conversion (and quant.policy) made FP8: a policy may keep every layer in bf16
+    kinds = [type(m).__name__ for m in model.modules()]
+    converted, plain = kinds.count("Fp8Linear"), kinds.count("Linear")
     try:
-        return _measure(variant, cfg, args, mode, model, state, opt, step)
+        return dict(
+            _measure(variant, cfg, args, mode, model, state, opt, step), converted=(converted, converted + plain)
+        )
     finally:
         if collector is not None:
             collector.stop()
@@ -543,7 +548,8 @@ def main(argv=None) -> list[dict]:
                 tag = f" [repeat {rep + 1}/{args.repeat}]" if args.repeat > 1 else ""
                 print(
                     f"  measured {v} ({mode}){tag}: {r['ms']:.1f} ms/step, b2b {r['ms_back_to_back']:.1f}, host "
-                    f"{r['host_ms']:.1f} (CPU probe {r['cpu_probe_ms']:.1f} ms)",
+                    f"{r['host_ms']:.1f} (CPU probe {r['cpu_probe_ms']:.1f} ms); fp8state linears {r['converted'][0]} of "
+                    f"{r['converted'][1]}",
                     flush=True,
                 )
     results = [merge_repeats(rs) for rs in runs.values()]

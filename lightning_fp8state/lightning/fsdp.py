@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
 from ..config import require_bool, require_choice, require_strings
-from ..errors import StateLoadError
+from ..errors import ConfigError, StateLoadError
 from ..nn import Fp8Linear
 from ..nn.fsdp import (
     enable_fp8_all_gather,
@@ -48,6 +48,7 @@ from ..nn.fsdp import (
     mark_sharded,
     plain_shard,
     step_on_local_shards,
+    uneven_fp8_gathers,
 )
 from ..quant_recipes import recipe_class
 from ..state.checkpoint_files import check_checkpoint, load_checkpoint_file, safe_dcp_load
@@ -237,6 +238,16 @@ class Fp8StateFSDPStrategy(Fp8StateStrategyContract, ModelParallelStrategy):
                 )
         modules = dict(model.named_modules())
         kwargs = {"mesh": self.device_mesh["data_parallel"], "reshard_after_forward": self.reshard_after_forward}
+        uneven = uneven_fp8_gathers(model, kwargs["mesh"].size()) if gathered else []
+        if uneven:  # refused now, not at the first forward (after a resume's restore): a ConfigError, as there
+            raise ConfigError(
+                f"strategy '{self.strategy_name}' with fp8_all_gather=True over {kwargs['mesh'].size()} ranks: the "
+                f"weights of layers {uneven[:3]}{f' and {len(uneven) - 3} more' if len(uneven) > 3 else ''} have "
+                f"out_features not divisible by {kwargs['mesh'].size()}, and one FP8 scale per weight gathers even "
+                "shards only. Run on a world size that divides them, start the run with "
+                "strategy.fp8_all_gather=false (Fp8StateFSDPStrategy(fp8_all_gather=False)), or exclude those "
+                "layers from conversion"
+            )
         if self.mp_policy is not None:
             kwargs["mp_policy"] = self.mp_policy
         for name in names:

@@ -53,6 +53,7 @@ __all__ = [
     "fp8_all_gather_problem",
     "gathered_layers",
     "mark_sharded",
+    "uneven_fp8_gathers",
     "plain_shard",
     "step_on_local_shards",
 ]
@@ -231,6 +232,21 @@ class Fp8GatheredWeight(torch.Tensor):
 
 # the layers already warned about gathering in high precision (_high_precision_input)
 _WARNED_HIGH_PRECISION: weakref.WeakSet = weakref.WeakSet()
+
+
+def uneven_fp8_gathers(model: nn.Module, world: int) -> list[str]:
+    """The layers of ``model`` whose weights gather in FP8 (:func:`enable_fp8_all_gather`) but
+    cannot be split evenly over ``world`` ranks, which one scale per weight needs (a recipe with
+    scales per shard answers for itself: it gathers such a weight in high precision). The
+    strategy asks before anything is sharded or restored: the gather itself would refuse them
+    only at the first forward, after a checkpoint's restore."""
+    uneven = []
+    for module in model.modules():
+        if isinstance(module, Fp8Linear) and isinstance(module.weight, Fp8ShardedWeight):
+            shape = tuple(module.weight.shape)
+            if shape[0] % world and _shard_gather_problem(module, shape, world) is None:
+                uneven.append(module.layer_name)
+    return uneven
 
 
 def _shard_gather_problem(module: Fp8Linear, full_shape, world: int) -> str | None:

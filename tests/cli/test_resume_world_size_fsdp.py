@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 
 from lightning_fp8state.cli.main import main
@@ -19,9 +20,26 @@ from tests.conftest import bitwise_equal
 SAVED_STEPS, STEPS = 4, 6
 
 
-def test_a_two_rank_fsdp_run_resumed_on_one_is_bitwise_the_hand_mapped_reference(tmp_path, capsys, monkeypatch):
-    args = saved_run(tmp_path, "fp8state_fsdp", 2, "trainer.deterministic=true", f"trainer.schedule_steps={STEPS}")
-    ok(train(tmp_path, *args))
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """A two-rank fp8state_fsdp run (``two``) of SAVED_STEPS steps under a folder its resumed
+    copies sit beside."""
+    root = tmp_path_factory.mktemp("fsdp")
+    ok(
+        train(
+            root, *saved_run(root, "fp8state_fsdp", 2, "trainer.deterministic=true", f"trainer.schedule_steps={STEPS}")
+        )
+    )
+    return root
+
+
+def logged(run):
+    rows = read_jsonl(run / "telemetry.jsonl")
+    return [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in rows if r["step"] > SAVED_STEPS]
+
+
+def test_a_two_rank_fsdp_run_resumed_on_one_is_bitwise_the_hand_mapped_reference(two, capsys, monkeypatch):
+    tmp_path = two
     saved = tmp_path / "two" / "checkpoints" / "last.ckpt"
     assert sorted(p.name for p in saved.iterdir()) == [
         ".metadata",
@@ -59,13 +77,24 @@ def test_a_two_rank_fsdp_run_resumed_on_one_is_bitwise_the_hand_mapped_reference
     torch.save(meta, meta_path)
     ok(train(tmp_path, "--resume", str(ref), f"trainer.max_steps={STEPS}", "trainer.devices=1"))
 
-    def logged(run):
-        rows = read_jsonl(run / "telemetry.jsonl")
-        return [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in rows if r["step"] > SAVED_STEPS]
-
     assert [s for s, *_ in logged(resumed)] == list(range(SAVED_STEPS + 1, STEPS + 1))
     assert logged(resumed) == logged(ref)
     a = torch.load(resumed / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)["fp8state"]
     b = torch.load(ref / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)["fp8state"]
     assert a["world_size"] == 1 and a["ranks"][0]["clock"]["last"] == [STEPS - 1, 0]
     assert all(bitwise_equal(a["ranks"][0]["bank"][k], b["ranks"][0]["bank"][k]) for k in ("amax_history", "scale"))
+
+
+def test_a_resume_on_three_ranks_that_cannot_split_the_fp8_gathered_weights_is_refused_before_the_restore(two):
+    """FP8 all-gather at one scale per weight gathers even shards only: the run's 32-row weights
+    over 3 ranks are refused when the strategy shards the model, naming the layers and what to do,
+    before the checkpoint is restored (it was the first forward's error, after the restore)."""
+    run = two / "on_three"
+    shutil.copytree(two / "two", run)
+    before = {p: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")}
+    refused = train(two, "--resume", str(run), "trainer.max_steps=5", "trainer.devices=3")
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert "Restoring states" not in refused.stdout + refused.stderr
+    assert "with fp8_all_gather=True over 3 ranks: the weights of layers ['model.blocks.0." in refused.stderr
+    assert "Run on a world size that divides them, start the run with strategy.fp8_all_gather=false" in refused.stderr
+    assert {p: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")} == before

@@ -53,9 +53,9 @@ __all__ = [
     "fp8_all_gather_problem",
     "gathered_layers",
     "mark_sharded",
-    "uneven_fp8_gathers",
     "plain_shard",
     "step_on_local_shards",
+    "uneven_fp8_gathers",
 ]
 
 aten = torch.ops.aten

@@ -7,8 +7,8 @@ split into GEMMs, quantize kernels, transposes and everything else.
     python benchmarks/profile_step.py [--d 4096] [--tokens 8192] [--steps 10]
                                       [--recipe fp8_rowwise] [--autocast]
 
-``--recipe`` picks the quant recipe (E4M3 backward for the rowwise ones, as their configs ship
-them); ``--autocast`` keeps float32 master weights and runs under bf16 autocast, as the
+``--recipe`` picks the quant recipe (with its own formats: E4M3 gradients for the rowwise
+ones); ``--autocast`` keeps float32 master weights and runs under bf16 autocast, as the
 Lightning recipes train (the backward's weight gradients are then float32 outputs).
 """
 
@@ -40,8 +40,7 @@ def main() -> None:
     model = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(args.layers)]).cuda()
     if not args.autocast:
         model = model.bfloat16()
-    backward = "e4m3" if "rowwise" in args.recipe else "e5m2"
-    state = f8s.Fp8State(f8s.QuantConfig(mode=args.mode, recipe=args.recipe, backward_format=backward))
+    state = f8s.Fp8State(f8s.QuantConfig(mode=args.mode, recipe=args.recipe))  # the recipe's own formats
     state.convert(model)
     x = torch.randn(args.tokens, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(args.tokens, d, device="cuda", dtype=torch.bfloat16)

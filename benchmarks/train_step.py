@@ -116,9 +116,8 @@ def build(
         state = f8s.Fp8State(config)
         state.convert(model)
     elif variant in OUR_RECIPES:  # stateless: nothing to commit, the protocol's owners and stamps
-        recipe = OUR_RECIPES[variant]  # rowwise: E4M3 grad_output, as configs/quant/fp8_rowwise*.yaml ship it
-        backward = "e4m3" if "rowwise" in recipe or "blockwise" in recipe else "e5m2"
-        config = f8s.QuantConfig(recipe=recipe, ownership="per_layer", exclude=exclude, backward_format=backward)
+        recipe = OUR_RECIPES[variant]
+        config = f8s.QuantConfig(recipe=recipe, ownership="per_layer", exclude=exclude)  # the recipe's own formats
         state = f8s.Fp8State(config)
         state.convert(model)
     elif variant in TORCHAO_RECIPES:

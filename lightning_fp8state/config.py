@@ -24,6 +24,7 @@ __all__ = [
     "CENTER_MOMENTUM_MAX",
     "FIELD_GROUPS",
     "FP4_LAYOUT_NAMES",
+    "FORMAT_AUTO",
     "FP8_NAMES",
     "INITIAL_SCALES",
     "MARGIN_MAX",
@@ -43,9 +44,10 @@ __all__ = [
     "require_name",
     "require_number",
     "require_strings",
-    "require_that",
+    "recipe_formats",
     "require_that",
     "require_type",
+    "set_recipe_formats",
 ]
 
 # safe: the protocol. naive and naive_snapshot reproduce the seed's defects on purpose.
@@ -54,6 +56,26 @@ AMAX_ALGOS = ("max", "most_recent")
 # Which OwnerKey fields tell owners apart. per_model exists only to reproduce the defect.
 OWNERSHIP_SCOPES = ("per_model", "per_layer", "per_layer_rank", "per_layer_rank_stream")
 FP8_NAMES = tuple(FP8_FORMATS)  # ("e4m3", "e5m2")
+# quant.forward_format / backward_format "auto": the formats the recipe names (its class's
+# ``formats``, told here by the recipe registry as each recipe registers; a name not registered
+# takes the per-tensor recipes' e4m3 / e5m2, and the registry refuses it when a recipe is built)
+FORMAT_AUTO = "auto"
+_RECIPE_FORMATS: dict[str, tuple[str, str]] = {}
+_DEFAULT_FORMATS = ("e4m3", "e5m2")
+
+
+def set_recipe_formats(recipe: str, forward: str, backward: str) -> None:
+    """Make ``forward`` / ``backward`` what ``quant.*_format=auto`` means under ``recipe``."""
+    require_choice("forward_format", forward, FP8_NAMES)
+    require_choice("backward_format", backward, FP8_NAMES)
+    _RECIPE_FORMATS[recipe] = (forward, backward)
+
+
+def recipe_formats(recipe: str) -> tuple[str, str]:
+    """The ``(forward, backward)`` formats ``auto`` resolves to under ``recipe``."""
+    return _RECIPE_FORMATS.get(recipe, _DEFAULT_FORMATS)
+
+
 GEMM_BACKENDS = ("auto", "emulated", "scaled_mm")
 # How a role's pending amax is combined across processes before its commit.
 # none: each rank keeps its own history. data_parallel: MAX over the data-parallel group.
@@ -407,8 +429,11 @@ class QuantConfig:
     # lightning_fp8state.quant_recipes; its recipe_names() lists them, its check_recipe checks the name.
     recipe: str = "fp8_delayed"
     # FP8 formats of the forward roles (input, weight) and the backward role (grad_output).
-    forward_format: str = "e4m3"
-    backward_format: str = "e5m2"
+    # auto: the recipe's own, resolved on construction (the field then holds the name): e4m3 /
+    # e5m2 for the per-tensor recipes, e4m3 / e4m3 for rowwise and blockwise, whose cuBLASLt
+    # GEMMs take E4M3 only. (dataclasses.replace keeps resolved names: pass auto again.)
+    forward_format: str = FORMAT_AUTO
+    backward_format: str = FORMAT_AUTO
     # Length of each owner's amax history (the window the scale is derived from).
     history_len: int = 16
     # max: the history's maximum; most_recent: the newest entry.
@@ -502,8 +527,10 @@ class QuantConfig:
         # scaling
         # a name: which exist, and the modes each allows, the recipe registry checks (check_recipe)
         require_name("recipe", self.recipe)
-        require_choice("forward_format", self.forward_format, FP8_NAMES)
-        require_choice("backward_format", self.backward_format, FP8_NAMES)
+        for key, default in zip(("forward_format", "backward_format"), recipe_formats(self.recipe), strict=True):
+            require_choice(key, getattr(self, key), (*FP8_NAMES, FORMAT_AUTO))
+            if getattr(self, key) == FORMAT_AUTO:
+                object.__setattr__(self, key, default)
         require_int("history_len", self.history_len, 1)
         require_choice("amax_algo", self.amax_algo, AMAX_ALGOS)
         require_int("margin", self.margin, 0, MARGIN_MAX)

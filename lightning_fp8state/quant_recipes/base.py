@@ -82,6 +82,9 @@ class Recipe:
     modes: ClassVar[tuple[str, ...]] = ("safe",)
     # False: nothing is quantized (the bf16 control).
     quantized: ClassVar[bool] = True
+    # (forward, backward): the FP8 formats QuantConfig's forward_format / backward_format "auto"
+    # resolve to under this recipe (the registry tells config.py as the recipe registers)
+    formats: ClassVar[tuple[str, str]] = ("e4m3", "e5m2")
     # Whether a LayerNorm/GELU that produces a Linear's input is fused into the input's encode
     # (False: the module runs it on its own, then the call quantizes its output).
     fuses_prologues: ClassVar[bool] = True

@@ -187,6 +187,7 @@ class Fp8Blockwise(PerCallScales, Recipe):
     scale from its own amax at every call (stateless)."""
 
     name = "fp8_blockwise"
+    formats = ("e4m3", "e4m3")  # cuBLASLt's block-scaled FP8 GEMM takes E4M3 operands only
     per_call_encoder = BlockwiseFp8Encoder
     fuses_prologues = False  # the tiles' amaxes of the prologue's output come before its encode
     saves_inputs = True  # the weight gradient encodes the input along its other dimension

@@ -19,8 +19,8 @@ def warn_unless_e4m3(recipe: str, config, gemm: str) -> None:
     """Warn where ``recipe``'s formats are not both E4M3: cuBLASLt's ``gemm`` (rowwise,
     block-scaled) FP8 GEMM takes E4M3 operands only, so the recipe's GEMMs with an E5M2 operand
     run as a float32 emulation: the run is correct and far slower than bf16. QuantConfig's
-    default ``backward_format`` is e5m2 (the per-tensor recipes' choice), so a config that names
-    the recipe alone lands here."""
+    ``auto`` formats give these recipes E4M3 (their ``formats``); a config that names E5M2 (or
+    was made for another recipe and ``dataclasses.replace``-d) lands here."""
     formats = {"quant.forward_format": config.forward_format, "quant.backward_format": config.backward_format}
     e5m2 = [key for key, name in formats.items() if name != "e4m3"]
     if e5m2:

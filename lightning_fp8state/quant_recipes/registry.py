@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..config import MODES, QuantConfig, require_choice
+from ..config import MODES, QuantConfig, require_choice, set_recipe_formats
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -21,11 +21,13 @@ RECIPE_CLASSES: dict[str, type[Recipe]] = {}
 
 
 def register(cls: type[Recipe]) -> type[Recipe]:
-    """Class decorator: make ``cls`` the recipe of ``quant.recipe=cls.name``."""
+    """Class decorator: make ``cls`` the recipe of ``quant.recipe=cls.name`` (and its
+    ``formats`` what ``quant.forward_format`` / ``backward_format`` ``auto`` resolve to)."""
     unknown = sorted(set(cls.modes) - set(MODES))
     if unknown:
         raise ConfigError(f"recipe {cls.name!r}: modes {unknown} are not allowed: expected a subset of {list(MODES)}")
     RECIPE_CLASSES[cls.name] = cls
+    set_recipe_formats(cls.name, *cls.formats)  # what quant.*_format=auto means under it
     return cls
 
 

@@ -114,6 +114,7 @@ class Fp8Rowwise(PerCallScales, Recipe):
     """FP8 with one scale per row of each GEMM operand (stateless)."""
 
     name = "fp8_rowwise"
+    formats = ("e4m3", "e4m3")  # cuBLASLt's rowwise FP8 GEMM takes E4M3 operands only
     per_call_encoder = RowwiseFp8Encoder
     fuses_prologues = False
     saves_inputs = True  # the backward scales input and weight along their other dimension

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fp8state.cli.config import CONFIGS_DIR, RECIPES_DIR, load_config
+from lightning_fp8state.cli.config import CONFIGS_DIR, RECIPES_DIR, load_config, quant_config, validate
 from lightning_fp8state.cli.main import main
 from lightning_fp8state.errors import ConfigError
 
@@ -70,6 +70,19 @@ def test_switching_the_recipe_on_the_command_line_brings_its_shipped_settings_un
     assert (q.backward_format, q.margin) == ("e4m3", 2)  # the recipe file's own margin stays
     with pytest.raises(ConfigError, match="quant.recipe"):
         load_config("tiny_gpt_cpu", ["quant.recipe=../../recipes/tiny_gpt_cpu"])
+
+
+def test_a_recipe_file_that_names_only_its_recipe_gets_that_recipes_formats(tmp_path):
+    """The schema's formats are ``auto``: a user's YAML with ``quant: {recipe: fp8_rowwise}`` and
+    no ``base:`` piece runs E4M3 gradients (the schema's E5M2 sent the backward GEMMs to the
+    float32 emulation), and the per-tensor recipes keep E5M2."""
+    for recipe, want in (("fp8_rowwise", "e4m3"), ("fp8_blockwise", "e4m3"), ("fp8_current", "e5m2")):
+        path = tmp_path / f"{recipe}.yaml"
+        path.write_text(f"name: mine\nquant: {{recipe: {recipe}}}\n")
+        cfg = load_config(str(path))
+        validate(cfg)
+        q = quant_config(cfg)
+        assert (q.forward_format, q.backward_format) == ("e4m3", want), recipe
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ CLI_ON_THE_GPU = [
 ]
 
 
-def build(compiled: bool, graphs: bool = False, recipe: str = "fp8_delayed", backward_format: str = "e5m2"):
+def build(compiled: bool, graphs: bool = False, recipe: str = "fp8_delayed", backward_format: str = "auto"):
     # the stateless recipes run torch's LayerNorm / GELU outside the op: under Inductor those are
     # its own kernels, whose bits differ from eager's; aot_eager runs the eager kernels
     backend = "inductor" if recipe == "fp8_delayed" else "aot_eager"
@@ -46,7 +46,7 @@ def build(compiled: bool, graphs: bool = False, recipe: str = "fp8_delayed", bac
     return model, state, opt
 
 
-def run(data, compiled: bool, sync_check_from: int | None = None, recipe: str = "fp8_delayed", backward_format="e5m2"):
+def run(data, compiled: bool, sync_check_from: int | None = None, recipe: str = "fp8_delayed", backward_format="auto"):
     model, state, opt = build(compiled, recipe=recipe, backward_format=backward_format)
     body = make_body(model, state)
     losses = []

@@ -46,9 +46,8 @@ def inputs(n=N_EVENTS, seed=1, device="cpu"):
 
 def train(graphed: bool, mode="safe", recipe="fp8_delayed", accumulate=1, xs=None, device="cpu", backend=None):
     """N events of Net with SGD; ``backend``: the graphs' (the emulation on the CPU, CUDA's on a GPU)."""
-    # rowwise: E4M3 grad_output as its config ships it (_scaled_mm's rowwise scales take E4M3 only)
-    backward = "e4m3" if "rowwise" in recipe else "e5m2"
-    state = f8s.Fp8State(f8s.QuantConfig(mode=mode, recipe=recipe, strict=False, backward_format=backward))
+    # the recipe's own formats (rowwise: E4M3 grad_output, _scaled_mm's rowwise scales take E4M3 only)
+    state = f8s.Fp8State(f8s.QuantConfig(mode=mode, recipe=recipe, strict=False))
     model = state.convert(Net()).to(device)
     backend = EmulatedGraphBackend() if backend is None and device == "cpu" else backend
     if graphed:

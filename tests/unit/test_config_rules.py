@@ -81,7 +81,7 @@ def test_format_choices_are_the_formats_module():
     assert FP8_NAMES == tuple(FP8_FORMATS) == ("e4m3", "e5m2")
     assert FP4_LAYOUT_NAMES == tuple(FP4_LAYOUTS) == ("nvfp4", "mxfp4")
     with pytest.raises(
-        f8s.ConfigError, match=r"backward_format='e3m4' is not allowed: expected one of \['e4m3', 'e5m2'\]"
+        f8s.ConfigError, match=r"backward_format='e3m4' is not allowed: expected one of \['e4m3', 'e5m2', 'auto'\]"
     ):
         f8s.QuantConfig(backward_format="e3m4")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import warnings
 
 import numpy as np
@@ -214,15 +215,58 @@ def test_fp8_delayed_is_bitwise_what_it_was_before_recipes():
     assert h.hexdigest() == DELAYED_BEFORE_RECIPES
 
 
-@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise", "fp8_blockwise_pow2"])
+E4M3_ONLY = ["fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise", "fp8_blockwise_pow2"]
+
+
+@pytest.mark.parametrize("recipe", E4M3_ONLY)
 def test_rowwise_and_blockwise_with_an_e5m2_operand_warn_that_their_gemms_fall_back_to_float32(recipe):
     with pytest.warns(UserWarning, match=r"quant.backward_format='e5m2'.*E4M3 operands only"):
         f8s.Fp8State(f8s.QuantConfig(recipe=recipe, backward_format="e5m2"))
     with pytest.warns(UserWarning, match=rf"recipe='{recipe}'.*as configs/quant/{recipe}.yaml does"):
-        f8s.Fp8State(f8s.QuantConfig(recipe=recipe))  # the recipe named alone: QuantConfig's default e5m2
+        f8s.Fp8State(f8s.QuantConfig(recipe=recipe, forward_format="e5m2"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         f8s.Fp8State(f8s.QuantConfig(recipe=recipe, backward_format="e4m3"))  # as the shipped config: quiet
+
+
+@pytest.mark.parametrize("recipe", E4M3_ONLY)
+def test_a_recipe_named_alone_takes_its_own_formats_so_its_gemms_run_in_fp8(recipe, monkeypatch):
+    """QuantConfig(recipe=...) alone: the recipe's formats (E4M3 gradients here), quiet, and the
+    backward's GEMMs reach the FP8 GEMM with E4M3 operands (not the float32 path E5M2 takes)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = f8s.Fp8State(f8s.QuantConfig(recipe=recipe))
+    assert (state.config.forward_format, state.config.backward_format) == ("e4m3", "e4m3")
+    module = importlib.import_module(f"lightning_fp8state.quant_recipes.{recipe.split('_')[1]}")
+    mm = "blockwise_matmul" if "blockwise" in recipe else "rowwise_matmul"
+    dtypes, real = [], getattr(module, mm)
+
+    def spy(a, b, *args, **kwargs):
+        dtypes.append((a.dtype, b.dtype))
+        return real(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(module, mm, spy)
+    model = state.convert(nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 128)))
+    with state.step(0):
+        model(torch.randn(32, 256, requires_grad=True)).sum().backward()
+    # forward and input gradient of both layers (and the weight gradients, but under gw_hp)
+    assert len(dtypes) >= 4 and set(dtypes) == {(torch.float8_e4m3fn, torch.float8_e4m3fn)}, dtypes
+
+
+def test_auto_formats_resolve_on_construction_and_an_explicit_format_wins():
+    assert (f8s.QuantConfig().forward_format, f8s.QuantConfig().backward_format) == ("e4m3", "e5m2")
+    assert f8s.QuantConfig(recipe="fp8_current").backward_format == "e5m2"
+    assert f8s.QuantConfig(recipe="fp8_rowwise", backward_format="auto").backward_format == "e4m3"
+    assert f8s.QuantConfig(recipe="fp8_rowwise", backward_format="e5m2").backward_format == "e5m2"
+    assert f8s.QuantConfig(forward_format="e5m2").forward_format == "e5m2"
+    # what a checkpoint keeps is the resolved name: the same config as one written out in full
+    assert f8s.QuantConfig(recipe="fp8_blockwise") == f8s.QuantConfig(
+        recipe="fp8_blockwise", forward_format="e4m3", backward_format="e4m3"
+    )
+    saved = f8s.Fp8State(f8s.QuantConfig(recipe="fp8_rowwise")).state_dict()
+    assert "auto" not in repr(saved)
+    with pytest.raises(f8s.ConfigError, match=r"forward_format='e4m4' is not allowed: expected one of .*'auto'"):
+        f8s.QuantConfig(forward_format="e4m4")
 
 
 @pytest.mark.parametrize(

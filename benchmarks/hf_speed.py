@@ -34,6 +34,7 @@ import time
 import lightning.pytorch as pl
 import torch
 import transformers
+from timing import fresh_peak
 
 import lightning_fp8state as f8s
 from lightning_fp8state.lightning import Fp8StateCallback
@@ -128,9 +129,7 @@ class _Clock:
 
 def measure(variant: str, args) -> dict:
     torch.manual_seed(0)
-    if args.accelerator == "gpu":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    left = fresh_peak()  # earlier variants' models collected first (a Lightning fit leaves cycles)
     module = _module(variant, args)
     g = torch.Generator().manual_seed(1)
     n = args.steps + args.warmup
@@ -160,10 +159,12 @@ def measure(variant: str, args) -> dict:
         "ms_per_step": 1e3 * seconds / args.steps,
         "tokens_per_s": args.steps * args.batch * args.seq / seconds,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if args.accelerator == "gpu" else float("nan"),
+        "left_gib": left,  # allocated before this variant began: counted in its peak (should be ~0)
         "loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
     }
     print(
         f"  {variant}: {row['ms_per_step']:.1f} ms/step, {row['tokens_per_s']:,.0f} tokens/s, {row['peak_gib']:.1f} GiB"
+        f" (of which {left:.2f} GiB left by earlier variants)"
     )
     del trainer, module
     return row

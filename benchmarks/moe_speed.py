@@ -40,6 +40,7 @@ import time
 import traceback
 
 import torch
+from timing import fresh_peak
 from torch import nn
 
 import lightning_fp8state as f8s
@@ -168,7 +169,7 @@ def measure(build, mode, data, reps, warmup, profile: bool = False):
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    fresh_peak()  # (earlier variants' tensors collected first)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -1,13 +1,29 @@
-"""Shared timing for the benchmarks: CUDA-event medians after a warm-up."""
+"""Shared timing for the benchmarks: CUDA-event medians after a warm-up, and a clean start for
+a peak-memory window."""
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
 import torch
 
-__all__ = ["median_ms"]
+__all__ = ["fresh_peak", "median_ms"]
+
+
+def fresh_peak(device=None) -> float:
+    """Start a peak-memory window clean and return the GiB still allocated (what earlier
+    measurements of the process left; print it beside the peak). A measured model and its
+    optimizer sit in reference cycles (a module and the hooks, closures and state that read it)
+    and stay allocated until Python's cyclic collector runs: without the collection here, the
+    previous variant's weights, gradients and optimizer state can count in the next one's peak."""
+    gc.collect()
+    if not torch.cuda.is_available():  # (a CPU run: the collection only)
+        return 0.0
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device) / 2**30
 
 
 def median_ms(fn, reps: int = 50, warmup: int = 5, budget_s: float | None = None) -> float:

@@ -59,6 +59,7 @@ from fnmatch import fnmatch
 
 import torch
 import torch.nn.functional as F
+from timing import fresh_peak
 
 import lightning_fp8state as f8s
 from lightning_fp8state.errors import ConfigError
@@ -217,8 +218,7 @@ MODES = ("eager", "compile", "graphs", "compile+graphs")
 
 
 def measure(variant: str, cfg: GPTConfig, args, data, mode: str = "eager") -> dict:
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    left = fresh_peak()  # (earlier variants' models collected first)
     compiled, graphs = mode.startswith("compile"), mode.endswith("graphs")
     exclude = ("*head",) if args.exclude_head else ()
     model, state, opt = build(variant, cfg, compiled, exclude, graphs, tokens=args.batch * args.seq)
@@ -233,7 +233,9 @@ def measure(variant: str, cfg: GPTConfig, args, data, mode: str = "eager") -> di
     converted, plain = kinds.count("Fp8Linear"), kinds.count("Linear")
     try:
         return dict(
-            _measure(variant, cfg, args, mode, model, state, opt, step), converted=(converted, converted + plain)
+            _measure(variant, cfg, args, mode, model, state, opt, step),
+            converted=(converted, converted + plain),
+            left_gib=left,
         )
     finally:
         if collector is not None:
@@ -570,6 +572,7 @@ def merge_repeats(rs: list[dict]) -> dict:
                 out[f"{key}_repeats"] = [r[key] for r in rs]
     out["tokens_per_s"] = max(r["tokens_per_s"] for r in rs)
     out["peak_gib"] = max(r["peak_gib"] for r in rs)
+    out["left_gib"] = max(r.get("left_gib", 0.0) for r in rs)
     return out
 
 
@@ -596,6 +599,9 @@ def report(results: list[dict]) -> None:
             f"{r['variant']:>12} {r['mode']:>15} {r['ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['peak_gib']:>9.1f} "
             f"{r['final_loss']:>7.3f} {shown} {r['ms_back_to_back']:>8.1f} {shown_b2b} {r['host_ms']:>8.1f} {busy}"
         )
+    left = max(r.get("left_gib", 0.0) for r in results)
+    if left > 0.05:  # each peak counts what was allocated when its variant began
+        print(f"note: up to {left:.2f} GiB was still allocated as a variant began (left by earlier ones), in its peak")
     if base:
         print(f"best mode of each variant against bf16's best ({base['mode']}, {base['ms']:.1f} ms):")
         for variant in dict.fromkeys(r["variant"] for r in results):

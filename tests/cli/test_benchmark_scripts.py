@@ -257,3 +257,47 @@ def test_recipe_speed_runs_each_mode_as_named_whatever_the_recipe_ships(recipe, 
     assert runs[1][1].quant.recipe == "bf16" and runs[0][1].quant.recipe == shipped.quant.recipe
     out = capsys.readouterr().out
     assert out.count("peak 3.2 GiB") == 2 + 2 * len(modes)  # each run's largest, from its telemetry
+
+
+def test_hf_speed_collects_the_previous_variant_before_building_the_next(monkeypatch):
+    """A model trained through Lightning sits in reference cycles (trainer, strategy, module):
+    without a collection it stays allocated into the next variant's peak-memory window, as
+    H1's peaks showed. Each variant begins with ``timing.fresh_peak``, which collects first."""
+    import argparse
+    import gc
+    import weakref
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    hf_speed = runpy.run_path(str(BENCH / "hf_speed.py"))
+    measure, build = hf_speed["measure"], hf_speed["_module"]
+    made, alive_at_build = [], []
+
+    def module(variant, args):
+        alive_at_build.append([ref() is not None for ref in made])
+        m = build(variant, args)
+        made.append(weakref.ref(m))
+        return m
+
+    measure.__globals__["_module"] = module
+    args = argparse.Namespace(
+        d_model=32,
+        layers=1,
+        heads=2,
+        kv_heads=1,
+        ffn=64,
+        vocab=64,
+        seq=16,
+        batch=2,
+        steps=1,
+        warmup=1,
+        accelerator="cpu",
+    )
+    enabled = gc.isenabled()
+    gc.disable()  # only the benchmark's own collection may free the first model
+    try:
+        for variant in ("hf_bf16", "ours_bf16"):
+            measure(variant, args)
+    finally:
+        if enabled:
+            gc.enable()
+    assert alive_at_build == [[], [False]]

@@ -84,11 +84,10 @@ def _commits_per_event(ledger, after_event, open_event) -> tuple[list[int], obje
     return counts, last
 
 
-def _stateless_health(protocol, per_owner: bool) -> dict[str, float]:
+def _stateless_health(protocol, snaps: dict, per_owner: bool) -> dict[str, float]:
     """The fields the recipe defines for its stateless owners (``Recipe.telemetry``), from each
-    owner's latest true-forward snapshot (one transfer): ``fp8state/<field>/<owner>``, and the
-    min/max of every ``scale*`` and the max of every ``amax*`` field across owners."""
-    snaps = protocol.dynamic_snapshots() if hasattr(protocol, "dynamic_snapshots") else {}
+    owner's latest true-forward snapshot (``snaps``; one transfer): ``fp8state/<field>/<owner>``,
+    and the min/max of every ``scale*`` and the max of every ``amax*`` field across owners."""
     names, values = [], []
     for owner, snap in snaps.items():
         recipe = protocol.recipe_of(owner.layer) if getattr(protocol, "layer_recipes", None) else protocol.recipe
@@ -149,7 +148,9 @@ def quantizer_health(
     """
     protocol = getattr(protocol, "protocol", protocol)  # an Fp8State: its protocol
     bank, ledger = protocol.bank, protocol.ledger
-    out: dict[str, float] = {"fp8state/owners": float(len(bank))}
+    # owners: the bank's (delayed state) and the stateless ones that have quantized (per call)
+    snaps = protocol.dynamic_snapshots() if hasattr(protocol, "dynamic_snapshots") else {}
+    out: dict[str, float] = {"fp8state/owners": float(len(bank) + len(snaps))}
     n = len(bank)
     if n:
         rows = [bank.scale, bank.amax_history[0], bank.nonfinite_count.to(torch.float32)]
@@ -174,7 +175,7 @@ def quantizer_health(
                 out[f"fp8state/amax/{label}"] = amax[i]
                 if i in fractions:
                     out[f"fp8state/saturated_frac/{label}"] = fractions[i]
-    for key, value in _stateless_health(protocol, per_owner).items():  # merged with the bank's owners
+    for key, value in _stateless_health(protocol, snaps, per_owner).items():  # merged with the bank's owners
         if key in out and key.endswith(("_min", "_max")):
             value = min(value, out[key]) if key.endswith("_min") else max(value, out[key])
         out[key] = value

@@ -9,6 +9,7 @@ from torch import nn
 
 import lightning_fp8state as f8s
 from lightning_fp8state.telemetry import TrainingTelemetry, owner_label, read_jsonl
+from lightning_fp8state.telemetry.quantizer import quantizer_health
 from tests.conftest import event_inputs, make_stack
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -105,6 +106,22 @@ def test_naive_mode_health_shows_double_commits_violations_mismatches(tmp_path):
     assert last["fp8state/commits_per_event_max"] >= 2.0  # recompute committed again
     assert last["fp8state/ledger_violations"] == len(state.ledger.violations) > 0
     assert last["fp8state/recompute_mismatches"] > 0
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_rowwise", "fp8_blockwise"])
+def test_a_stateless_recipe_counts_its_owners_like_delayed_scaling(recipe):
+    """Per-call recipes hold no bank, but each layer still has its input, weight and grad_output
+    owners: ``fp8state/owners`` (the report's "quantizer owners") counts them as it counts
+    fp8_delayed's, not 0."""
+    counts = {}
+    for name in (recipe, "fp8_delayed"):
+        state = f8s.Fp8State(f8s.QuantConfig(recipe=name, strict=False))
+        model = state.convert(make_stack(n=2))
+        with state.step(0):
+            model(torch.randn(4, 16, requires_grad=True)).pow(2).mean().backward()
+        counts[name] = quantizer_health(state)[0]["fp8state/owners"]
+    linears = 2 * 2
+    assert counts[recipe] == counts["fp8_delayed"] == 3 * linears
 
 
 def test_bf16_control_reports_no_owners(tmp_path):

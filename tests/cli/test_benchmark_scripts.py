@@ -279,19 +279,8 @@ def test_hf_speed_collects_the_previous_variant_before_building_the_next(monkeyp
         return m
 
     measure.__globals__["_module"] = module
-    args = argparse.Namespace(
-        d_model=32,
-        layers=1,
-        heads=2,
-        kv_heads=1,
-        ffn=64,
-        vocab=64,
-        seq=16,
-        batch=2,
-        steps=1,
-        warmup=1,
-        accelerator="cpu",
-    )
+    shape = "d_model=32 layers=1 heads=2 kv_heads=1 ffn=64 vocab=64 seq=16 batch=2 steps=1 warmup=1"
+    args = argparse.Namespace(accelerator="cpu", **{k: int(v) for k, v in (kv.split("=") for kv in shape.split())})
     enabled = gc.isenabled()
     gc.disable()  # only the benchmark's own collection may free the first model
     try:

@@ -73,6 +73,11 @@ class CudaGraphBackend:
         return torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local")
 
     def side_stream(self, device: torch.device):
+        if device.type != "cuda":  # (a CPU build of torch would raise from inside torch.cuda)
+            raise ConfigError(
+                f"CUDA graphs (GraphedBlocks, graph_decoder_layers) capture on a CUDA device; the blocks' input is "
+                f"on {device.type!r}: move the model and its inputs to a GPU, or train without graphs"
+            )
         return torch.cuda.Stream(device)
 
     def on_side(self, side, protocol: QuantProtocol | None, fn: Callable):

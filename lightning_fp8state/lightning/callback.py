@@ -269,6 +269,12 @@ class Fp8StateCallback(Callback):
             )
         self._close_after_backward = pl_module.automatic_optimization
         self._drives_events = bool(getattr(pl_module, DRIVES_EVENTS, False))
+        if self.graph_blocks and self.graph_backend is None and trainer.strategy.root_device.type != "cuda":
+            raise MisconfigurationException(
+                f"Fp8StateCallback(graph_blocks=True): per-layer CUDA graphs need a CUDA device, and this trainer "
+                f"runs on {trainer.strategy.root_device.type!r}. Train on a GPU (accelerator='gpu'), or pass "
+                "graph_blocks=False: the same training, eagerly"
+            )
         if self.graph_blocks and self.graph_runner is None:
             self.graph_runner = graph_decoder_layers(
                 pl_module, warmup=self.graph_warmup, backend=self.graph_backend, layers_path=self.graph_layers_path

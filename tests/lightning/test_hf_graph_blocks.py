@@ -72,3 +72,19 @@ def test_graph_blocks_switch_arguments():
         Fp8StateCallback(graph_blocks=True, audit=True)
     with pytest.raises(Exception, match="graph_blocks"):
         Fp8StateCallback(graph_blocks="yes")
+
+
+def test_graph_blocks_on_a_cpu_trainer_is_refused_at_setup_naming_the_switch():
+    """The docs' example run on a laptop: a clear refusal before any batch, not torch.cuda's
+    "Stream requires CUDA support" from inside the first pass (the emulated backend of the tests
+    above is what may run there)."""
+    with pytest.raises(MisconfigurationException, match=r"graph_blocks=True\): per-layer CUDA graphs need a CUDA"):
+        fit(graph_blocks=True)
+
+
+def test_graphed_blocks_on_a_cpu_input_is_refused_by_the_cuda_backend():
+    from lightning_fp8state import ConfigError, GraphedBlocks
+
+    runner = GraphedBlocks(torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2)), warmup=1)
+    with pytest.raises(ConfigError, match="capture on a CUDA device; the blocks' input is on 'cpu'"):
+        runner(torch.randn(2, 8, requires_grad=True))

@@ -336,15 +336,18 @@ def print_summary(summary: dict[str, Any], title: str) -> None:
     try:
         from rich.console import Console  # noqa: PLC0415  (optional)
         from rich.table import Table  # noqa: PLC0415
+        from rich.text import Text  # noqa: PLC0415
     except ImportError:
         print(title)
         print(format_summary(summary))
         return
-    table = Table(title=title)
+    # every cell as plain Text: module names, paths and a received run's values are data, never
+    # rich markup ("[/]" in one raised MarkupError, "[red]" vanished into a style)
+    table = Table(title=Text(title))
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in summary.items():
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+        table.add_row(Text(str(key)), Text(f"{value:.4g}" if isinstance(value, float) else str(value)))
     Console().print(table)
 
 

@@ -99,3 +99,18 @@ def test_report_of_a_run_without_quantizer_state(tmp_path):
 def test_missing_run_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no telemetry JSONL"):
         write_report(tmp_path)
+
+
+def test_the_summary_prints_names_and_paths_as_text_not_rich_markup(tmp_path, capsys):
+    """A run directory or a module name with brackets (a received run's JSONL is data): rich
+    read "[/]" as a closing tag and raised MarkupError, and "[red]" vanished into a style."""
+    pytest.importorskip("rich")
+    import json
+
+    run = tmp_path / "runs[/]" / "x[red]"
+    run.mkdir(parents=True)
+    rows = [{"step": i, "train/loss": 1.0 / (i + 1), "train/dominant_grad_source": "blocks[/]0"} for i in range(3)]
+    (run / "telemetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_report(run)
+    out = capsys.readouterr().out
+    assert "blocks[/]0" in out and "runs[/]/x[red]/telemetry.jsonl" in "".join(out.split())

@@ -17,7 +17,14 @@ from typing import Any
 
 from .experts import EXPERT_SCALE, EXPERT_TOKENS, EXPERTS_IDLE
 
-__all__ = ["ExpertRow", "expert_summary", "expert_table", "format_expert_table", "plot_experts"]
+__all__ = ["ExpertRow", "expert_summary", "expert_table", "format_expert_table", "plain_text", "plot_experts"]
+
+
+def plain_text(name: str) -> str:
+    """``name`` as matplotlib draws it literally: layer and owner names come from the JSONL (a
+    received run's is data), and a ``$`` pair in one would be parsed as mathtext (``$\\frac$``
+    raised when the plot was drawn)."""
+    return name.replace("$", r"\$")
 
 
 @dataclass
@@ -119,7 +126,7 @@ def plot_experts(plt, rows: list[dict], path: Path, save) -> bool:
         grid[layers.index(r.layer)][r.expert] = r.share
     image = heat.imshow(grid, aspect="auto", cmap="viridis", vmin=0.0)
     fig.colorbar(image, ax=heat, label="share of the layer's routed rows")
-    heat.set_yticks(range(len(layers)), labels=layers, fontsize=7)
+    heat.set_yticks(range(len(layers)), labels=[plain_text(layer) for layer in layers], fontsize=7)
     heat.set_xticks(range(n_experts))
     heat.set_xlabel("expert")
     heat.set_title(f"Tokens per expert over the run ({len(layers)} MoE layers; uniform = {1 / n_experts:.3g})")
@@ -128,7 +135,7 @@ def plot_experts(plt, rows: list[dict], path: Path, save) -> bool:
             heat.text(r.expert, layers.index(r.layer), f"{r.share:.2f}", ha="center", va="center", fontsize=7)
     for layer in layers[:10]:
         xs, ys = _idle_series(rows, layer)
-        idle_ax.plot(xs, ys, marker=".", linewidth=1, label=layer)
+        idle_ax.plot(xs, ys, marker=".", linewidth=1, label=plain_text(layer))
     idle_ax.set_xlabel("optimizer step")
     idle_ax.set_ylabel("idle experts")
     idle_ax.set_ylim(-0.2, n_experts + 0.2)
@@ -151,7 +158,7 @@ def plot_experts(plt, rows: list[dict], path: Path, save) -> bool:
             marker="o",
             color=colors(i % 10),
             linewidth=1,
-            label=f"{op} (band: min..max over layers)",
+            label=f"{plain_text(op)} (band: min..max over layers)",
         )
     if operands:
         scale_ax.set_yscale("log")

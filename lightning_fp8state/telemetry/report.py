@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .expert_panel import ExpertRow, expert_summary, expert_table, format_expert_table, plot_experts
+from .expert_panel import ExpertRow, expert_summary, expert_table, format_expert_table, plain_text, plot_experts
 from .sinks import JSONL_NAME, read_telemetry
 
 __all__ = [
@@ -226,14 +226,18 @@ def _plot_role_panel(ax, rows: list[dict], prefix: str, colors) -> None:
             continue
         color = colors(i % 10)
         ax.fill_between(xs, lo, hi, color=color, alpha=0.2, linewidth=0)
-        ax.plot(xs, mid, color=color, linewidth=1.4, label=f"{role} ({len(keys)} owners: median, band min..max)")
+        ax.plot(
+            xs, mid, color=color, linewidth=1.4, label=f"{plain_text(role)} ({len(keys)} owners: median, band min..max)"
+        )
         for key in keys:
             value = _last_value(rows, key)
             if value is not None:
                 extremes.append((value, key.removeprefix(prefix), xs[-1]))
     if extremes:
         for value, label, x in (min(extremes), max(extremes)):
-            ax.annotate(label, (x, value), xytext=(-6, 5), textcoords="offset points", fontsize=7, ha="right")
+            ax.annotate(
+                plain_text(label), (x, value), xytext=(-6, 5), textcoords="offset points", fontsize=7, ha="right"
+            )
             ax.plot([x], [value], marker="o", markersize=3, color="black")
     ax.set_yscale("log")
 
@@ -284,11 +288,13 @@ def _plot_throughput(plt, rows, path: Path) -> bool:
     xs, raw = _series(rows, raw_key)
     if not xs:
         return False
-    _, eff = _series(rows, eff_key)
+    eff_xs, eff = _series(rows, eff_key)  # (a JSONL from elsewhere may lack it in some rows, or all)
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot(xs, raw, marker="o", color="tab:gray", label=f"raw {unit}")
-    ax.plot(xs, eff, marker="o", color="tab:blue", label=f"effective {unit} (applied steps only)")
-    ax.fill_between(xs, eff, raw, color="tab:red", alpha=0.15, label="lost to skipped steps")
+    if eff_xs:
+        ax.plot(eff_xs, eff, marker="o", color="tab:blue", label=f"effective {unit} (applied steps only)")
+    if eff_xs == xs:
+        ax.fill_between(xs, eff, raw, color="tab:red", alpha=0.15, label="lost to skipped steps")
     ax.set_ylim(bottom=0)
     return _save(
         plt,

@@ -114,3 +114,33 @@ def test_the_summary_prints_names_and_paths_as_text_not_rich_markup(tmp_path, ca
     write_report(run)
     out = capsys.readouterr().out
     assert "blocks[/]0" in out and "runs[/]/x[red]/telemetry.jsonl" in "".join(out.split())
+
+
+def test_names_with_dollar_signs_and_rows_without_effective_throughput_still_draw(tmp_path):
+    """A JSONL from elsewhere (data): an owner or expert layer named with a ``$`` pair was parsed
+    as mathtext and raised while drawing, and a row with raw throughput but no effective one
+    raised in the throughput plot. Every plot is drawn, the names literally."""
+    import json
+
+    name = "h$\\frac$"
+    rows = [
+        {
+            "step": i,
+            "train/loss": 1.0 / (i + 1),
+            "train/tokens_per_s": 100.0,
+            "train/window_seconds": 1.0,
+            **({"train/effective_tokens_per_s": 90.0} if i else {}),  # the first row without
+            "fp8state/owners": 1.0,
+            f"fp8state/scale/{name}.input": 2.0 + i,
+            f"fp8state/amax/{name}.input": 1.0,
+            **{f"fp8state/expert_tokens/{name}/{e}": 4.0 + e for e in range(2)},
+            f"fp8state/experts_idle/{name}": 0.0,
+            **{f"fp8state/expert_scale/{name}/w1.weight/{e}": 3.0 for e in range(2)},
+        }
+        for i in range(3)
+    ]
+    (tmp_path / "telemetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = write_report(tmp_path, show=False)
+    assert {"loss", "scales", "throughput", "experts"} <= set(report.plots)
+    for path in report.plots.values():
+        assert_real_png(path)

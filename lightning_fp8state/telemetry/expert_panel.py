@@ -45,9 +45,10 @@ def _tokens(rows: list[dict]) -> dict[str, dict[int, list[int]]]:
     out: dict[str, dict[int, list[int]]] = {}
     for row in rows:
         for key, value in row.items():
-            if key.startswith(EXPERT_TOKENS) and isinstance(value, (int, float)):
-                layer, e = key[len(EXPERT_TOKENS) :].rsplit("/", 1)
-                out.setdefault(layer, {}).setdefault(int(e), []).append(int(value))
+            if key.startswith(EXPERT_TOKENS) and isinstance(value, (int, float)) and math.isfinite(value):
+                layer, _, e = key[len(EXPERT_TOKENS) :].rpartition("/")
+                if e.isdigit():  # (what the writer logs; a key from elsewhere may not be)
+                    out.setdefault(layer, {}).setdefault(int(e), []).append(int(value))
     return out
 
 

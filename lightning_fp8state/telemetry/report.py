@@ -110,15 +110,22 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     sources = Counter(r["train/dominant_grad_source"] for r in rows if "train/dominant_grad_source" in r)
     if sources:
         s["dominant gradient source"] = ", ".join(f"{name} ({n} steps)" for name, n in sources.most_common(3))
-    windows = [r for r in rows if "train/window_seconds" in r]
+    windows = [r for r in rows if _finite([r.get("train/window_seconds")])]
     seconds = sum(r["train/window_seconds"] for r in windows)
+
+    def rate(key: str) -> float:  # the window-weighted mean of a per-second key (its missing windows: 0)
+        return sum((_finite([r.get(key)]) or [0.0])[0] * r["train/window_seconds"] for r in windows) / seconds
+
+    def per_second(key: str) -> float:
+        return sum((_finite([r.get(key)]) or [0.0])[0] for r in windows) / seconds
+
     if seconds > 0 and any("train/tokens_per_s" in r for r in windows):
-        raw = sum(r.get("train/tokens_per_s", 0.0) * r["train/window_seconds"] for r in windows)
-        eff = sum(r.get("train/effective_tokens_per_s", 0.0) * r["train/window_seconds"] for r in windows)
-        s["tokens/s"], s["effective tokens/s"] = raw / seconds, eff / seconds
+        s["tokens/s"], s["effective tokens/s"] = rate("train/tokens_per_s"), rate("train/effective_tokens_per_s")
     elif seconds > 0:
-        s["steps/s"] = sum(r["train/window_steps"] for r in windows) / seconds
-        s["effective steps/s"] = sum(r["train/steps_applied_window"] for r in windows) / seconds
+        s["steps/s"], s["effective steps/s"] = (
+            per_second("train/window_steps"),
+            per_second("train/steps_applied_window"),
+        )
     peaks = _finite(r.get("train/mem_peak_gib") for r in rows)
     if peaks:  # a resumed run's process starts its peak afresh: the run's is the largest
         s["peak memory GiB (CUDA, allocated)"] = max(peaks)
@@ -126,7 +133,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if health:
         h = health[-1]
         s["quantizer owners"] = h["fp8state/owners"]
-        if "fp8state/scale_min" in h:
+        if "fp8state/scale_min" in h and "fp8state/scale_max" in h:
             s["scale range (last)"] = f"{h['fp8state/scale_min']:.4g} .. {h['fp8state/scale_max']:.4g}"
         sat = _finite(r.get("fp8state/saturated_frac_max") for r in health)
         if sat:
@@ -189,7 +196,9 @@ def _plot_grad_norm(plt, rows, path: Path) -> bool:
     if ok:
         ax.plot(*zip(*ok, strict=True), color="tab:green", linewidth=1.2, label="grad norm (before clipping)")
         ax.set_yscale("log")
-    clipped = [(r["step"], r["train/grad_norm"]) for r in rows if r.get("train/clipped") == 1.0]
+    clipped = [
+        (r["step"], r["train/grad_norm"]) for r in rows if r.get("train/clipped") == 1.0 and "train/grad_norm" in r
+    ]
     if clipped:
         ax.scatter(*zip(*clipped, strict=True), s=12, color="tab:orange", label="clipped", zorder=3)
     _mark_skipped(ax, rows)
@@ -316,7 +325,7 @@ def _fallback_moves(health: list[dict]) -> dict[str, str]:
     for row in health:
         for key, value in row.items():
             for prefix, moves in found.items():
-                if key.startswith(prefix) and isinstance(value, (int, float)):
+                if key.startswith(prefix) and isinstance(value, (int, float)) and math.isfinite(value):
                     moves.setdefault(key[len(prefix) :], value)
     current = found.pop("fp8state/fallback_current/")
     high = {layer: step for layer, step in found.popitem()[1].items() if layer not in current}

@@ -187,10 +187,39 @@ class TelemetryLog:
     rows: list[dict[str, Any]] = field(default_factory=list)
     bad_lines: list[BadLine] = field(default_factory=list)
     superseded: int = 0
+    # values dropped from rows that were kept: a key whose value is not what the writer writes
+    # there (a number; text for TEXT_KEYS), one entry per line
+    bad_values: list[BadLine] = field(default_factory=list)
 
     def warnings(self) -> list[str]:
-        """One message per skipped line, naming the file and the line number."""
-        return [f"{self.path}: {bad}, skipped" for bad in self.bad_lines]
+        """One message per skipped line and per line with dropped values, naming the file and
+        the line number."""
+        return [f"{self.path}: {bad}, skipped" for bad in self.bad_lines] + [
+            f"{self.path}: {bad}, dropped" for bad in self.bad_values
+        ]
+
+
+# the keys whose values the writers log as text; every other value is a number
+TEXT_KEYS = ("train/dominant_grad_source",)
+TEXT_PREFIXES = ("fp8state/experts_idle_ids/",)
+
+
+def _typed(number: int, row: dict[str, Any]) -> tuple[dict[str, Any], BadLine | None]:
+    """``row`` with only the values of the types the writers log (a file from elsewhere is data:
+    a list, an object, null or a stray string where a number belongs made the report raise)."""
+    kept, dropped = {}, []
+    for key, value in row.items():
+        number_like = isinstance(value, (int, float)) and not isinstance(value, bool)
+        text = isinstance(value, str) and (key in TEXT_KEYS or key.startswith(TEXT_PREFIXES))
+        if number_like or text:
+            # an integer past float64's exact range (no writer logs one): a float, as numpy reads it
+            kept[key] = float(value) if number_like and isinstance(value, int) and abs(value) > 2**53 else value
+        else:
+            dropped.append(f"{key!r} ({type(value).__name__})")
+    if not dropped:
+        return kept, None
+    more = f" and {len(dropped) - 3} more" if len(dropped) > 3 else ""
+    return kept, BadLine(number, f"values of the wrong type: {', '.join(dropped[:3])}{more}")
 
 
 def _parse_lines(path: str | os.PathLike) -> tuple[list[tuple[int, dict[str, Any]]], list[BadLine]]:
@@ -241,9 +270,12 @@ def read_telemetry(path: str | os.PathLike) -> TelemetryLog:
     rows = log.rows
     for number, row in parsed:
         step = row.get("step")
-        if isinstance(step, bool) or not isinstance(step, (int, float)):
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
             log.bad_lines.append(BadLine(number, "a row without a numeric 'step'"))
             continue
+        row, dropped = _typed(number, row)
+        if dropped is not None:
+            log.bad_values.append(dropped)
         while rows and rows[-1]["step"] >= step:
             rows.pop()
             log.superseded += 1

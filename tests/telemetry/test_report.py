@@ -144,3 +144,28 @@ def test_names_with_dollar_signs_and_rows_without_effective_throughput_still_dra
     assert {"loss", "scales", "throughput", "experts"} <= set(report.plots)
     for path in report.plots.values():
         assert_real_png(path)
+
+
+def test_a_run_with_malformed_values_still_reports_and_names_what_it_dropped(tmp_path, capsys):
+    """A received run's JSONL is data: values of the wrong type (a list, an object, null, a
+    stray string), non-finite and oversized numbers, and keys without their companions made
+    ``fp8state report`` raise (TypeError, KeyError, OverflowError). The report completes; each
+    line with dropped values is named, once."""
+    import json
+
+    nan, inf = float("nan"), float("inf")
+    rows = [
+        {"step": 0, "train/loss": [1], "train/grad_norm": {"a": 1}, "fp8state/owners": None, "train/skipped": "x"},
+        {"step": 1, "train/loss": 2.0, "train/window_seconds": 1.0, "fp8state/owners": 1.0, "fp8state/scale_min": 1.0},
+        {"step": 2, "train/loss": 1.0, "train/clipped": 1.0, "fp8state/scale/a.input": 10**30},
+        {"step": 3, "fp8state/expert_tokens/m/0": inf, "fp8state/expert_tokens/m/x": 3.0, "train/window_seconds": 2.0},
+        {"step": 4, "fp8state/fallback/blocks.0": nan, "fp8state/fallback_layers": 1.0, "train/loss": 0.5},
+        {"step": nan, "train/loss": 1.0},
+    ]
+    (tmp_path / "telemetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = write_report(tmp_path)
+    assert report.summary["steps attempted"] == 5 and "loss" in report.plots
+    dropped = [w for w in report.warnings if w.endswith("dropped")]
+    assert len(dropped) == 1 and "line 1" in dropped[0] and "'train/loss' (list)" in dropped[0], report.warnings
+    assert any("line 6" in w and "numeric 'step'" in w for w in report.warnings)
+    assert "dropped" in capsys.readouterr().err

@@ -43,6 +43,9 @@ LOAD_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64
 _DERIVED_SUFFIX = ".rotary_emb.inv_freq"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _ROPE_KEYS = ("rope_type", "rope_theta")
+# Llama 3.1's rope scaling: its config.json keys, and LlamaConfig's fields they fill
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_LLAMA3_FIELDS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_positions")
 
 
 def read_hf_llama_config(folder: str | os.PathLike) -> LlamaConfig:
@@ -135,8 +138,8 @@ def llama_config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     The structural keys (``hidden_size``, ``intermediate_size``, ``num_attention_heads``,
     ``num_hidden_layers``, ``vocab_size``, ``max_position_embeddings``) are required; the rest take
     transformers' defaults when absent. Refused, naming the key: another ``model_type``, a
-    ``sliding_window``, ``rope_scaling`` (or ``rope_parameters`` of a ``rope_type`` other than
-    default), ``attention_bias``/``mlp_bias``, ``hidden_act`` other than silu, attention dropout,
+    ``sliding_window``, a ``rope_scaling`` / ``rope_parameters`` of a ``rope_type`` other than
+    default or llama3 (Llama 3.1's), ``attention_bias``/``mlp_bias``, ``hidden_act`` other than silu, attention dropout,
     a ``head_dim`` other than ``hidden_size / num_attention_heads``. Keys that do not change the
     forward (token ids, ``dtype``, ``pretraining_tp``, ...) are ignored.
     """
@@ -189,33 +192,43 @@ def llama_config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         n_heads=heads,
         n_kv_heads=kv_heads,
         ffn_hidden=sizes["intermediate_size"],
-        rope_theta=_rope_theta(hf),
+        **_rope(hf),
         norm_eps=eps,
         tie_embeddings=tie,
     )
 
 
-def _rope_theta(hf: Mapping[str, Any]) -> float:
-    """The rotary base: transformers 5 writes ``rope_parameters`` ({rope_type, rope_theta}),
-    earlier versions ``rope_theta`` beside ``rope_scaling``; only plain RoPE is supported."""
-    require_choice(
-        "rope_scaling", hf.get("rope_scaling"), (None,), why="only plain rotary positions (no scaling) are supported"
-    )
+def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The rotary keys of :class:`~.llama.LlamaConfig`: transformers 5 writes ``rope_parameters``
+    ({rope_type, rope_theta, and for llama3 its four numbers}), earlier versions ``rope_theta``
+    beside ``rope_scaling`` ({rope_type or type, the four numbers}). Plain RoPE and Llama 3.1's
+    ``llama3`` scaling are supported; any other type, or a key neither uses, is refused."""
     theta = hf.get("rope_theta", 10000.0)
-    params = hf.get("rope_parameters")
-    if params is not None:
-        require_type("rope_parameters", params, Mapping, "a JSON object or null")
-        require_choice(
-            "rope_parameters.rope_type",
-            params.get("rope_type", "default"),
-            ("default",),
-            why="only plain rotary positions (no scaling) are supported",
+    params, where = hf.get("rope_parameters"), "rope_parameters"
+    if hf.get("rope_scaling") is not None:
+        params, where = hf["rope_scaling"], "rope_scaling"
+        if hf.get("rope_parameters") is not None:
+            raise ConfigError("rope_scaling and rope_parameters are both set: expected one (transformers writes one)")
+    if params is None:
+        return {"rope_theta": require_number("rope_theta", theta, 0, low_open=True)}
+    require_type(where, params, Mapping, "a JSON object or null")
+    kind = params.get("rope_type", params.get("type", "default"))
+    require_choice(f"{where}.rope_type", kind, ("default", "llama3"), why="plain rotary positions or Llama 3.1's")
+    allowed = (*_ROPE_KEYS, "type", *(_LLAMA3_KEYS if kind == "llama3" else ()))
+    extra = sorted(set(params) - set(allowed))
+    if extra:
+        raise ConfigError(
+            f"{where} keys {extra} are not allowed with rope_type={kind!r}: expected only {list(allowed)}"
         )
-        extra = sorted(set(params) - set(_ROPE_KEYS))
-        if extra:
-            raise ConfigError(f"rope_parameters keys {extra} are not allowed: expected only {list(_ROPE_KEYS)}")
-        theta = params.get("rope_theta", theta)
-    return require_number("rope_theta", theta, 0, low_open=True)
+    out = {"rope_theta": require_number("rope_theta", params.get("rope_theta", theta), 0, low_open=True)}
+    if kind == "llama3":
+        missing = sorted(set(_LLAMA3_KEYS) - set(params))
+        if missing:
+            raise ConfigError(f"{where} of rope_type='llama3' lacks {missing}: expected all of {list(_LLAMA3_KEYS)}")
+        out["rope_type"] = "llama3"
+        for ours, theirs in zip(_LLAMA3_FIELDS, _LLAMA3_KEYS, strict=True):
+            out[ours] = params[theirs]  # (LlamaConfig checks each)
+    return out
 
 
 def _member(root: Path, name: str, named_by: Path) -> Path:

@@ -11,6 +11,7 @@ the logits equal its logits bitwise in float32 on the CPU (``tests/unit/test_lla
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,6 +31,8 @@ __all__ = ["Llama", "LlamaConfig", "llama_ffn_hidden"]
 # torch >= 2.5 repeats k/v across a group inside scaled_dot_product_attention (enable_gqa);
 # before, they are repeated here, as transformers does on either side of that version.
 _SDPA_GQA = TorchVersion(torch.__version__) >= (2, 5)
+# LlamaConfig.rope_type: plain rotary positions, or Llama 3.1's frequency scaling
+ROPE_TYPES = ("default", "llama3")
 
 
 def llama_ffn_hidden(d_model: int, multiple_of: int = 256, ffn_dim_multiplier: float | None = None) -> int:
@@ -62,6 +65,15 @@ class LlamaConfig:
     ffn_dim_multiplier: float | None = None
     # base of the rotary frequencies (Llama 2: 10000, Llama 3: 500000)
     rope_theta: float = 10000.0
+    # default: plain rotary positions. llama3: Llama 3.1 / 3.2's frequency scaling (their
+    # config.json's rope_scaling / rope_parameters): wavelengths longer than
+    # rope_original_positions / rope_low_freq_factor divided by rope_factor, shorter than
+    # rope_original_positions / rope_high_freq_factor kept, those between blended smoothly
+    rope_type: str = "default"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_positions: int = 8192
     # RMSNorm's epsilon, added to the mean square
     norm_eps: float = 1e-5
     # the lm head's weight is the token embedding's
@@ -95,6 +107,15 @@ class LlamaConfig:
             "ffn_dim_multiplier", self.ffn_dim_multiplier, 0, low_open=True, optional=True
         )
         self.rope_theta = require_number("rope_theta", self.rope_theta, 0, low_open=True)
+        require_choice("rope_type", self.rope_type, ROPE_TYPES)
+        for key in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            setattr(self, key, require_number(key, getattr(self, key), 0, low_open=True))
+        require_int("rope_original_positions", self.rope_original_positions, 1)
+        if self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ConfigError(
+                f"rope_high_freq_factor={self.rope_high_freq_factor} is not allowed: expected more than "
+                f"rope_low_freq_factor={self.rope_low_freq_factor} (the blend between them divides by the difference)"
+            )
         self.norm_eps = require_number("norm_eps", self.norm_eps, 0, low_open=True)
         for key in ("tie_embeddings", "checkpoint", "use_reentrant", "fused_projections", "moe_shared_expert"):
             require_bool(key, getattr(self, key))
@@ -154,9 +175,11 @@ class RotaryEmbedding(nn.Module):
     ``cos`` may round a tensor's tail elements differently from its body, so a table of another
     length could differ from transformers' in the last bit."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, llama3: tuple[float, float, float, int] | None = None) -> None:
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
+        # (factor, low_freq_factor, high_freq_factor, original positions): Llama 3.1's scaling
+        self.llama3 = llama3
         self.register_buffer("cos", None, persistent=False)
         self.register_buffer("sin", None, persistent=False)
         self._key: tuple | None = None  # (seq_len, device, dtype) of the tables held
@@ -172,7 +195,10 @@ class RotaryEmbedding(nn.Module):
             return  # (a module .to() moves or casts the buffers without telling us: checked too)
         # the frequencies on the CPU, in float32, as transformers computes them at construction
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64).to(dtype=torch.float32) / self.head_dim
-        inv_freq = (1.0 / (self.theta**exponent)).to(device)
+        inv_freq = 1.0 / (self.theta**exponent)
+        if self.llama3 is not None:
+            inv_freq = _llama3_frequencies(inv_freq, *self.llama3)
+        inv_freq = inv_freq.to(device)
         positions = torch.arange(seq_len, device=device).to(torch.float32)
         with torch.autocast(key[1].type, enabled=False):
             freqs = (inv_freq[None, :, None] @ positions[None, None, :]).transpose(1, 2)
@@ -181,7 +207,21 @@ class RotaryEmbedding(nn.Module):
         self._key = key
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, theta={self.theta:g}"
+        scaled = "" if self.llama3 is None else f", llama3 scaling {self.llama3}"
+        return f"head_dim={self.head_dim}, theta={self.theta:g}{scaled}"
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, factor: float, low: float, high: float, positions: int) -> torch.Tensor:
+    """Llama 3.1's rotary frequencies from the plain ones (float32, on the CPU, in the op order
+    transformers uses, so the tables are bitwise its own): a wavelength longer than
+    ``positions / low`` is stretched by ``factor``, one shorter than ``positions / high`` kept,
+    and one between them blends the two by where ``positions / wavelength`` lies in [low, high]."""
+    wavelength = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelength > positions / low, inv_freq / factor, inv_freq)
+    blend = (positions / wavelength - low) / (high - low)
+    blended = (1 - blend) * stretched / factor + blend * stretched
+    between = ~(wavelength < positions / high) * ~(wavelength > positions / low)
+    return torch.where(between, blended, stretched)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -292,7 +332,8 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        llama3 = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_positions)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, llama3 if cfg.rope_type == "llama3" else None)
         self.layers = nn.ModuleList(LlamaBlock(cfg, self.rotary_emb) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

@@ -182,12 +182,30 @@ def test_a_tied_checkpoint_holding_another_head_is_refused(tmp_path):
         load_hf_llama(tmp_path)
 
 
+# Llama 3.1's rope scaling as its config.json holds it (a short original context: the tiny
+# model's frequencies fall on all three sides of the blend)
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
 @pytest.mark.parametrize(
     "over, match",
     [
         (
-            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
-            r"rope_scaling=\{.*\} is not allowed: expected one of \[None\]",
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}, "rope_parameters": None},
+            r"rope_scaling of rope_type='llama3' lacks \['high_freq_factor', 'low_freq_factor', "
+            r"'original_max_position_embeddings'\]",
+        ),
+        (
+            {"rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_parameters": None},
+            r"rope_scaling\.rope_type='dynamic' is not allowed",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "llama3", **LLAMA3}, "rope_parameters": {"rope_type": "default"}},
+            r"rope_scaling and rope_parameters are both set",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "llama3", **LLAMA3, "high_freq_factor": 0.5}},
+            r"rope_high_freq_factor=0.5 is not allowed: expected more than rope_low_freq_factor=1.0",
         ),
         (
             {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
@@ -227,6 +245,13 @@ def test_config_keys_map_to_the_model_config():
     assert llama_config_from_hf(old | {"rope_theta": 500000.0, "rope_scaling": None}).n_kv_heads == 4
     mistral = llama_config_from_hf(hf | {"model_type": "mistral", "sliding_window": None})
     assert mistral == cfg
+    # Llama 3.1's scaling, as transformers 5 (rope_parameters) and 4 (rope_scaling, "type") write it
+    scaled = LlamaConfig(**TINY, rope_theta=500000.0, norm_eps=1e-5, rope_type="llama3", rope_factor=32.0,
+                         rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_positions=8192)  # fmt: skip
+    llama3 = {**LLAMA3, "factor": 32.0, "original_max_position_embeddings": 8192}
+    five = hf | {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **llama3}}
+    four = old | {"num_key_value_heads": 2, "rope_theta": 500000.0, "rope_scaling": {"type": "llama3", **llama3}}
+    assert llama_config_from_hf(five) == scaled == llama_config_from_hf(four)
     with pytest.raises(ConfigError, match=r"max_position_embeddings is missing"):
         llama_config_from_hf({k: v for k, v in hf.items() if k != "max_position_embeddings"})
 
@@ -285,10 +310,11 @@ def test_shards_must_be_where_the_index_says(tmp_path):
 # --- (b) transformers' logits -----------------------------------------------------------------
 
 
-def hf_model(tmp_path, tie: bool, **save_kw):
+def hf_model(tmp_path, tie: bool, rope_scaling=None, **save_kw):
     """A random transformers LlamaForCausalLM (norms perturbed off one), saved to ``tmp_path``."""
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (the integration extra)")
     config = transformers.LlamaConfig(
+        rope_scaling=rope_scaling,
         vocab_size=97,
         hidden_size=64,
         intermediate_size=128,
@@ -320,6 +346,24 @@ def test_logits_are_bitwise_transformers_in_float32(tmp_path, tie):
             expected = reference(idx).logits
             assert bitwise_equal(model(idx), expected), f"length {length}"
         assert bitwise_equal(model(idx).detach(), expected), f"length {length}, checkpointed"  # grad on: checkpoint
+
+
+def test_llama3_rope_scaling_logits_are_bitwise_transformers(tmp_path):
+    """Llama 3.1 / 3.2 checkpoints scale their rotary frequencies (rope_type llama3): such a
+    folder was refused; it loads, and the logits are bitwise transformers' at every length."""
+    _, reference = hf_model(tmp_path, True, rope_scaling={"rope_type": "llama3", **LLAMA3})
+    model, cfg = load_hf_llama(tmp_path)
+    assert (cfg.rope_type, cfg.rope_factor, cfg.rope_original_positions) == ("llama3", 8.0, 32)
+    edit_config(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    plain, _ = load_hf_llama(tmp_path)
+    g = torch.Generator().manual_seed(1)
+    for length in (1, 7, 24, 64):
+        idx = torch.randint(0, 97, (2, length), generator=g)
+        with torch.no_grad():
+            expected = reference(idx).logits
+            assert bitwise_equal(model(idx), expected), f"length {length}"
+            if length > 1:  # (the scaling changes the result: the test can fail)
+                assert not bitwise_equal(plain(idx), expected), f"length {length}"
 
 
 def test_sharded_checkpoint_and_half_precisions_are_bitwise_transformers(tmp_path):

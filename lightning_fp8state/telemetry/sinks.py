@@ -260,10 +260,12 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 def read_telemetry(path: str | os.PathLike) -> TelemetryLog:
     """The rows of a run's telemetry, each step once.
 
-    Lines that are not rows are skipped and listed in ``bad_lines``. A row whose ``step`` is not
-    past the previous row's starts a new attempt of those steps (a resume from a checkpoint
-    older than the last row written): the earlier rows from that step on are superseded, so
-    each step counts once, with the values of the attempt that the run continued from.
+    Lines that are not rows are skipped and listed in ``bad_lines``; in the rows kept, values of
+    a type the writers never log there (anything but a number; text only under ``TEXT_KEYS`` and
+    ``TEXT_PREFIXES``) are dropped and each such line listed in ``bad_values``. A row whose
+    ``step`` is not past the previous row's starts a new attempt of those steps (a resume from a
+    checkpoint older than the last row written): the earlier rows from that step on are
+    superseded, so each step counts once, with the values of the attempt the run continued from.
     """
     parsed, bad = _parse_lines(path)
     log = TelemetryLog(Path(path), bad_lines=bad)

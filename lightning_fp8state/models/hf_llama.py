@@ -24,7 +24,7 @@ import torch
 
 from ..config import require_bool, require_choice, require_int, require_number, require_that, require_type
 from ..errors import ConfigError, StateLoadError, UntrustedCheckpointError
-from .llama import Llama, LlamaConfig, fuse_projections
+from .llama import ROPE_TYPES, Llama, LlamaConfig, fuse_projections
 
 __all__ = ["HF_MODEL_TYPES", "TRAINING_KEYS", "llama_config_from_hf", "load_hf_llama", "read_hf_llama_config"]
 
@@ -139,8 +139,8 @@ def llama_config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     ``num_hidden_layers``, ``vocab_size``, ``max_position_embeddings``) are required; the rest take
     transformers' defaults when absent. Refused, naming the key: another ``model_type``, a
     ``sliding_window``, a ``rope_scaling`` / ``rope_parameters`` of a ``rope_type`` other than
-    default or llama3 (Llama 3.1's), ``attention_bias``/``mlp_bias``, ``hidden_act`` other than silu, attention dropout,
-    a ``head_dim`` other than ``hidden_size / num_attention_heads``. Keys that do not change the
+    default or llama3 (Llama 3.1's), ``attention_bias``/``mlp_bias``, ``hidden_act`` other than
+    silu, attention dropout, a ``head_dim`` other than ``hidden_size / num_attention_heads``. Keys that do not change the
     forward (token ids, ``dtype``, ``pretraining_tp``, ...) are ignored.
     """
     require_type("config", hf, Mapping, "a JSON object")
@@ -213,7 +213,7 @@ def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
         return {"rope_theta": require_number("rope_theta", theta, 0, low_open=True)}
     require_type(where, params, Mapping, "a JSON object or null")
     kind = params.get("rope_type", params.get("type", "default"))
-    require_choice(f"{where}.rope_type", kind, ("default", "llama3"), why="plain rotary positions or Llama 3.1's")
+    require_choice(f"{where}.rope_type", kind, ROPE_TYPES, why="plain rotary positions or Llama 3.1's")
     allowed = (*_ROPE_KEYS, "type", *(_LLAMA3_KEYS if kind == "llama3" else ()))
     extra = sorted(set(params) - set(allowed))
     if extra:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..config import require_choice
+from .experts import EXPERTS_IDLE_IDS
 
 __all__ = [
     "JSONL_NAME",
@@ -201,7 +202,7 @@ class TelemetryLog:
 
 # the keys whose values the writers log as text; every other value is a number
 TEXT_KEYS = ("train/dominant_grad_source",)
-TEXT_PREFIXES = ("fp8state/experts_idle_ids/",)
+TEXT_PREFIXES = (EXPERTS_IDLE_IDS,)
 
 
 def _typed(number: int, row: dict[str, Any]) -> tuple[dict[str, Any], BadLine | None]:

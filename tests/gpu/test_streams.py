@@ -47,13 +47,19 @@ def run_concurrently(state, model, xs):
         streams[i].wait_stream(torch.cuda.default_stream())  # the inputs were made on the default stream
         with torch.cuda.stream(streams[i]):
             for e in range(N_EVENTS):
-                start.wait()
+                try:
+                    start.wait()
+                except threading.BrokenBarrierError:  # the main thread raised a worker's error and ended the run
+                    return
                 try:
                     outs[i][e] = model(xs[i][e]).detach()
                 except BaseException as exc:  # noqa: BLE001  (handed to the main thread)
                     errors.append(exc)
                 torch.cuda.current_stream().synchronize()
-                done.wait()
+                try:
+                    done.wait()
+                except threading.BrokenBarrierError:
+                    return
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(xs))]
     for t in threads:

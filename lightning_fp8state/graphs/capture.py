@@ -112,15 +112,39 @@ def capture_forward(g, inp: torch.Tensor, backend: CudaGraphBackend, pool, side,
     return g.static_out.detach().requires_grad_(True)
 
 
+def _layout(tensors: Sequence[torch.Tensor | None]) -> tuple:
+    """What a buffer must match to take ``tensors`` by copy: each one's shape, strides, dtype
+    and device (None kept in its place)."""
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
+def _into(target: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
+    """Copy ``grads`` into ``target`` (the same layout), one batched copy."""
+    live = [(t, g) for t, g in zip(target, grads, strict=True) if g is not None]
+    if live:
+        torch._foreach_copy_([t for t, _ in live], [g for _, g in live])
+
+
 def capture_backwards(graphs: Sequence, backend: CudaGraphBackend, pool, side) -> None:
     """Capture each block's backward graph (the recompute inside) in reverse, chaining the
     input gradients into the previous block's output gradient, after :func:`capture_forward`
     captured every forward. Runs on the side stream, autocast's cache off.
 
+    The static gradients are shared where the blocks' layouts agree (a transformer stack's
+    do): a replay's parameter gradients are copied out (``fresh_grads``) before the next
+    block's replay, and its input gradient is read by the previous block's, so every block
+    writes its parameters' gradients into the first captured block's buffers, and the input
+    gradients alternate between two buffers (block ``i`` reads block ``i+1``'s and writes the
+    one block ``i+2`` wrote, read already). Each buffer kept per block instead held one more
+    copy of the stack's parameter gradients in the graphs' memory (a Llama 1B's 16 layers:
+    3.6 GiB in float32) and a hidden state per block. A block whose layout differs keeps its own.
+
     Raises:
         ConfigError: a block's output does not depend on its input (not a chain of blocks).
     """
     grad = torch.empty_like(graphs[-1].static_out)
+    param_buffers: dict[tuple, tuple] = {}  # a layout -> the gradients of the first block captured with it
+    input_buffers: list[torch.Tensor] = []  # each captured block's input gradient, in capture order
     for g in reversed(graphs):
         aliases = [a for a in g.aliases.values() if a.requires_grad]
         wanted = ([g.static_in] if g.static_in.requires_grad else []) + aliases
@@ -128,9 +152,21 @@ def capture_backwards(graphs: Sequence, backend: CudaGraphBackend, pool, side) -
         g.bwd = backend.new_graph()
         with backend.capture(g.bwd, pool, side):
             grads = torch.autograd.grad(g.static_out, wanted, grad_outputs=grad, allow_unused=True)
-        if g.static_in.requires_grad:
-            g.static_grad_in, grads = grads[0], grads[1:]
-        g.static_grad_params = tuple(grads)
+            grad_in = None
+            if g.static_in.requires_grad:
+                grad_in, grads = grads[0], grads[1:]
+            own = tuple(grads)
+            shared = param_buffers.setdefault(_layout(own), own)
+            if shared is not own:
+                _into(shared, own)
+            # the input gradient of the block captured two before: read by the block between
+            spare = input_buffers[-2] if len(input_buffers) >= 2 else None
+            if grad_in is not None and spare is not None and _layout([spare]) == _layout([grad_in]):
+                spare.copy_(grad_in)
+                grad_in = spare
+        del grads, own  # a copied block's own gradients: graph memory a later capture may reuse
+        g.static_grad_in = grad_in
+        g.static_grad_params = shared
         g._grad_layout = None  # fresh_grads works its buffer out anew for these
         g.static_out = g.static_out.detach()  # the captured autograd graph is not needed again
         grad = g.static_grad_in
@@ -138,6 +174,8 @@ def capture_backwards(graphs: Sequence, backend: CudaGraphBackend, pool, side) -
             raise ConfigError(
                 "GraphedBlocks: a block's output does not depend on its input, so the stack is not a chain of blocks"
             )
+        if grad is not None:
+            input_buffers.append(grad)
 
 
 def capture_chain(

@@ -47,6 +47,44 @@ def test_cuda_graphed_blocks_naive_is_caught_on_replay():
         assert {"record_in_recompute", "second_commit"} <= kinds.get(event, set()), event
 
 
+def test_cuda_graphed_blocks_hold_one_blocks_parameter_gradients_not_one_per_block():
+    """Peak memory of a graphed stack against its eager run, for blocks whose parameters dwarf
+    their activations: the graphs keep one block's gradient buffers (shared by every block of
+    the layout), where a buffer per block held the stack's parameter gradients a second time
+    (a transformers Llama 1B graphed per layer peaked 4.0 GiB above its eager run)."""
+    from tests.conftest import Block
+
+    d, n_blocks = 1024, 6
+    block_grad_bytes = sum(p.numel() * 4 for p in Block(d).parameters())  # float32 gradients
+
+    def peak(graphed: bool) -> int:
+        torch.manual_seed(0)
+        state = f8s.Fp8State(f8s.QuantConfig(strict=False))
+        blocks = torch.nn.ModuleList(Block(d) for _ in range(n_blocks))
+        blocks = state.convert(blocks).cuda()
+        runner = GraphedBlocks(blocks, warmup=1) if graphed else None
+        x = torch.randn(64, d, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        for step in range(3):
+            with state.step(step):
+                h = x
+                if runner is not None:
+                    h = runner(h)
+                else:
+                    for block in blocks:
+                        h = f8s.checkpoint(block, h, engine="torch", use_reentrant=False)
+                loss = h.float().pow(2).mean()
+                state.commit_forward()
+                loss.backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    eager, graphed = peak(False), peak(True)
+    assert graphed - eager < 2 * block_grad_bytes, (graphed, eager, block_grad_bytes)
+
+
 @pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_current", "fp8_rowwise", "fp8_blockwise"])
 def test_cuda_graphed_blocks_replays_never_sync(recipe):
     # the recipe's own formats (E4M3 gradients for rowwise, blockwise)

@@ -207,3 +207,67 @@ def test_fresh_grads_leave_the_graphs_memory_in_one_aligned_buffer():
     assert all(
         torch.equal(o, s) and o.data_ptr() != s.data_ptr() for o, s in zip(out, mixed.static_grad_params, strict=True)
     )
+
+
+class WideBlock(Block):
+    """Block with a wider inner layer: another gradient layout in the same chain."""
+
+    def __init__(self, d: int, gain: float = 1.0) -> None:
+        super().__init__(d, gain)
+        self.fc1 = nn.Linear(d, 3 * d)
+        self.fc2 = nn.Linear(3 * d, d)
+
+
+def _storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors if t is not None}
+
+
+def test_blocks_of_one_layout_share_their_static_gradients_and_train_bitwise_the_eager_run():
+    """The graphs' memory holds one block's parameter gradients per layout, not one per block (a
+    Llama 1B's 16 layers held 3.6 GiB more than eager), and two input gradients, not one per
+    block. A replay's gradients are copied out before the next block's replay, so sharing is
+    exact: a stack of two layouts trains bitwise its eager checkpointed run."""
+    _, model, _, _, _ = train(True)
+    graphs = model.runner.graphs
+    assert len(graphs) == 3
+    shared = graphs[-1].static_grad_params  # the first block captured (the backwards run in reverse)
+    assert all(g.static_grad_params is shared for g in graphs)
+    assert len(_storages(g.static_grad_in for g in graphs)) == 2
+
+    def mixed_net():
+        net = Net(n_blocks=4)
+        torch.manual_seed(5)
+        net.blocks[1] = WideBlock(D, gain=2.0)
+        net.blocks[2] = WideBlock(D, gain=3.0)
+        return net
+
+    def run(graphed: bool):
+        state = f8s.Fp8State(f8s.QuantConfig(strict=False))
+        model = state.convert(mixed_net())
+        if graphed:
+            model.runner = GraphedBlocks(model.blocks, warmup=WARMUP, backend=EmulatedGraphBackend())
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        grads = []
+        for i, x in enumerate(inputs()):
+            with state.step(i):
+                loss = model(x).float().pow(2).mean()
+                state.commit_forward()
+                loss.backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return model, grads
+
+    ref_model, ref_grads = run(False)
+    model, grads = run(True)
+    for i, (a, b) in enumerate(zip(ref_grads, grads, strict=True)):
+        for name in a:
+            assert bitwise_equal(a[name], b[name]), f"step {i}: grad of {name} differs"
+    for (name, p), q in zip(ref_model.named_parameters(), model.parameters(), strict=True):
+        assert bitwise_equal(p, q), name
+    graphs = model.runner.graphs
+    narrow, wide = (graphs[3], graphs[0]), (graphs[2], graphs[1])
+    assert narrow[0].static_grad_params is narrow[1].static_grad_params
+    assert wide[0].static_grad_params is wide[1].static_grad_params
+    assert _storages(narrow[0].static_grad_params).isdisjoint(_storages(wide[0].static_grad_params))
+    assert len(_storages(g.static_grad_in for g in graphs)) == 2

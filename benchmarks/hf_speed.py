@@ -139,7 +139,7 @@ def measure(variant: str, args) -> dict:
     clock = _Clock(args.warmup)
     callbacks = [clock.callback]
     if "fp8" in variant:
-        config = f8s.QuantConfig(exclude=("*head",), strict=False)
+        config = f8s.QuantConfig(exclude=("*head",), strict=False, weight_codes_once=args.weight_codes_once == "true")
         callbacks.append(Fp8StateCallback(config=config, graph_blocks=variant.endswith("_graphs")))
     trainer = pl.Trainer(
         accelerator=args.accelerator,
@@ -184,6 +184,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--accelerator", choices=("gpu", "cpu"), default="gpu", help="cpu: a smoke run of the script")
+    p.add_argument(
+        "--weight-codes-once",
+        choices=("true", "false"),
+        default="true",
+        help="QuantConfig.weight_codes_once of the FP8 variants (false: no weight codes held forward to backward)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     print(

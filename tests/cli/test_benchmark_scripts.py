@@ -290,3 +290,30 @@ def test_hf_speed_collects_the_previous_variant_before_building_the_next(monkeyp
         if enabled:
             gc.enable()
     assert alive_at_build == [[], [False]]
+
+
+@pytest.mark.parametrize("codes_once", ["true", "false"])
+def test_hf_speed_passes_weight_codes_once_to_its_fp8_variants(monkeypatch, codes_once):
+    """``--weight-codes-once false`` measures the FP8 variants without weight codes held from
+    forward to backward (the Llama recipes' setting), the memory the peak comparison wants."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    hf_speed = runpy.run_path(str(BENCH / "hf_speed.py"))
+    measure = hf_speed["measure"]
+    seen = []
+    real = measure.__globals__["Fp8StateCallback"]
+
+    def spy(*a, **kw):
+        seen.append(kw["config"].weight_codes_once)
+        return real(*a, **kw)
+
+    measure.__globals__["Fp8StateCallback"] = spy
+    shape = "d_model=32 layers=1 heads=2 kv_heads=1 ffn=64 vocab=64 seq=16 batch=2 steps=1 warmup=1"
+    args = argparse.Namespace(
+        accelerator="cpu",
+        weight_codes_once=codes_once,
+        **{k: int(v) for k, v in (kv.split("=") for kv in shape.split())},
+    )
+    measure("hf_fp8", args)
+    assert seen == [codes_once == "true"]

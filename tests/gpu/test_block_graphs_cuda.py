@@ -48,20 +48,21 @@ def test_cuda_graphed_blocks_naive_is_caught_on_replay():
 
 
 def test_cuda_graphed_blocks_hold_one_blocks_parameter_gradients_not_one_per_block():
-    """Peak memory of a graphed stack against its eager run, for blocks whose parameters dwarf
-    their activations: the graphs keep one block's gradient buffers (shared by every block of
-    the layout), where a buffer per block held the stack's parameter gradients a second time
-    (a transformers Llama 1B graphed per layer peaked 4.0 GiB above its eager run)."""
+    """Peak memory of a graphed stack above its eager run, for blocks whose parameters dwarf
+    their activations, at two depths: the graphs keep one block's gradient buffers (shared by
+    every block of the layout), so the excess does not grow with the depth; a buffer per block
+    held the stack's parameter gradients a second time (a transformers Llama 1B graphed per
+    layer peaked 4.0 GiB above its eager run). Constant costs (the side stream's cuBLAS
+    workspace) cancel in the difference."""
     from tests.conftest import Block
 
-    d, n_blocks = 1024, 6
+    d = 1024
     block_grad_bytes = sum(p.numel() * 4 for p in Block(d).parameters())  # float32 gradients
 
-    def peak(graphed: bool) -> int:
+    def peak(graphed: bool, n_blocks: int) -> int:
         torch.manual_seed(0)
         state = f8s.Fp8State(f8s.QuantConfig(strict=False))
-        blocks = torch.nn.ModuleList(Block(d) for _ in range(n_blocks))
-        blocks = state.convert(blocks).cuda()
+        blocks = state.convert(torch.nn.ModuleList(Block(d) for _ in range(n_blocks))).cuda()
         runner = GraphedBlocks(blocks, warmup=1) if graphed else None
         x = torch.randn(64, d, device="cuda")
         torch.cuda.synchronize()
@@ -81,8 +82,9 @@ def test_cuda_graphed_blocks_hold_one_blocks_parameter_gradients_not_one_per_blo
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
 
-    eager, graphed = peak(False), peak(True)
-    assert graphed - eager < 2 * block_grad_bytes, (graphed, eager, block_grad_bytes)
+    excess = {n: peak(True, n) - peak(False, n) for n in (2, 6)}
+    # per-block buffers: 4 more blocks' gradients (67 MB here) in the deeper stack's excess
+    assert excess[6] - excess[2] < block_grad_bytes, (excess, block_grad_bytes)
 
 
 @pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_current", "fp8_rowwise", "fp8_blockwise"])
